@@ -1,0 +1,83 @@
+"""The analytic cost model: seconds for compute and collectives, bytes for memory.
+
+Compute (roofline, Williams et al. 2009): an op's time is the larger of its FLOPs over achieved
+FLOP/s and the bytes it touches over memory bandwidth,
+
+    t_op = max(F_local / (eff * peak[dtype]), 3 * B_local / bw_mem)
+
+with F_local its forward+backward FLOPs divided by the number of ways its work is split and
+B_local the local bytes of its inputs and output (the factor 3: forward reads/writes them once,
+backward about twice).
+
+Collectives (alpha-beta, ring algorithms; Thakur, Rabenseifner & Gropp 2005), for a group of
+``n`` ranks, payload ``S`` bytes per rank (all-reduce: the tensor; all-gather: the gathered
+output; reduce-scatter: the full input), link bandwidth ``b`` and latency ``a`` of the slowest
+tier the group spans:
+
+    all_reduce:     2 (n-1) a + 2 (n-1)/n * S / b
+    all_gather:       (n-1) a +   (n-1)/n * S / b
+    reduce_scatter:   (n-1) a +   (n-1)/n * S / b
+
+Memory per device (bytes): parameters, gradients and optimizer states of the local parameter
+shards (fp32 AdamW: 4 + 4 + 8 bytes per value; SGD with momentum 4 + 4 + 4), tensors saved for
+backward (taken from the traced graph, local shares), and the largest transient working set of
+one op (its local inputs and output).
+"""
+
+from __future__ import annotations
+
+from planner.hardware import HardwareProfile
+from planner.ir import Node
+from planner.layout import Layout, Step, step_bytes
+from planner.mesh import Mesh
+from planner.strategy import Comm, Phase, Strategy
+
+OPTIMIZER_STATE_BYTES_PER_BYTE = {"adamw": 2.0, "adam": 2.0, "sgd": 1.0, "sgd-momentum": 1.0, "none": 0.0}
+
+
+def spans_nodes(axes: tuple[str, ...], mesh: Mesh, hw: HardwareProfile) -> bool:
+    """Whether the group over ``axes`` containing rank 0 crosses a node boundary."""
+    group = mesh.groups(axes)[0]
+    return len({r // hw.devices_per_node for r in group}) > 1
+
+
+def comm_time(comm: Comm, mesh: Mesh, hw: HardwareProfile) -> float:
+    n = mesh.group_size(comm.axes)
+    if n <= 1 or comm.nbytes == 0:
+        return 0.0
+    tier = hw.tier(spans_nodes(comm.axes, mesh, hw))
+    bw = tier.bandwidth * hw.bandwidth_efficiency
+    if comm.kind == "all_reduce":
+        return 2 * (n - 1) * tier.latency + 2 * (n - 1) / n * comm.nbytes / bw
+    if comm.kind in ("all_gather", "reduce_scatter"):
+        return (n - 1) * tier.latency + (n - 1) / n * comm.nbytes / bw
+    raise ValueError(f"no cost formula for collective {comm.kind}")
+
+
+def compute_time(node: Node, strategy: Strategy, mesh: Mesh, hw: HardwareProfile, in_bytes: int) -> float:
+    """Roofline time of ``node`` run with ``strategy`` (``in_bytes``: its local input bytes)."""
+    split = mesh.group_size(strategy.split_axes)
+    flops = (node.flops_fwd + node.flops_bwd) / split
+    out_bytes = 0
+    for meta, spec in zip(node.outputs, strategy.outputs, strict=False):
+        if meta is not None and spec is not None:
+            out_bytes += meta.nbytes // max(spec.layout.shard_factor(mesh), 1)
+    dtype = next((m.dtype for m in node.outputs if m is not None), "torch.float32")
+    t_flops = flops / (hw.compute_efficiency * hw.flops(dtype))
+    t_bytes = 3 * (in_bytes + out_bytes) / hw.memory_bandwidth
+    return max(t_flops, t_bytes)
+
+
+def steps_comms(steps: tuple[Step, ...], local_bytes: int, mesh: Mesh, phase: Phase) -> tuple[Comm, ...]:
+    """The collectives a conversion issues, with their payloads (see :func:`planner.layout.step_bytes`)."""
+    comms = []
+    size = local_bytes
+    for step in steps:
+        payload, size = step_bytes(step, size, mesh)
+        if step.is_collective and mesh.group_size(step.axes) > 1:
+            comms.append(Comm(step.kind, step.axes, payload, phase))
+    return tuple(comms)
+
+
+def local_bytes(nbytes: int, layout: Layout, mesh: Mesh) -> int:
+    return nbytes // layout.shard_factor(mesh)

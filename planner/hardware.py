@@ -1,0 +1,87 @@
+"""Hardware profiles: typed, frozen data with the source of every number.
+
+A profile gives per-device compute (peak FLOP/s per dtype), memory (capacity, bandwidth) and link
+tiers: devices of one node talk over the intra-node tier, groups that span nodes pay the
+inter-node tier. Efficiencies are the fraction of peak that large kernels and collectives reach;
+they are assumptions until ``planner calibrate`` (a later issue) measures them on the machine.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class LinkTier(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str
+    bandwidth: float = Field(gt=0, description="bytes/s per device, one direction (alpha-beta 1/beta)")
+    latency: float = Field(ge=0, description="seconds per message step (alpha)")
+
+
+class HardwareProfile(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str
+    device_memory: int = Field(gt=0, description="bytes of device memory")
+    peak_flops: dict[str, float] = Field(description="dense FLOP/s by dtype name, e.g. 'torch.bfloat16'")
+    memory_bandwidth: float = Field(gt=0, description="bytes/s")
+    devices_per_node: int = Field(ge=1)
+    intra_node: LinkTier
+    inter_node: LinkTier
+    compute_efficiency: float = Field(0.6, gt=0, le=1, description="fraction of peak FLOP/s large matmuls reach")
+    bandwidth_efficiency: float = Field(0.8, gt=0, le=1, description="fraction of link bandwidth collectives reach")
+    sources: dict[str, str] = Field(default_factory=dict, description="where each number comes from")
+
+    def flops(self, dtype: str) -> float:
+        if dtype in self.peak_flops:
+            return self.peak_flops[dtype]
+        return self.peak_flops.get("torch.float32", min(self.peak_flops.values()))
+
+    def tier(self, spans_nodes: bool) -> LinkTier:
+        return self.inter_node if spans_nodes else self.intra_node
+
+
+GB = 1e9
+GiB = 1024**3
+
+A100_80G = HardwareProfile(
+    name="a100-80g",
+    device_memory=80 * GiB,
+    peak_flops={
+        "torch.bfloat16": 312e12,
+        "torch.float16": 312e12,
+        "torch.float32": 156e12,  # TF32 tensor cores
+        "torch.float64": 19.5e12,
+    },
+    memory_bandwidth=2039 * GB,
+    devices_per_node=8,
+    intra_node=LinkTier(name="nvlink3-nvswitch", bandwidth=300 * GB, latency=5e-6),
+    inter_node=LinkTier(name="ib-hdr-200g", bandwidth=25 * GB, latency=10e-6),
+    sources={
+        "peak_flops": "NVIDIA A100 datasheet (dense, SXM4 80GB): BF16/FP16 312 TFLOPS, TF32 156, FP64 TC 19.5",
+        "memory_bandwidth": "NVIDIA A100 80GB SXM datasheet: 2,039 GB/s HBM2e",
+        "intra_node": "NVLink 3 via NVSwitch: 600 GB/s bidirectional per GPU = 300 GB/s each way (DGX A100)",
+        "inter_node": "DGX A100: one 200 Gb/s HDR InfiniBand HCA per GPU = 25 GB/s each way",
+        "latency": "assumed: ~5 us NVLink, ~10 us InfiniBand per ring step (NCCL-tests small-message order)",
+        "compute_efficiency": "assumed 0.6 of peak for large matmuls until calibrated",
+        "bandwidth_efficiency": "assumed 0.8 of link bandwidth (NCCL bus bandwidth) until calibrated",
+    },
+)
+
+PRESETS: dict[str, HardwareProfile] = {p.name: p for p in (A100_80G,)}
+
+
+def load_profile(name_or_path: str) -> HardwareProfile:
+    """A preset by name, or a JSON profile file (as written by ``planner calibrate``)."""
+    if name_or_path in PRESETS:
+        return PRESETS[name_or_path]
+    path = Path(name_or_path)
+    if path.suffix == ".json" or path.exists():
+        if not path.exists():
+            raise ValueError(f"hardware profile file {path} does not exist")
+        return HardwareProfile.model_validate(json.loads(path.read_text()))
+    raise ValueError(f"unknown hardware {name_or_path!r}: use one of {sorted(PRESETS)} or a JSON profile file")

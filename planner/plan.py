@@ -1,0 +1,123 @@
+"""The plan: frozen, versioned, JSON-serialisable data that the runtime executes.
+
+Everything the runtime needs is here (mesh, one strategy per traced node with its input and
+output Specs in machine form), with what the planner predicted (step time, peak memory per device
+and their breakdowns, the collectives each rank issues per step). ``Plan.model_validate_json(
+plan.model_dump_json()) == plan`` holds exactly. Never a pickle.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import Counter
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from planner.ir import IRGraph
+from planner.layout import Spec, parse_spec
+from planner.mesh import Mesh
+
+PLAN_VERSION = 1
+COST_MODEL_VERSION = "analytic-1"
+
+TPFamily = Literal["none", "1d", "2d", "3d", "mixed"]
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class NodePlan(_Frozen):
+    name: str
+    target: str
+    algorithm: str
+    kernel: str
+    inputs: tuple[str | None, ...]  # encoded Specs (planner.layout.Spec.encode)
+    outputs: tuple[str | None, ...]
+    split_axes: tuple[str, ...] = ()
+
+    def input_specs(self) -> list[Spec | None]:
+        return [parse_spec(s) if s is not None else None for s in self.inputs]
+
+    def output_specs(self) -> list[Spec | None]:
+        return [parse_spec(s) if s is not None else None for s in self.outputs]
+
+
+class CommRecord(_Frozen):
+    kind: str
+    axes: tuple[str, ...]
+    nbytes: int
+    phase: Literal["fwd", "bwd", "step"]
+    count: int
+
+
+class MemoryBreakdown(_Frozen):
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    transient: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer + self.activations + self.transient
+
+
+class SolverInfo(_Frozen):
+    status: Literal["optimal", "time_limit"]
+    backend: str
+    trace_s: float
+    build_s: float
+    solve_s: float
+    num_variables: int
+    num_constraints: int
+
+
+class Plan(_Frozen):
+    version: int = PLAN_VERSION
+    cost_model: str = COST_MODEL_VERSION
+    model: str
+    model_fingerprint: str
+    input_shapes: tuple[tuple[int, ...], ...]
+    mesh: dict[str, int]
+    hardware: str
+    tp: TPFamily
+    zero_stage: int = 0
+    cdp: Literal["off", "v1", "v2"] = "off"
+    optimizer: str = "adamw"
+    memory_budget_bytes: int
+    step_time_s: float
+    compute_time_s: float
+    comm_time_s: float
+    peak_memory_bytes: int
+    memory_breakdown: MemoryBreakdown
+    nodes: tuple[NodePlan, ...]
+    comms: tuple[CommRecord, ...]
+    fallbacks: tuple[str, ...] = Field(default=(), description="nodes replicated because no rule covers their op")
+    solver: SolverInfo
+
+    @property
+    def mesh_obj(self) -> Mesh:
+        return Mesh.from_dict(self.mesh)
+
+    def node(self, name: str) -> NodePlan:
+        for n in self.nodes:
+            if n.name == name:
+                return n
+        raise KeyError(name)
+
+    def priced_comms(self) -> Counter[tuple[str, tuple[str, ...], int, str]]:
+        """Collectives per rank per step, as a multiset of (kind, axes, bytes, phase)."""
+        out: Counter[tuple[str, tuple[str, ...], int, str]] = Counter()
+        for c in self.comms:
+            out[(c.kind, c.axes, c.nbytes, c.phase)] += c.count
+        return out
+
+
+def fingerprint(graph: IRGraph) -> str:
+    """A hash of the traced structure (ops, shapes, parameter names): plans are tied to it."""
+    h = hashlib.sha256()
+    for node in graph.nodes.values():
+        h.update(f"{node.name}|{node.target}|{node.outputs}|{node.param_names}|{[(i.node, i.index) for i in node.inputs]}\n".encode())
+    return h.hexdigest()[:16]

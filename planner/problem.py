@@ -1,0 +1,339 @@
+"""The planning problem for one mesh: variable groups, their costs, and the terms that couple them.
+
+Built from the IR by :func:`build_problem`; solved by :mod:`planner.solve`; evaluated exactly for
+any assignment by :func:`evaluate` (the solver's objective equals the evaluation of its answer,
+and brute-force tests compare the two).
+
+* A **group** is one ILP choice: an anchor node (see :mod:`planner.rules`), shared by every
+  instance of a repeated layer (``count`` instances) and by the followers that take their layout
+  from it. ``time[i]``: seconds of every node in the group under strategy ``i``, all instances;
+  ``memory[i]``: bytes it holds per device (parameter, gradient and optimizer shards, tensors it
+  saves for backward that no other node shares).
+* A **conversion term** prices turning a producer's output Spec ``S`` into the Spec ``T`` a
+  consumer needs: forward steps and backward steps (:func:`planner.layout.spec_conversion`). It is
+  paid once per producer tensor and target, however many consumers want the same ``T``.
+* A **hold term** is a tensor saved for backward in a given sharding, counted once however many
+  consumers save it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from planner.cost import OPTIMIZER_STATE_BYTES_PER_BYTE, comm_time, compute_time, steps_comms
+from planner.hardware import HardwareProfile
+from planner.ir import InputRef, IRGraph, Node
+from planner.layout import Spec, spec_conversion
+from planner.mesh import Mesh
+from planner.rules import RuleContext, anchor_strategies, follow, is_follower
+from planner.strategy import Comm, Strategy
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Group:
+    key: str
+    strategies: list[Strategy]
+    count: int = 1
+    time: list[float] = field(default_factory=list)
+    memory: list[float] = field(default_factory=list)  # bytes per device, all instances
+    param_memory: list[tuple[float, float, float]] = field(default_factory=list)  # params, grads, optimizer
+    comms: list[list[tuple[Comm, int]]] = field(default_factory=list)  # (comm, multiplicity) per strategy
+    transient: list[float] = field(default_factory=list)
+
+
+@dataclass
+class ConversionTerm:
+    key: tuple[object, ...]
+    cost: float  # seconds, all instances
+    comms: tuple[Comm, ...]
+    producers: set[str] = field(default_factory=set)  # producer node instances paying it
+    # y >= [producer group in idx_u] + [consumer group in idx_v] - 1
+    conditions: list[tuple[str, frozenset[int], str, frozenset[int]]] = field(default_factory=list)
+
+
+    @property
+    def count(self) -> int:
+        return len(self.producers)
+
+
+@dataclass
+class HoldTerm:
+    key: tuple[object, ...]
+    nbytes: float  # all instances
+    # h >= [group_u in idx_u] (+ [group_v in idx_v] - 1 when group_v is given)
+    conditions: list[tuple[str, frozenset[int], str | None, frozenset[int]]] = field(default_factory=list)
+
+
+@dataclass
+class Problem:
+    mesh: Mesh
+    hardware: HardwareProfile
+    graph: IRGraph
+    groups: dict[str, Group]
+    node_group: dict[str, str]
+    choices: dict[str, list[Strategy]]
+    conversions: dict[tuple[object, ...], ConversionTerm]
+    holds: dict[tuple[object, ...], HoldTerm]
+    instances: dict[str, int] = field(default_factory=dict)  # template -> number of instances
+    build_seconds: float = 0.0
+
+    @property
+    def num_choices(self) -> int:
+        return sum(len(g.strategies) for g in self.groups.values())
+
+
+def build_problem(
+    graph: IRGraph, mesh: Mesh, hardware: HardwareProfile, *, optimizer: str = "adamw"
+) -> Problem:
+    t0 = time.perf_counter()
+    choices: dict[str, list[Strategy]] = {}
+    node_group: dict[str, str] = {}
+    groups: dict[str, Group] = {}
+    instances: dict[str, int] = defaultdict(int)
+    for node in graph.nodes.values():
+        instances[node.template] += 1
+    for node in graph.nodes.values():
+        if node.kind == "output":
+            continue
+        if node.template != node.name:
+            choices[node.name] = choices[node.template]
+            node_group[node.name] = node_group[node.template]
+            continue
+        if is_follower(node, graph):
+            ref = node.inputs[0]
+            ctx = RuleContext(node, graph, mesh)
+            leader = choices[ref.node]
+            cache: dict[Spec | None, Strategy] = {}
+            out = []
+            for s in leader:
+                spec = s.outputs[ref.index]
+                if spec not in cache:
+                    cache[spec] = follow(ctx, spec) if spec is not None else Strategy("follow", "op", (), (None,))
+                out.append(cache[spec])
+            choices[node.name] = out
+            node_group[node.name] = node_group[ref.node]
+        else:
+            strategies = anchor_strategies(node, graph, mesh)
+            if node.kind == "param":
+                dp = frozenset(a for a in mesh.dp_axes if mesh.degree(a) > 1)
+                strategies = [Strategy(s.algorithm, s.kernel, s.inputs, (Spec(s.outputs[0].layout, dp),)) for s in strategies if s.outputs[0]]  # type: ignore[union-attr]
+            choices[node.name] = strategies
+            node_group[node.name] = node.name
+            n = len(strategies)
+            groups[node.name] = Group(
+                node.name, strategies, instances[node.name], [0.0] * n, [0.0] * n, [(0.0, 0.0, 0.0)] * n,
+                [[] for _ in range(n)], [0.0] * n,
+            )
+    problem = Problem(mesh, hardware, graph, groups, node_group, choices, {}, {}, dict(instances))
+    _price_nodes(problem, instances, optimizer)
+    _price_edges(problem)
+    problem.build_seconds = time.perf_counter() - t0
+    return problem
+
+
+def _input_spec_bytes(graph: IRGraph, ref: InputRef) -> int:
+    meta = graph.nodes[ref.node].outputs[ref.index]
+    return meta.nbytes if meta is not None else 0
+
+
+def _price_nodes(problem: Problem, instances: dict[str, int], optimizer: str) -> None:
+    graph, mesh, hw = problem.graph, problem.mesh, problem.hardware
+    consumers_of_output = graph.nodes["output"].inputs[0].node
+    opt_factor = OPTIMIZER_STATE_BYTES_PER_BYTE[optimizer]
+    for node in graph.nodes.values():
+        if node.kind == "output" or node.template != node.name:
+            continue
+        group = problem.groups[problem.node_group[node.name]]
+        count = instances[node.name]
+        for i, strategy in enumerate(problem.choices[node.name]):
+            in_bytes = sum(
+                _input_spec_bytes(graph, ref) // spec.layout.shard_factor(mesh)
+                for ref, spec in zip(node.inputs, strategy.inputs, strict=False)
+            )
+            t = compute_time(node, strategy, mesh, hw, in_bytes) if node.kind == "op" else 0.0
+            comms = list(strategy.comms)
+            if node.kind == "param":
+                local = node.out.nbytes / strategy.outputs[0].layout.shard_factor(mesh)  # type: ignore[union-attr]
+                dp = mesh.sort_axes(strategy.outputs[0].grad_partial)  # type: ignore[union-attr]
+                if dp:
+                    comms.append(Comm("all_reduce", dp, int(local), "step"))
+                p, g, o = group.param_memory[i]
+                group.param_memory[i] = (p + local * count, g + local * count, o + local * opt_factor * count)
+                group.memory[i] += local * (2 + opt_factor) * count
+            if node.name == consumers_of_output:
+                partial = strategy.outputs[0].layout.partial if strategy.outputs[0] else frozenset()
+                if partial:
+                    comms.append(Comm("all_reduce", mesh.sort_axes(partial), node.out.itemsize, "fwd"))
+            t += sum(comm_time(c, mesh, hw) for c in comms)
+            group.time[i] += t * count
+            group.comms[i].extend((c, count) for c in comms)
+            out_local = sum(
+                m.nbytes // s.layout.shard_factor(mesh)
+                for m, s in zip(node.outputs, strategy.outputs, strict=False)
+                if m is not None and s is not None
+            )
+            if node.kind == "op":
+                group.transient[i] = max(group.transient[i], float(in_bytes + out_local))
+            for saved in node.saved:
+                if saved.source == "internal":
+                    group.memory[i] += saved.nbytes / mesh.group_size(strategy.split_axes) * count
+
+
+def _root(graph: IRGraph, ref: InputRef) -> InputRef:
+    node = graph.nodes[ref.node]
+    while node.kind == "op" and node.alias_input is not None and node.inputs:
+        ref = node.inputs[node.alias_input]
+        node = graph.nodes[ref.node]
+    return ref
+
+
+def _price_edges(problem: Problem) -> None:
+    graph, mesh, hw = problem.graph, problem.mesh, problem.hardware
+    consumers = graph.consumers()
+    conv_cache: dict[tuple[Spec, Spec, int, bool], tuple[Comm, ...]] = {}
+    for v in graph.nodes.values():
+        if v.kind == "output":
+            continue
+        gv = problem.node_group[v.name]
+        for p, ref in enumerate(v.inputs):
+            u = graph.nodes[ref.node]
+            gu = problem.node_group[u.name]
+            meta = u.outputs[ref.index]
+            if meta is None:
+                continue
+            signature = tuple(sorted({(graph.nodes[c].template, q) for c, q in consumers[u.name]}))
+            by_pair: dict[tuple[Spec, Spec], tuple[set[int], set[int]]] = defaultdict(lambda: (set(), set()))
+            su = problem.choices[u.name]
+            sv = problem.choices[v.name]
+            for i, s in enumerate(su):
+                src = s.outputs[ref.index]
+                if src is None:
+                    continue
+                for j, t in enumerate(sv):
+                    if p >= len(t.inputs):
+                        continue
+                    dst = t.inputs[p]
+                    if gu == gv and i != j:
+                        continue
+                    if src != dst:
+                        a, b = by_pair[(src, dst)]
+                        a.add(i)
+                        b.add(j)
+            for (src, dst), (iu, iv) in by_pair.items():
+                key = ("conv", u.template, ref.index, src, dst, signature)
+                term = problem.conversions.get(key)
+                if term is None:
+                    ck = (src, dst, meta.nbytes, u.requires_grad)
+                    if ck not in conv_cache:
+                        conv_cache[ck] = _conversion_comms(src, dst, meta.nbytes, u.requires_grad and meta.is_float, mesh)
+                    comms = conv_cache[ck]
+                    term = ConversionTerm(key, 0.0, comms)
+                    problem.conversions[key] = term
+                term.producers.add(u.name)
+                cond = (gu, frozenset(iu), gv, frozenset(iv))
+                if cond not in term.conditions:
+                    term.conditions.append(cond)
+            if v.template == v.name:
+                _price_holds(problem, v, p, ref)
+    for term in problem.conversions.values():
+        term.cost = sum(comm_time(c, mesh, hw) for c in term.comms) * term.count
+
+
+def _conversion_comms(src: Spec, dst: Spec, nbytes: int, with_grad: bool, mesh: Mesh) -> tuple[Comm, ...]:
+    conv = spec_conversion(src, dst, mesh)
+    fwd = steps_comms(conv.forward, nbytes // src.layout.shard_factor(mesh), mesh, "fwd")
+    if not with_grad:
+        return fwd
+    return fwd + steps_comms(conv.backward, nbytes // dst.layout.shard_factor(mesh), mesh, "bwd")
+
+
+def _price_holds(problem: Problem, v: Node, p: int, ref: InputRef) -> None:
+    """Inputs ``v`` saves for backward, as hold terms keyed by the storage they keep alive."""
+    graph, mesh = problem.graph, problem.mesh
+    saved_inputs = {s.index for s in v.saved if s.source == "input"}
+    saved_output = any(s.source == "output" for s in v.saved)
+    gv = problem.node_group[v.name]
+    if p in saved_inputs:
+        root = _root(graph, ref)
+        _add_hold(problem, root, gv, [(j, s.inputs[p]) for j, s in enumerate(problem.choices[v.name]) if p < len(s.inputs)], v)
+    if p == 0 and saved_output and v.template == v.name:
+        root = _root(graph, InputRef(v.name, 0))
+        _add_hold(problem, root, gv, [(j, s.outputs[0]) for j, s in enumerate(problem.choices[v.name]) if s.outputs and s.outputs[0] is not None], v)  # type: ignore[misc]
+
+
+def _add_hold(problem: Problem, root: InputRef, gv: str, specs: list[tuple[int, Spec]], v: Node) -> None:
+    graph, mesh = problem.graph, problem.mesh
+    root_node = graph.nodes[root.node]
+    meta = root_node.outputs[root.index]
+    if meta is None:
+        return
+    by_axes: dict[frozenset[str], set[int]] = defaultdict(set)
+    for j, spec in specs:
+        by_axes[spec.layout.shard_axes].add(j)
+    instances = problem.instances[v.template]
+    for axes, idx in by_axes.items():
+        key = ("hold", root_node.template, root.index, axes)
+        term = problem.holds.get(key)
+        if term is None:
+            term = HoldTerm(key, meta.nbytes / mesh.group_size(axes) * instances)
+            problem.holds[key] = term
+        if root_node.kind == "param":
+            gp = problem.node_group[root_node.name]
+            stored = frozenset(
+                i for i, s in enumerate(problem.choices[root_node.name]) if s.outputs[0] is not None and s.outputs[0].layout.shard_axes != axes
+            )
+            if stored:
+                term.conditions.append((gp, stored, gv, frozenset(idx)))
+        else:
+            term.conditions.append((gv, frozenset(idx), None, frozenset()))
+
+
+# --------------------------------------------------------------------------- evaluation
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    step_time: float
+    compute_time: float
+    comm_time: float
+    memory: dict[str, float]  # params, grads, optimizer, activations, transient
+    comms: tuple[tuple[Comm, int], ...]
+
+    @property
+    def peak_memory(self) -> float:
+        return sum(self.memory.values())
+
+
+def evaluate(problem: Problem, assignment: dict[str, int]) -> Evaluation:
+    """Exact time, memory and collectives of one strategy per group."""
+    mesh, hw = problem.mesh, problem.hardware
+    total = 0.0
+    comm_t = 0.0
+    params = grads = opt = act = 0.0
+    transient = 0.0
+    comms: list[tuple[Comm, int]] = []
+    for key, group in problem.groups.items():
+        i = assignment[key]
+        total += group.time[i]
+        c_t = sum(comm_time(c, mesh, hw) * n for c, n in group.comms[i])
+        comm_t += c_t
+        p, g, o = group.param_memory[i]
+        params, grads, opt = params + p, grads + g, opt + o
+        act += group.memory[i] - p - g - o
+        transient = max(transient, group.transient[i])
+        comms.extend(group.comms[i])
+    for term in problem.conversions.values():
+        if any(assignment[gu] in iu and assignment[gv] in iv for gu, iu, gv, iv in term.conditions):
+            total += term.cost
+            comm_t += term.cost
+            comms.extend((c, term.count) for c in term.comms)
+    for hold in problem.holds.values():
+        if any(assignment[gu] in iu and (gv is None or assignment[gv] in iv) for gu, iu, gv, iv in hold.conditions):
+            act += hold.nbytes
+    memory = {"params": params, "grads": grads, "optimizer": opt, "activations": act, "transient": transient}
+    return Evaluation(total, total - comm_t, comm_t, memory, tuple(comms))

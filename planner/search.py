@@ -1,0 +1,219 @@
+"""Search over configurations (mesh factorisations per TP family) and turn solutions into Plans.
+
+For ``devices`` devices and the allowed families, every mesh ``dp x tp`` with
+``dp * tp = devices`` is a configuration (``none``: tp = 1; ``1d``: tp > 1). Configurations that
+cannot run are pruned with a reason (the batch does not split ``dp`` ways). Each remaining one is
+solved (fastest plan within the memory budget); the best feasible plan wins. Families that later
+issues build (2-D, 3-D tensor parallelism, ZeRO stages above 0, CDP) are refused with a message.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Literal
+
+from planner.hardware import HardwareProfile
+from planner.ir import IRGraph
+from planner.mesh import Mesh
+from planner.plan import CommRecord, MemoryBreakdown, NodePlan, Plan, SolverInfo, TPFamily, fingerprint
+from planner.problem import Evaluation, Problem, build_problem
+from planner.rules import FALLBACK
+from planner.solve import InfeasibleBudget, Solution, SolverSettings, solve
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_TP = ("none", "1d")
+ALL_TP = ("none", "1d", "2d", "3d")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SearchSpace:
+    devices: int
+    tp: tuple[str, ...] = SUPPORTED_TP
+    zero: tuple[int, ...] = (0,)
+    cdp: tuple[str, ...] = ("off",)
+    dp: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.devices < 1:
+            raise ValueError(f"devices must be >= 1, got {self.devices}")
+        unknown = [t for t in self.tp if t not in ALL_TP]
+        if unknown:
+            raise ValueError(f"unknown tensor-parallel family {unknown}; choose from {', '.join(ALL_TP)}")
+        later = [t for t in self.tp if t not in SUPPORTED_TP]
+        if later:
+            raise ValueError(f"tensor-parallel family {', '.join(later)} is not implemented yet (planned: 2-D SUMMA and 3-D); available: {', '.join(SUPPORTED_TP)}")
+        if any(z not in (0, 1, 2, 3) for z in self.zero):
+            raise ValueError(f"ZeRO stages are 0-3, got {self.zero}")
+        if any(z != 0 for z in self.zero):
+            raise ValueError("ZeRO stages 1-3 are not implemented yet; only --zero 0 is available")
+        if any(c not in ("off", "v1", "v2") for c in self.cdp):
+            raise ValueError(f"CDP modes are off, v1, v2; got {self.cdp}")
+        if any(c != "off" for c in self.cdp):
+            raise ValueError("cyclic data parallelism (CDP v1/v2) is not implemented yet; only --cdp off is available")
+        if self.dp is not None and (self.dp < 1 or self.devices % self.dp):
+            raise ValueError(f"--dp {self.dp} does not divide the device count {self.devices}")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    mesh: Mesh
+    family: str
+    plan: Plan | None = None
+    reason: str = ""  # why pruned or infeasible
+    least_memory: float | None = None
+
+
+@dataclass
+class SearchResult:
+    best: Plan | None
+    candidates: list[Candidate] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def feasible(self) -> list[Plan]:
+        return [c.plan for c in self.candidates if c.plan is not None]
+
+
+def candidate_meshes(space: SearchSpace, batch: int) -> list[Candidate]:
+    out = []
+    for tp in range(1, space.devices + 1):
+        if space.devices % tp:
+            continue
+        dp = space.devices // tp
+        family = "none" if tp == 1 else "1d"
+        if family not in space.tp:
+            continue
+        mesh = Mesh(("dp", "tp"), (dp, tp))
+        if space.dp is not None and dp != space.dp:
+            continue
+        if batch % dp:
+            out.append(Candidate(mesh, family, reason=f"batch {batch} does not split {dp} ways"))
+            continue
+        out.append(Candidate(mesh, family))
+    return out
+
+
+def search(
+    graph: IRGraph,
+    space: SearchSpace,
+    hardware: HardwareProfile,
+    *,
+    model_name: str,
+    memory_budget: float | None = None,
+    objective: Literal["time", "memory"] = "time",
+    optimizer: str = "adamw",
+    settings: SolverSettings | None = None,
+) -> SearchResult:
+    t0 = time.perf_counter()
+    budget = float(memory_budget if memory_budget is not None else hardware.device_memory)
+    batch = graph.nodes[graph.input_names[0]].out.shape[0] if graph.input_names else 1
+    result = SearchResult(best=None)
+    for cand in candidate_meshes(space, batch):
+        if cand.reason:
+            result.candidates.append(cand)
+            continue
+        problem = build_problem(graph, cand.mesh, hardware, optimizer=optimizer)
+        try:
+            sol = solve(problem, memory_budget=budget, objective=objective, settings=settings)
+        except InfeasibleBudget as exc:
+            least = exc.least.peak_memory if exc.least else None
+            result.candidates.append(Candidate(cand.mesh, cand.family, reason=str(exc), least_memory=least))
+            continue
+        plan = make_plan(graph, problem, sol, model_name=model_name, memory_budget=budget, optimizer=optimizer)
+        result.candidates.append(Candidate(cand.mesh, plan.tp, plan))
+        log.info("mesh %s: %.4f s/step, %.2f GiB", cand.mesh, plan.step_time_s, plan.peak_memory_bytes / 2**30)
+    feasible = result.feasible
+    if feasible:
+        key = (lambda p: (p.step_time_s, p.peak_memory_bytes)) if objective == "time" else (lambda p: (p.peak_memory_bytes, p.step_time_s))
+        result.best = min(feasible, key=key)
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+def tp_family(problem: Problem, assignment: dict[str, int]) -> TPFamily:
+    mesh = problem.mesh
+    tp_axes = {a for a in mesh.tp_axes if mesh.degree(a) > 1}
+    for name, strategies in problem.choices.items():
+        s = strategies[assignment[problem.node_group[name]]]
+        if s.split_axes & tp_axes or any(o is not None and o.layout.shard_axes & tp_axes for o in s.outputs):
+            return "1d"
+    return "none"
+
+
+def make_plan(
+    graph: IRGraph,
+    problem: Problem,
+    solution: Solution,
+    *,
+    model_name: str,
+    memory_budget: float,
+    optimizer: str = "adamw",
+    trace_seconds: float | None = None,
+) -> Plan:
+    nodes = []
+    fallbacks = []
+    for name, strategies in problem.choices.items():
+        s = strategies[solution.assignment[problem.node_group[name]]]
+        nodes.append(
+            NodePlan(
+                name=name,
+                target=graph.nodes[name].target,
+                algorithm=s.algorithm,
+                kernel=s.kernel,
+                inputs=tuple(spec.encode() for spec in s.inputs),
+                outputs=tuple(spec.encode() if spec is not None else None for spec in s.outputs),
+                split_axes=problem.mesh.sort_axes(s.split_axes),
+            )
+        )
+        if s.algorithm == FALLBACK:
+            fallbacks.append(f"{name} ({graph.nodes[name].target})")
+    ev = solution.evaluation
+    return Plan(
+        model=model_name,
+        model_fingerprint=fingerprint(graph),
+        input_shapes=tuple(graph.nodes[n].out.shape for n in graph.input_names),
+        mesh=problem.mesh.as_dict(),
+        hardware=problem.hardware.name,
+        tp=tp_family(problem, solution.assignment),
+        optimizer=optimizer,
+        memory_budget_bytes=int(memory_budget) if memory_budget != float("inf") else 0,
+        step_time_s=ev.step_time,
+        compute_time_s=ev.compute_time,
+        comm_time_s=ev.comm_time,
+        peak_memory_bytes=int(ev.peak_memory),
+        memory_breakdown=_breakdown(ev),
+        nodes=tuple(nodes),
+        comms=_comm_records(ev),
+        fallbacks=tuple(fallbacks),
+        solver=SolverInfo(
+            status=solution.status,
+            backend=solution.backend,
+            trace_s=trace_seconds if trace_seconds is not None else sum(graph.timings.values()),
+            build_s=problem.build_seconds + solution.build_seconds,
+            solve_s=solution.solve_seconds,
+            num_variables=solution.num_variables,
+            num_constraints=solution.num_constraints,
+        ),
+    )
+
+
+def _breakdown(ev: Evaluation) -> MemoryBreakdown:
+    m = ev.memory
+    return MemoryBreakdown(
+        params=int(m["params"]), grads=int(m["grads"]), optimizer=int(m["optimizer"]),
+        activations=int(m["activations"]), transient=int(m["transient"]),
+    )
+
+
+def _comm_records(ev: Evaluation) -> tuple[CommRecord, ...]:
+    counts: Counter[tuple[str, tuple[str, ...], int, str]] = Counter()
+    for comm, n in ev.comms:
+        counts[(comm.kind, comm.axes, comm.nbytes, comm.phase)] += n
+    return tuple(
+        CommRecord(kind=k, axes=a, nbytes=b, phase=p, count=c)  # type: ignore[arg-type]
+        for (k, a, b, p), c in sorted(counts.items())
+    )

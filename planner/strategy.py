@@ -1,0 +1,165 @@
+"""Strategies: how one node is computed across the mesh, as data.
+
+A :class:`Strategy` names an algorithm (``replicate``, ``dp``, ``tp1d-col``, ``tp1d-row``,
+``vocab-parallel``, ...), the runtime kernel that computes the rank-local part, the :class:`Spec`
+each tensor input must arrive in, the Spec of each output, the mesh axes the work is split over,
+and the collectives the kernel issues internally (priced on the node; conversions between
+neighbours are priced on edges by the solver).
+
+Most ops are *einsum-like*: each operand dim carries a letter (``linear``:
+``x[a,b,i] w[o,i] b[o] -> y[a,b,o]``). A strategy assigns each mesh axis (degree > 1) to one
+letter or to none. Operands are then sharded on their letters' axes; an axis on a letter that the
+output lacks (a contraction) makes the output a partial sum over it; an input replicated over an
+axis that splits the work gets its gradient as a partial sum over that axis (see
+:mod:`planner.layout`). Data-parallel axes may only take letters that no parameter carries.
+Algorithm names follow from where the axes land (weight split on ``o``: ``tp1d-col``; on ``i``:
+``tp1d-row``; only batch letters split: ``dp``).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from planner.layout import Layout, Spec
+from planner.mesh import Mesh
+
+Phase = Literal["fwd", "bwd", "step"]
+
+
+@dataclass(frozen=True)
+class Comm:
+    """One collective a rank issues: kind, group (mesh axes), payload bytes per rank, phase."""
+
+    kind: str
+    axes: tuple[str, ...]
+    nbytes: int
+    phase: Phase
+
+    def __str__(self) -> str:
+        return f"{self.phase}:{self.kind}({','.join(self.axes)}) {self.nbytes} B"
+
+
+@dataclass(frozen=True)
+class Strategy:
+    algorithm: str
+    kernel: str
+    inputs: tuple[Spec, ...]
+    outputs: tuple[Spec | None, ...]
+    split_axes: frozenset[str] = field(default_factory=frozenset)
+    comms: tuple[Comm, ...] = ()
+
+    def __str__(self) -> str:
+        ins = ", ".join(str(s) for s in self.inputs)
+        outs = ", ".join(str(s) for s in self.outputs)
+        return f"{self.algorithm}: ({ins}) -> {outs}"
+
+
+@dataclass(frozen=True)
+class Operand:
+    letters: str
+    is_param: bool = False
+    needs_grad: bool = True
+
+
+def einsum_strategies(
+    mesh: Mesh,
+    operands: Sequence[Operand],
+    out_letters: str,
+    sizes: dict[str, int],
+    *,
+    splittable: Iterable[str] | None = None,
+    partial_ok: bool = True,
+    dp_letters: Iterable[str] | None = None,
+) -> list[tuple[tuple[Spec, ...], Layout, frozenset[str], dict[str, tuple[str, ...]]]]:
+    """Every assignment of mesh axes to letters: (input specs, output layout, split axes, assignment).
+
+    ``splittable`` restricts which letters may be sharded at all (default: every letter);
+    contraction letters (absent from the output) produce partial outputs unless ``partial_ok`` is
+    false. Data-parallel axes split the batch: only ``dp_letters`` (default: the first letter of
+    the first operand, when that operand is not a parameter).
+    """
+    letters = sorted({c for op in operands for c in op.letters} | set(out_letters))
+    allowed = set(splittable) if splittable is not None else set(letters)
+    param_letters = {c for op in operands if op.is_param for c in op.letters}
+    if dp_letters is None:
+        first = operands[0]
+        dp_letters = first.letters[:1] if first.letters and not first.is_param else ""
+    dp_ok = set(dp_letters) - param_letters
+    axes = [a for a in mesh.axes if mesh.degree(a) > 1]
+    options: list[list[str | None]] = []
+    for axis in axes:
+        opts: list[str | None] = [None]
+        for c in letters:
+            if c not in allowed:
+                continue
+            if mesh.is_dp(axis) and c not in dp_ok:
+                continue
+            if not partial_ok and c not in out_letters:
+                continue
+            opts.append(c)
+        options.append(opts)
+    results = []
+    for choice in itertools.product(*options):
+        assign: dict[str, tuple[str, ...]] = {c: () for c in letters}
+        for axis, c in zip(axes, choice, strict=True):
+            if c is not None:
+                assign[c] = (*assign[c], axis)
+        if any(sizes[c] % mesh.group_size(assign[c]) for c in letters):
+            continue
+        split = frozenset(a for a, c in zip(axes, choice, strict=True) if c is not None)
+        partial = frozenset(a for c in letters if c not in out_letters for a in assign[c])
+        out = Layout(tuple(assign[c] for c in out_letters), partial)
+        ins = []
+        for op in operands:
+            lay = Layout(tuple(assign[c] for c in op.letters))
+            grad = (split - lay.shard_axes) if op.needs_grad else frozenset()
+            ins.append(Spec(lay, grad))
+        results.append((tuple(ins), out, split, assign))
+    return results
+
+
+def enumerate_layouts(shape: tuple[int, ...], mesh: Mesh, *, axes: Iterable[str] | None = None) -> list[Layout]:
+    """Every layout of ``shape`` sharding each given axis (degree > 1) on one dim or none.
+
+    Data-parallel axes only ever shard dim 0 (the batch).
+    """
+    use = [a for a in (axes if axes is not None else mesh.axes) if mesh.degree(a) > 1]
+    out = []
+    options = [[None, 0] if mesh.is_dp(a) and shape else [None, *range(len(shape))] for a in use]
+    for choice in itertools.product(*options):
+        dims: list[tuple[str, ...]] = [() for _ in shape]
+        for axis, d in zip(use, choice, strict=True):
+            if d is not None:
+                dims[d] = (*dims[d], axis)
+        lay = Layout(tuple(dims))
+        if lay.divides(shape, mesh):
+            out.append(lay)
+    return out
+
+
+def dedupe(strategies: Iterable[Strategy]) -> list[Strategy]:
+    seen: set[Strategy] = set()
+    out = []
+    for s in strategies:
+        if s not in seen:
+            seen.add(s)
+            out.append(s)
+    return out
+
+
+def split_label(mesh: Mesh, split: frozenset[str]) -> str:
+    """``dp`` when only data-parallel axes split the work, ``replicate`` when none does."""
+    if not split:
+        return "replicate"
+    if all(mesh.is_dp(a) for a in split):
+        return "dp"
+    return "split(" + ",".join(mesh.sort_axes(split)) + ")"
+
+
+def with_dp(label: str, mesh: Mesh, split: frozenset[str]) -> str:
+    if any(mesh.is_dp(a) for a in split) and label not in ("dp", "replicate"):
+        return f"{label}+dp"
+    return label

@@ -1,0 +1,131 @@
+"""Layout conversions executed: the steps of :mod:`planner.layout`, autograd-aware and recorded.
+
+:class:`Convert` runs a conversion's forward steps in forward and its backward steps on the
+gradient in backward, exactly the lists the planner priced. Every collective issued goes
+through :func:`run_steps`, which appends ``(kind, axes, bytes, phase)`` to the recorder when one
+is active, so tests compare what ran with what was priced.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from planner.layout import Step
+from runtime.groups import MeshGroups
+
+
+@dataclass
+class CommRecorder:
+    enabled: bool = False
+    records: list[tuple[str, tuple[str, ...], int, str]] = field(default_factory=list)
+
+    def add(self, kind: str, axes: tuple[str, ...], nbytes: int, phase: str) -> None:
+        if self.enabled:
+            self.records.append((kind, axes, nbytes, phase))
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def all_reduce(t: torch.Tensor, axes: tuple[str, ...], mg: MeshGroups, rec: CommRecorder, phase: str, op: Any = None) -> torch.Tensor:
+    out = t.contiguous().clone()
+    if mg.size(axes) > 1:
+        rec.add("all_reduce", mg.mesh.sort_axes(axes), _nbytes(out), phase)
+        dist.all_reduce(out, op=op or dist.ReduceOp.SUM, group=mg.group(axes))
+    return out
+
+
+def all_gather(t: torch.Tensor, axes: tuple[str, ...], dim: int, mg: MeshGroups, rec: CommRecorder, phase: str) -> torch.Tensor:
+    n = mg.size(axes)
+    if n == 1:
+        return t
+    t = t.contiguous()
+    parts = [torch.empty_like(t) for _ in range(n)]
+    rec.add("all_gather", mg.mesh.sort_axes(axes), _nbytes(t) * n, phase)
+    dist.all_gather(parts, t, group=mg.group(axes))
+    return torch.cat(parts, dim=dim)
+
+
+def reduce_scatter(t: torch.Tensor, axes: tuple[str, ...], dim: int, mg: MeshGroups, rec: CommRecorder, phase: str) -> torch.Tensor:
+    n = mg.size(axes)
+    if n == 1:
+        return t
+    parts = [p.contiguous() for p in t.chunk(n, dim=dim)]
+    out = torch.empty_like(parts[0])
+    rec.add("reduce_scatter", mg.mesh.sort_axes(axes), _nbytes(t), phase)
+    dist.reduce_scatter(out, parts, group=mg.group(axes))
+    return out
+
+
+def local_slice(t: torch.Tensor, axes: tuple[str, ...], dim: int, mg: MeshGroups) -> torch.Tensor:
+    n = mg.size(axes)
+    if n == 1:
+        return t
+    return t.chunk(n, dim=dim)[mg.index(axes)].contiguous()
+
+
+def keep_on_first(t: torch.Tensor, axes: tuple[str, ...], mg: MeshGroups) -> torch.Tensor:
+    """Replicated -> partial: the value stays on the group's first rank, zeros elsewhere."""
+    return t if mg.index(axes) == 0 else torch.zeros_like(t)
+
+
+def run_steps(t: torch.Tensor, steps: tuple[Step, ...], mg: MeshGroups, rec: CommRecorder, phase: str) -> torch.Tensor:
+    for step in steps:
+        if step.kind == "all_reduce":
+            t = all_reduce(t, step.axes, mg, rec, phase)
+        elif step.kind == "all_gather":
+            assert step.dim is not None
+            t = all_gather(t, step.axes, step.dim, mg, rec, phase)
+        elif step.kind == "reduce_scatter":
+            assert step.dim is not None
+            t = reduce_scatter(t, step.axes, step.dim, mg, rec, phase)
+        elif step.kind == "slice":
+            assert step.dim is not None
+            t = local_slice(t, step.axes, step.dim, mg)
+        elif step.kind == "zero":
+            t = keep_on_first(t, step.axes, mg)
+        else:
+            raise ValueError(f"unknown conversion step {step}")
+    return t
+
+
+class _ConvertFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, conv: Convert) -> torch.Tensor:  # type: ignore[override]
+        ctx.conv = conv
+        out = run_steps(x, conv.forward_steps, conv.mesh_groups, conv.recorder, "fwd")
+        return out.view_as(out) if out is x else out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None]:  # type: ignore[override]
+        conv: Convert = ctx.conv
+        if not conv.backward_steps:
+            return grad, None
+        return run_steps(grad, conv.backward_steps, conv.mesh_groups, conv.recorder, "bwd"), None
+
+
+class Convert(torch.nn.Module):
+    """Convert a local tensor from one Spec to another: forward steps, and backward steps on its grad."""
+
+    def __init__(self, forward_steps: tuple[Step, ...], backward_steps: tuple[Step, ...], mesh_groups: MeshGroups, recorder: CommRecorder, label: str) -> None:
+        super().__init__()
+        self.forward_steps = forward_steps
+        self.backward_steps = backward_steps
+        self.mesh_groups = mesh_groups
+        self.recorder = recorder
+        self.label = label
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.requires_grad and torch.is_grad_enabled():
+            return _ConvertFn.apply(x, self)  # type: ignore[no-any-return]
+        return run_steps(x, self.forward_steps, self.mesh_groups, self.recorder, "fwd")
+
+    def extra_repr(self) -> str:
+        fwd = " ".join(str(s) for s in self.forward_steps) or "-"
+        bwd = " ".join(str(s) for s in self.backward_steps) or "-"
+        return f"{self.label}: fwd [{fwd}] bwd [{bwd}]"

@@ -1,0 +1,233 @@
+"""Compile a plan into this rank's module: shard parameters, rewrite the graph, wire collectives.
+
+The traced graph is rewritten node by node into a rank-local ``torch.fx.GraphModule``:
+
+* each parameter becomes a local shard (``get_attr``), cut from the full parameter by the same
+  ``slice`` steps a conversion from replicated would run;
+* each input of a node whose producer's Spec differs from the Spec the node's strategy requires
+  goes through a :class:`runtime.collectives.Convert` module (one per producer tensor and target
+  Spec, shared by every consumer that needs it, as the planner priced it);
+* each node runs its rank-local kernel (:mod:`runtime.kernels`) with localised shape arguments;
+* the loss is converted to replicated (an all-reduce over its partial axes) and returned.
+
+``print(pm.graph_module.code)`` shows the result. Parameter gradients that are partial over the
+data-parallel axes are all-reduced when backward finishes (``step`` phase collectives).
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+from typing import Any
+
+import torch
+import torch.fx
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from planner.ir import IRGraph, Node
+from planner.layout import Layout, Spec, conversion_steps, spec_conversion
+from planner.plan import NodePlan, Plan, fingerprint
+from planner.trace import trace
+from runtime.collectives import CommRecorder, Convert, run_steps
+from runtime.groups import MeshGroups, build_groups
+from runtime.kernels import CrossEntropyKernel, EmbeddingKernel, Kernel, LinearKernel, MeanKernel, Slot, getitem
+from runtime.module import ParallelModule
+
+VIEW_TARGETS = {"aten.view.default", "aten._unsafe_view.default", "aten.reshape.default"}
+
+
+def compile_plan(
+    plan: Plan,
+    model: torch.nn.Module,
+    example_args: tuple[Any, ...],
+    example_kwargs: dict[str, Any] | None = None,
+    *,
+    device: torch.device | str | None = None,
+    mesh_groups: MeshGroups | None = None,
+) -> ParallelModule:
+    """This rank's runnable module for ``plan``. ``example_*``: a full (global) batch, as planned."""
+    example_kwargs = dict(example_kwargs or {})
+    graph = trace(model, example_args, example_kwargs)
+    if fingerprint(graph) != plan.model_fingerprint:
+        raise ValueError(
+            f"the plan was made for a different model or input shapes (fingerprint {plan.model_fingerprint}, "
+            f"this model traces to {fingerprint(graph)}); re-plan with these inputs"
+        )
+    mg = mesh_groups or build_groups(plan.mesh_obj)
+    dev = torch.device(device) if device is not None else _default_device()
+    recorder = CommRecorder()
+    builder = _Builder(plan, graph, model, mg, recorder, dev)
+    gm = builder.build()
+    return ParallelModule(plan, graph, gm, mg, recorder, builder.param_specs, builder.param_names, builder.input_specs)
+
+
+def _default_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _attr_name(name: str) -> str:
+    return re.sub(r"[^0-9a-zA-Z_]", "_", name)
+
+
+class _Builder:
+    def __init__(self, plan: Plan, graph: IRGraph, model: torch.nn.Module, mg: MeshGroups, rec: CommRecorder, device: torch.device) -> None:
+        self.plan = plan
+        self.graph = graph
+        self.model = model
+        self.mg = mg
+        self.rec = rec
+        self.device = device
+        self.nodes: dict[str, NodePlan] = {n.name: n for n in plan.nodes}
+        self.fx_nodes = {n.name: n for n in graph.graph_module.graph.nodes}
+        self.root = torch.nn.Module()
+        self.fx = torch.fx.Graph()
+        self.env: dict[tuple[str, int], torch.fx.Node] = {}
+        self.converted: dict[tuple[str, int, Spec], torch.fx.Node] = {}
+        self.param_specs: dict[str, Spec] = {}
+        self.param_names: dict[str, tuple[str, ...]] = {}
+        self.input_specs: list[Spec] = []
+        self.count = 0
+
+    def build(self) -> torch.fx.GraphModule:
+        for node in self.graph.nodes.values():
+            if node.kind == "input":
+                self.env[(node.name, 0)] = self.fx.placeholder(node.name)
+                spec = self.nodes[node.name].output_specs()[0]
+                assert spec is not None
+                self.input_specs.append(spec)
+            elif node.kind == "param":
+                self._param(node)
+            elif node.kind in ("buffer", "constant"):
+                self._buffer(node)
+            elif node.kind == "op":
+                self._op(node)
+            elif node.kind == "output":
+                self._output(node)
+        return torch.fx.GraphModule(self.root, self.fx, class_name="RankLocalModule")
+
+    # ----------------------------------------------------------------- sources
+
+    def _param(self, node: Node) -> None:
+        spec = self.nodes[node.name].output_specs()[0]
+        assert spec is not None
+        full = self.model.get_parameter(node.param_names[0])
+        local = self.shard(full.detach(), spec.layout)
+        attr = _attr_name(node.name)
+        self.root.register_parameter(attr, torch.nn.Parameter(local.to(self.device).clone(), requires_grad=full.requires_grad))
+        self.param_specs[attr] = spec
+        self.param_names[attr] = node.param_names
+        self.env[(node.name, 0)] = self.fx.get_attr(attr)
+
+    def _buffer(self, node: Node) -> None:
+        try:
+            full = self.model.get_buffer(node.param_names[0])
+        except AttributeError as exc:
+            raise NotImplementedError(f"lifted tensor constant {node.param_names} is not supported by the runtime yet") from exc
+        attr = _attr_name(node.name)
+        self.root.register_buffer(attr, full.detach().to(self.device).clone())
+        self.env[(node.name, 0)] = self.fx.get_attr(attr)
+
+    def shard(self, full: torch.Tensor, layout: Layout) -> torch.Tensor:
+        if full.is_meta:
+            raise ValueError("parameters on the meta device must be materialised before compile (see runtime.materialize)")
+        steps = conversion_steps(Layout.replicated(layout.ndim), layout, self.mg.mesh)
+        return run_steps(full, steps, self.mg, CommRecorder(), "fwd")
+
+    # ----------------------------------------------------------------- ops
+
+    def _input_value(self, consumer: Node, pos: int, want: Spec | None) -> torch.fx.Node:
+        ref = consumer.inputs[pos]
+        src = self.env[(ref.node, ref.index)]
+        have = self.nodes[ref.node].output_specs()[ref.index]
+        if want is None or have is None or have == want:
+            return src
+        key = (ref.node, ref.index, want)
+        if key not in self.converted:
+            producer = self.graph.nodes[ref.node]
+            meta = producer.outputs[ref.index]
+            conv = spec_conversion(have, want, self.mg.mesh)
+            with_grad = producer.requires_grad and meta is not None and meta.is_float
+            module = Convert(conv.forward, conv.backward if with_grad else (), self.mg, self.rec, f"{ref.node}: {have} -> {want}")
+            name = self._add(f"convert_{ref.node}", module)
+            self.converted[key] = self.fx.call_module(name, (src,))
+        return self.converted[key]
+
+    def _add(self, prefix: str, module: torch.nn.Module) -> str:
+        self.count += 1
+        name = _attr_name(f"{prefix}_{self.count}")
+        self.root.add_module(name, module)
+        return name
+
+    def _op(self, node: Node) -> None:
+        np = self.nodes[node.name]
+        ins = np.input_specs()
+        outs = np.output_specs()
+        values = tuple(self._input_value(node, p, ins[p] if p < len(ins) else None) for p in range(len(node.inputs)))
+        kernel = self._kernel(node, np, ins, outs)
+        name = self._add(f"k_{node.name}", kernel)
+        out = self.fx.call_module(name, values)
+        if len(node.outputs) == 1:
+            self.env[(node.name, 0)] = out
+        else:
+            for k in range(len(node.outputs)):
+                self.env[(node.name, k)] = self.fx.call_function(operator.getitem, (out, k))
+
+    def _template(self, node: Node, outs: list[Spec | None]) -> tuple[Any, dict[str, Any]]:
+        fx_node = self.fx_nodes[node.name]
+        counter = iter(range(len(node.inputs)))
+
+        def swap(a: Any) -> Any:
+            if isinstance(a, torch.fx.Node):
+                return Slot(next(counter))
+            if isinstance(a, torch.device):
+                return self.device
+            return a
+
+        flat, spec = tree_flatten((fx_node.args, fx_node.kwargs))
+        args, kwargs = tree_unflatten([swap(a) for a in flat], spec)
+        if self.nodes[node.name].kernel == "reshape":
+            meta = node.outputs[0]
+            assert meta is not None and outs[0] is not None
+            args = (args[0], list(outs[0].layout.local_shape(meta.shape, self.mg.mesh)), *args[2:])
+        return tuple(args), dict(kwargs)
+
+    def _kernel(self, node: Node, np: NodePlan, ins: list[Spec | None], outs: list[Spec | None]) -> Kernel:
+        template = self._template(node, outs)
+        target = self.fx_nodes[node.name].target
+        if np.kernel == "linear":
+            partial = self.mg.mesh.sort_axes(outs[0].layout.partial) if outs[0] else ()
+            return LinearKernel(node.name, template, partial, self.mg)
+        if np.kernel == "embedding":
+            w = ins[0]
+            assert w is not None
+            rows = self.graph.nodes[node.inputs[0].node].out.shape[0] // self.mg.mesh.group_size(w.layout.dims[0])
+            return EmbeddingKernel(node.name, template, w.layout.dims[0], rows, self.mg)
+        if np.kernel == "cross_entropy":
+            logits = ins[0]
+            assert logits is not None
+            classes = self.graph.nodes[node.inputs[0].node].outputs[node.inputs[0].index]
+            assert classes is not None
+            local = classes.shape[1] // self.mg.mesh.group_size(logits.layout.dims[1])
+            return CrossEntropyKernel(node.name, template, logits.layout.dims[0], logits.layout.dims[1], local, self.mg, self.rec)
+        if np.kernel == "mean":
+            assert ins[0] is not None and outs[0] is not None
+            shards = self.mg.mesh.group_size(outs[0].layout.partial - ins[0].layout.partial)
+            return MeanKernel(node.name, target, template, shards)
+        if np.kernel == "reshape":
+            fn = torch.ops.aten.reshape.default if node.target in VIEW_TARGETS else target
+            return Kernel(node.name, fn, template)
+        if np.kernel == "getitem":
+            return Kernel(node.name, getitem, template)
+        return Kernel(node.name, target, template)
+
+    def _output(self, node: Node) -> None:
+        ref = node.inputs[0]
+        have = self.nodes[ref.node].output_specs()[ref.index]
+        value = self.env[(ref.node, ref.index)]
+        if have is not None and have.layout.partial:
+            want = Spec(Layout(have.layout.dims))
+            module = Convert(spec_conversion(have, want, self.mg.mesh).forward, (), self.mg, self.rec, f"loss: {have} -> {want}")
+            value = self.fx.call_module(self._add("loss", module), (value,))
+        self.fx.output(value)

@@ -1,0 +1,162 @@
+"""Rank-local kernels: how one node computes its local shard, given local inputs.
+
+Each kernel is a small module called from the rank-local fx graph with the node's tensor inputs
+(already converted to the Specs its strategy requires). ``arg_template`` is the original node's
+``(args, kwargs)`` with tensors replaced by :class:`Slot` markers, shape arguments localised, and
+devices set to the rank's device.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.utils._pytree import tree_map
+
+from planner.layout import Spec
+from runtime.collectives import CommRecorder, all_reduce
+from runtime.groups import MeshGroups
+
+
+@dataclass(frozen=True)
+class Slot:
+    index: int
+
+
+def fill(template: Any, tensors: tuple[torch.Tensor, ...]) -> Any:
+    return tree_map(lambda a: tensors[a.index] if isinstance(a, Slot) else a, template, is_leaf=lambda a: isinstance(a, Slot))
+
+
+class Kernel(torch.nn.Module):
+    def __init__(self, name: str, fn: Any, arg_template: tuple[Any, dict[str, Any]]) -> None:
+        super().__init__()
+        self.node_name = name
+        self.fn = fn
+        self.arg_template = arg_template
+
+    def forward(self, *tensors: torch.Tensor) -> Any:
+        args, kwargs = fill(self.arg_template, tensors)
+        return self.fn(*args, **kwargs)
+
+    def extra_repr(self) -> str:
+        return f"{self.node_name}: {getattr(self.fn, '__name__', self.fn)}"
+
+
+def getitem(x: Any, i: int) -> Any:
+    return operator.getitem(x, i)
+
+
+class LinearKernel(Kernel):
+    """``y = x w^T + b`` on local shards; with the contraction dim split (output partial over those
+    axes) the bias is added on the group's first rank only, so the partial sum adds it once."""
+
+    def __init__(self, name: str, arg_template: Any, partial_axes: tuple[str, ...], mg: MeshGroups) -> None:
+        super().__init__(name, F.linear, arg_template)
+        self.add_bias = mg.index(partial_axes) == 0 if partial_axes else True
+
+    def forward(self, *tensors: torch.Tensor) -> Any:
+        args, _ = fill(self.arg_template, tensors)
+        x, w = args[0], args[1]
+        b = args[2] if len(args) > 2 and self.add_bias else None
+        return F.linear(x, w, b)
+
+
+class EmbeddingKernel(Kernel):
+    """Embedding lookup; vocab-parallel when the table's rows are split: ids outside this rank's
+    rows give zeros, and the output is a partial sum over the row axes."""
+
+    def __init__(self, name: str, arg_template: Any, row_axes: tuple[str, ...], rows_local: int, mg: MeshGroups) -> None:
+        super().__init__(name, torch.ops.aten.embedding.default, arg_template)
+        self.start = mg.index(row_axes) * rows_local if row_axes else 0
+        self.rows = rows_local
+        self.split = bool(row_axes)
+
+    def forward(self, *tensors: torch.Tensor) -> Any:
+        args, kwargs = fill(self.arg_template, tensors)
+        weight, ids = args[0], args[1]
+        if not self.split:
+            return torch.ops.aten.embedding.default(weight, ids, *args[2:], **kwargs)
+        outside = (ids < self.start) | (ids >= self.start + self.rows)
+        local_ids = (ids - self.start).masked_fill(outside, 0)
+        out = torch.ops.aten.embedding.default(weight, local_ids)
+        return out.masked_fill(outside.unsqueeze(-1), 0.0)
+
+
+class _VocabParallelCE(torch.autograd.Function):
+    """Per-token cross-entropy with the class dim split over ``axes`` (Megatron's vocab-parallel
+    loss): all-reduce the max, the sum of exponentials and the target logit; backward is local."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, target: torch.Tensor, start: int, axes: tuple[str, ...], mg: MeshGroups, rec: CommRecorder) -> torch.Tensor:  # type: ignore[override]
+        n_local = logits.shape[1]
+        logits_max = all_reduce(logits.max(dim=1).values, axes, mg, rec, "fwd", op=dist.ReduceOp.MAX)
+        shifted = logits - logits_max.unsqueeze(1)
+        exp = shifted.exp()
+        sum_exp = all_reduce(exp.sum(dim=1), axes, mg, rec, "fwd")
+        inside = (target >= start) & (target < start + n_local)
+        local_t = (target - start).masked_fill(~inside, 0)
+        picked = shifted.gather(1, local_t.unsqueeze(1)).squeeze(1).masked_fill(~inside, 0.0)
+        picked = all_reduce(picked, axes, mg, rec, "fwd")
+        ctx.save_for_backward(exp / sum_exp.unsqueeze(1), local_t, inside)
+        return sum_exp.log() - picked
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        softmax, local_t, inside = ctx.saved_tensors
+        g = softmax.clone()
+        g.scatter_add_(1, local_t.unsqueeze(1), -inside.to(g.dtype).unsqueeze(1))
+        return g * grad.unsqueeze(1), None, None, None, None, None
+
+
+class CrossEntropyKernel(Kernel):
+    """``aten.cross_entropy_loss`` with the batch split (sum of local losses over the global count of
+    non-ignored targets, a partial sum over the batch axes) and/or the classes split."""
+
+    def __init__(self, name: str, arg_template: Any, batch_axes: tuple[str, ...], class_axes: tuple[str, ...], classes_local: int, mg: MeshGroups, rec: CommRecorder) -> None:
+        super().__init__(name, torch.ops.aten.cross_entropy_loss.default, arg_template)
+        self.batch_axes = batch_axes
+        self.class_axes = class_axes
+        self.start = mg.index(class_axes) * classes_local if class_axes else 0
+        self.mg = mg
+        self.rec = rec
+
+    def forward(self, *tensors: torch.Tensor) -> Any:
+        args, _ = fill(self.arg_template, tensors)
+        args = list(args) + [None] * (6 - len(args))
+        logits, target = args[0], args[1]
+        reduction = 1 if args[3] is None else args[3]
+        ignore_index = -100 if args[4] is None else args[4]
+        valid = target != ignore_index
+        if self.class_axes:
+            per_token = _VocabParallelCE.apply(logits, target.masked_fill(~valid, 0), self.start, self.class_axes, self.mg, self.rec)
+            per_token = per_token.masked_fill(~valid, 0.0)
+        else:
+            per_token = F.cross_entropy(logits, target, reduction="none", ignore_index=ignore_index)
+        total = per_token.sum()
+        if reduction == 2:  # sum
+            return total
+        count = valid.sum()
+        if self.batch_axes:
+            count = all_reduce(count, self.batch_axes, self.mg, self.rec, "fwd")
+        return total / count.to(total.dtype)
+
+
+class MeanKernel(Kernel):
+    """A mean over dims split over axes: local mean divided by the number of shards (partial sum)."""
+
+    def __init__(self, name: str, fn: Any, arg_template: Any, shards: int) -> None:
+        super().__init__(name, fn, arg_template)
+        self.shards = shards
+
+    def forward(self, *tensors: torch.Tensor) -> Any:
+        return super().forward(*tensors) / self.shards
+
+
+def localize(spec: Spec | None, shape: tuple[int, ...], mg: MeshGroups) -> tuple[int, ...]:
+    if spec is None:
+        return shape
+    return spec.layout.local_shape(shape, mg.mesh)

@@ -1,0 +1,147 @@
+"""The rank-local module a plan compiles to: forward, automatic gradient sync, state gathering.
+
+**Feeding data.** Each rank calls the module with *its* data-parallel shard of the global batch:
+the plan's inputs are split along dim 0 over the data-parallel axes (rank coordinates in the
+mesh decide which slice), replicated over the tensor-parallel axes. ``pm.shard_batch(*full)``
+cuts that slice from a full batch (handy when every rank loads the same batch); a data loader
+with a ``DistributedSampler`` over ``num_replicas=pm.dp_degree, rank=pm.dp_rank`` gives each
+rank its slice without loading the rest.
+
+The forward returns the global loss (identical on every rank); ``loss.backward()`` computes the
+local gradient shards, and when backward finishes, gradients that are partial sums over the
+data-parallel axes are all-reduced (one collective per parameter, the ``step`` phase).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import torch
+import torch.fx
+from torch.utils._pytree import tree_flatten
+
+from planner.ir import IRGraph
+from planner.layout import Layout, Spec, conversion_steps
+from planner.plan import Plan
+from runtime.collectives import CommRecorder, all_reduce, run_steps
+from runtime.groups import MeshGroups
+
+
+class _SyncAtBackwardEnd(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, loss: torch.Tensor, module: ParallelModule) -> torch.Tensor:  # type: ignore[override]
+        ctx.module = module
+        return loss.view_as(loss)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        torch.autograd.Variable._execution_engine.queue_callback(ctx.module.sync_grads)  # type: ignore[attr-defined]
+        return grad, None
+
+
+class ParallelModule(torch.nn.Module):
+    def __init__(
+        self,
+        plan: Plan,
+        graph: IRGraph,
+        graph_module: torch.fx.GraphModule,
+        mesh_groups: MeshGroups,
+        recorder: CommRecorder,
+        param_specs: dict[str, Spec],
+        param_names: dict[str, tuple[str, ...]],
+        input_specs: list[Spec],
+    ) -> None:
+        super().__init__()
+        self.plan = plan
+        self.graph = graph
+        self.graph_module = graph_module
+        self.mesh_groups = mesh_groups
+        self.recorder = recorder
+        self.param_specs = param_specs
+        self.param_names = param_names
+        self.input_specs = input_specs
+
+    # ----------------------------------------------------------------- data
+
+    @property
+    def dp_axes(self) -> tuple[str, ...]:
+        mesh = self.mesh_groups.mesh
+        return tuple(a for a in mesh.dp_axes if mesh.degree(a) > 1)
+
+    @property
+    def dp_degree(self) -> int:
+        return self.mesh_groups.mesh.group_size(self.dp_axes)
+
+    @property
+    def dp_rank(self) -> int:
+        return self.mesh_groups.index(self.dp_axes) if self.dp_axes else 0
+
+    def shard_batch(self, *args: Any, **kwargs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """This rank's part of a full batch, as the plan's input Specs say."""
+        flat, spec = tree_flatten((args, kwargs))
+        tensors = [t for t in flat if isinstance(t, torch.Tensor)]
+        if len(tensors) != len(self.input_specs):
+            raise ValueError(f"expected {len(self.input_specs)} tensor inputs as planned, got {len(tensors)}")
+        it = iter(self.input_specs)
+        out = []
+        for a in flat:
+            if isinstance(a, torch.Tensor):
+                s = next(it)
+                steps = conversion_steps(Layout.replicated(s.layout.ndim), s.layout, self.mesh_groups.mesh)
+                a = run_steps(a, steps, self.mesh_groups, CommRecorder(), "fwd")
+            out.append(a)
+        from torch.utils._pytree import tree_unflatten
+
+        return tree_unflatten(out, spec)  # type: ignore[no-any-return]
+
+    # ----------------------------------------------------------------- run
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        flat, _ = tree_flatten((args, kwargs))
+        tensors = [t for t in flat if isinstance(t, torch.Tensor)]
+        loss = self.graph_module(*tensors)
+        if torch.is_grad_enabled() and loss.requires_grad:
+            loss = _SyncAtBackwardEnd.apply(loss, self)
+        return loss  # type: ignore[no-any-return]
+
+    def sync_grads(self) -> None:
+        """All-reduce gradients that are partial sums over the data-parallel axes."""
+        for attr, spec in self.param_specs.items():
+            p = self.graph_module.get_parameter(attr)
+            axes = self.mesh_groups.mesh.sort_axes(spec.grad_partial)
+            if p.grad is not None and axes:
+                p.grad.copy_(all_reduce(p.grad, axes, self.mesh_groups, self.recorder, "step"))
+
+    # ----------------------------------------------------------------- introspection
+
+    def local_parameters(self) -> dict[str, torch.nn.Parameter]:
+        return {attr: self.graph_module.get_parameter(attr) for attr in self.param_specs}
+
+    def gather(self, attr: str, tensor: torch.Tensor) -> torch.Tensor:
+        """The full tensor of a parameter (or its gradient) from the local shards (all ranks call)."""
+        spec = self.param_specs[attr]
+        steps = conversion_steps(spec.layout, Layout.replicated(spec.layout.ndim), self.mesh_groups.mesh)
+        return run_steps(tensor.detach(), steps, self.mesh_groups, CommRecorder(), "fwd")
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter, full, under its original names (tied weights under each name)."""
+        out: dict[str, torch.Tensor] = {}
+        for attr, p in self.local_parameters().items():
+            full = self.gather(attr, p)
+            for name in self.param_names[attr]:
+                out[name] = full
+        return out
+
+    def full_grads(self) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for attr, p in self.local_parameters().items():
+            if p.grad is None:
+                continue
+            full = self.gather(attr, p.grad)
+            for name in self.param_names[attr]:
+                out[name] = full
+        return out
+
+    def executed_comms(self) -> Counter[tuple[str, tuple[str, ...], int, str]]:
+        return Counter(self.recorder.records)
