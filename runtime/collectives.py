@@ -70,8 +70,12 @@ def local_slice(t: torch.Tensor, axes: tuple[str, ...], dim: int, mg: MeshGroups
 
 
 def keep_on_first(t: torch.Tensor, axes: tuple[str, ...], mg: MeshGroups) -> torch.Tensor:
-    """Replicated -> partial: the value stays on the group's first rank, zeros elsewhere."""
-    return t if mg.index(axes) == 0 else torch.zeros_like(t)
+    """Replicated -> partial: the value stays on the group's first rank, zeros elsewhere.
+
+    A multiplication on every rank (not a branch), so each rank builds the same autograd graph
+    and runs backward collectives in the same order.
+    """
+    return t * (1 if mg.index(axes) == 0 else 0)
 
 
 def run_steps(t: torch.Tensor, steps: tuple[Step, ...], mg: MeshGroups, rec: CommRecorder, phase: str) -> torch.Tensor:

@@ -52,16 +52,19 @@ def getitem(x: Any, i: int) -> Any:
 
 class LinearKernel(Kernel):
     """``y = x w^T + b`` on local shards; with the contraction dim split (output partial over those
-    axes) the bias is added on the group's first rank only, so the partial sum adds it once."""
+    axes) the bias counts on the group's first rank only (times 0 elsewhere, so that every rank
+    builds the same autograd graph), and the partial sum adds it once."""
 
     def __init__(self, name: str, arg_template: Any, partial_axes: tuple[str, ...], mg: MeshGroups) -> None:
         super().__init__(name, F.linear, arg_template)
-        self.add_bias = mg.index(partial_axes) == 0 if partial_axes else True
+        self.bias_scale = (1 if mg.index(partial_axes) == 0 else 0) if partial_axes else None
 
     def forward(self, *tensors: torch.Tensor) -> Any:
         args, _ = fill(self.arg_template, tensors)
         x, w = args[0], args[1]
-        b = args[2] if len(args) > 2 and self.add_bias else None
+        b = args[2] if len(args) > 2 else None
+        if b is not None and self.bias_scale is not None:
+            b = b * self.bias_scale
         return F.linear(x, w, b)
 
 
