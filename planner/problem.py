@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from planner.cost import OPTIMIZER_STATE_BYTES_PER_BYTE, comm_time, compute_time, steps_comms
@@ -87,9 +88,19 @@ class Problem:
         return sum(len(g.strategies) for g in self.groups.values())
 
 
+StrategyFilter = Callable[[Node, Strategy], bool]
+
+
 def build_problem(
-    graph: IRGraph, mesh: Mesh, hardware: HardwareProfile, *, optimizer: str = "adamw"
+    graph: IRGraph,
+    mesh: Mesh,
+    hardware: HardwareProfile,
+    *,
+    optimizer: str = "adamw",
+    allow: StrategyFilter | None = None,
 ) -> Problem:
+    """``allow(node, strategy)``, when given, pins choices: an anchor keeps only the strategies it
+    accepts (a ValueError names the node if it accepts none)."""
     t0 = time.perf_counter()
     choices: dict[str, list[Strategy]] = {}
     node_group: dict[str, str] = {}
@@ -119,6 +130,12 @@ def build_problem(
             node_group[node.name] = node_group[ref.node]
         else:
             strategies = anchor_strategies(node, graph, mesh)
+            if allow is not None:
+                kept = [s for s in strategies if allow(node, s)]
+                if not kept:
+                    options = sorted({s.algorithm for s in strategies})
+                    raise ValueError(f"the strategy filter rejects every strategy of {node.name} ({node.target}); its options: {options}")
+                strategies = kept
             if node.kind == "param":
                 dp = frozenset(a for a in mesh.dp_axes if mesh.degree(a) > 1)
                 strategies = [Strategy(s.algorithm, s.kernel, s.inputs, (Spec(s.outputs[0].layout, dp),)) for s in strategies if s.outputs[0]]  # type: ignore[union-attr]

@@ -20,7 +20,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from planner.ir import IRGraph, Node
+from planner.ir import IRGraph, Node, TensorMeta
 from planner.layout import Layout, Spec
 from planner.mesh import Mesh
 from planner.strategy import Comm, Operand, Strategy, dedupe, einsum_strategies, enumerate_layouts, split_label, with_dp
@@ -80,11 +80,14 @@ class RuleContext:
     def kwargs(self) -> dict[str, Any]:
         return dict(self.fx_node.kwargs) if self.fx_node is not None else {}
 
-    def in_shape(self, i: int) -> tuple[int, ...]:
+    def in_meta(self, i: int) -> TensorMeta:
         ref = self.node.inputs[i]
         meta = self.graph.nodes[ref.node].outputs[ref.index]
         assert meta is not None
-        return meta.shape
+        return meta
+
+    def in_shape(self, i: int) -> tuple[int, ...]:
+        return self.in_meta(i).shape
 
     def is_param(self, i: int) -> bool:
         return self.graph.nodes[self.node.inputs[i].node].kind == "param"
@@ -278,7 +281,7 @@ def _cross_entropy(ctx: RuleContext) -> list[Strategy]:
         comms = []
         n_local = logits[0] // ctx.mesh.group_size(n_axes)
         if c_axes:  # max, sum of exponentials, target logit: one all-reduce each over the class axes
-            comms += [Comm("all_reduce", c_axes, n_local * 4, "fwd")] * 3
+            comms += [Comm("all_reduce", c_axes, n_local * ctx.in_meta(0).itemsize, "fwd")] * 3
         if n_axes and reduction == 1:  # count of non-ignored targets for the global mean
             comms.append(Comm("all_reduce", n_axes, 8, "fwd"))
         label = "vocab-parallel" if c_axes else split_label(ctx.mesh, split)

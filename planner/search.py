@@ -19,7 +19,7 @@ from planner.hardware import HardwareProfile
 from planner.ir import IRGraph
 from planner.mesh import Mesh
 from planner.plan import CommRecord, MemoryBreakdown, NodePlan, Plan, SolverInfo, TPFamily, fingerprint
-from planner.problem import Evaluation, Problem, build_problem
+from planner.problem import Evaluation, Problem, StrategyFilter, build_problem
 from planner.rules import FALLBACK
 from planner.solve import InfeasibleBudget, Solution, SolverSettings, solve
 
@@ -107,6 +107,7 @@ def search(
     objective: Literal["time", "memory"] = "time",
     optimizer: str = "adamw",
     settings: SolverSettings | None = None,
+    allow: StrategyFilter | None = None,
 ) -> SearchResult:
     t0 = time.perf_counter()
     budget = float(memory_budget if memory_budget is not None else hardware.device_memory)
@@ -116,7 +117,7 @@ def search(
         if cand.reason:
             result.candidates.append(cand)
             continue
-        problem = build_problem(graph, cand.mesh, hardware, optimizer=optimizer)
+        problem = build_problem(graph, cand.mesh, hardware, optimizer=optimizer, allow=allow)
         try:
             sol = solve(problem, memory_budget=budget, objective=objective, settings=settings)
         except InfeasibleBudget as exc:

@@ -30,8 +30,12 @@ memory. Time and memory of the answer are re-computed exactly by
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Literal
 
@@ -81,13 +85,14 @@ class _Model:
         self.problem = problem
         self.lp = pulp.LpProblem(name, pulp.LpMinimize)
         self.gid = {g: k for k, g in enumerate(problem.groups)}
+        lp = self.lp
         self.x = {
-            g: [pulp.LpVariable(f"x_{self.gid[g]}_{i}", cat="Binary") for i in range(len(grp.strategies))]
+            g: [lp.add_variable(f"x_{self.gid[g]}_{i}", 0, 1, cat="Binary") for i in range(len(grp.strategies))]
             for g, grp in problem.groups.items()
         }
-        self.y = {key: pulp.LpVariable(f"y_{k}", 0, 1) for k, key in enumerate(problem.conversions)}
-        self.z = {key: pulp.LpVariable(f"z_{k}", 0, 1) for k, key in enumerate(problem.holds)}
-        self.transient = pulp.LpVariable("transient", 0)
+        self.y = {key: lp.add_variable(f"y_{k}", 0, 1) for k, key in enumerate(problem.conversions)}
+        self.z = {key: lp.add_variable(f"z_{k}", 0, 1) for k, key in enumerate(problem.holds)}
+        self.transient = lp.add_variable("transient", 0)
         self.one_strategy()
         self.conversion()
         self.hold()
@@ -154,6 +159,21 @@ def _solver(settings: SolverSettings) -> pulp.LpSolver:
     return pulp.PULP_CBC_CMD(msg=False, timeLimit=settings.time_limit_s, gapRel=settings.relative_gap, threads=settings.threads)
 
 
+@contextlib.contextmanager
+def _quiet_stdout() -> Iterator[None]:
+    """HiGHS prints a banner on file descriptor 1 the first time it runs, whatever its options."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+        os.close(devnull)
+
+
 def solve(
     problem: Problem,
     *,
@@ -172,7 +192,8 @@ def solve(
     build = time.perf_counter() - t0
     solver = _solver(settings)
     t0 = time.perf_counter()
-    model.lp.solve(solver)
+    with _quiet_stdout():
+        model.lp.solve(solver)
     elapsed = time.perf_counter() - t0
     status_name = pulp.LpStatus[model.lp.status]
     if status_name in ("Infeasible", "Not Solved") or model.lp.sol_status in (pulp.LpSolutionInfeasible, pulp.LpSolutionNoSolutionFound):
@@ -190,8 +211,8 @@ def solve(
         objective=float(pulp.value(model.lp.objective) or 0.0),
         build_seconds=build,
         solve_seconds=elapsed,
-        num_variables=len(model.lp.variables()),
-        num_constraints=len(model.lp.constraints),
+        num_variables=model.lp.numVariables(),
+        num_constraints=model.lp.numConstraints(),
         backend=type(solver).__name__,
     )
 

@@ -12,16 +12,23 @@
 3. Repeated layers are found from each node's module path (``h.0``, ``h.1``, ...) and checked to
    be structurally identical; each node then names its template (the node at the same position
    in the first instance) so the solver can share variables.
+
+``forward`` should return the training loss. Models that return it inside a richer output are
+accepted as they are (see :func:`_loss_only`): a dict or ``ModelOutput`` with a ``loss`` entry, or a
+tuple whose first element is the loss, as Hugging Face ``transformers`` models return when given
+``labels``. A model whose ``config`` has ``use_cache`` (Hugging Face) is traced with it off.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import operator
 import re
 import time
 import traceback
 from collections import defaultdict
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -78,19 +85,70 @@ def _to_meta(x: Any) -> Any:
 
 def _export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     try:
-        return torch.export.export(model, args, kwargs, strict=False)
+        with _loss_only(model):
+            return torch.export.export(model, args, kwargs, strict=False)
     except Exception as exc:  # noqa: BLE001 - re-raised with a diagnosis
         frames = [f for f in traceback.extract_tb(exc.__traceback__) if "/torch/" not in f.filename]
         where = f"{frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}" if frames else "inside torch"
+        if frames and frames[-1].line:
+            where += f": {frames[-1].line.strip()}"
+        module = _failing_module(exc, model)
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise TraceError(
             f"could not trace {type(model).__name__} with torch.export (non-strict): {type(exc).__name__}: "
-            f"{first}\n  at {where}\n  What to do: make forward() return the training loss for the "
-            "example inputs you pass; avoid data-dependent Python control flow on tensor values "
-            "(use torch.where / torch.cond), pass use_cache=False to Hugging Face models, and "
-            "mark a module whose internals cannot be traced as a leaf by wrapping its call in a "
-            "torch.library custom op."
+            f"{first}\n  at {where}{module}\n  What to do: make forward() return the training loss for the "
+            "example inputs you pass (for Hugging Face models, pass labels=...); avoid data-dependent "
+            "Python control flow on tensor values (use torch.where / torch.cond); and mark a module whose "
+            "internals cannot be traced as a leaf by wrapping its call in a torch.library custom op."
         ) from exc
+
+
+@contextlib.contextmanager
+def _loss_only(model: torch.nn.Module) -> Iterator[None]:
+    """While exporting, make ``model(...)`` return only its loss, and build no key/value cache.
+
+    A forward hook replaces the output by :func:`_loss_of` of it, so the exported graph returns one
+    tensor while parameter names and module paths stay the model's own (no wrapper prefix). A
+    ``config.use_cache`` (Hugging Face models) is set to False for the export and restored after:
+    the cache serves generation, not training, and torch.export cannot return a ``DynamicCache``.
+    """
+    config = getattr(model, "config", None)
+    use_cache = getattr(config, "use_cache", None)
+    if use_cache:
+        config.use_cache = False  # type: ignore[union-attr]
+    handle = model.register_forward_hook(lambda _module, _args, out: _loss_of(out))
+    try:
+        yield
+    finally:
+        handle.remove()
+        if use_cache:
+            config.use_cache = use_cache  # type: ignore[union-attr]
+
+
+def _loss_of(out: Any) -> Any:
+    """The loss in a model's output: the tensor itself, a mapping's ``loss``, a sequence's first item.
+
+    Anything else (a mapping without a loss: no labels were passed) is returned unchanged, and the
+    single-scalar check in :func:`_build_nodes` reports what came back.
+    """
+    if isinstance(out, Mapping) and out.get("loss") is not None:  # dict, Hugging Face ModelOutput
+        return out["loss"]
+    if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
+        return out[0]
+    return out
+
+
+def _failing_module(exc: BaseException, model: torch.nn.Module) -> str:
+    """`` (module 'path', Class)`` for the innermost submodule of ``model`` whose forward raised."""
+    paths = {id(m): name for name, m in model.named_modules()}
+    found = ""
+    tb = exc.__traceback__
+    while tb is not None:
+        owner = tb.tb_frame.f_locals.get("self")
+        if isinstance(owner, torch.nn.Module) and id(owner) in paths:
+            found = f" (module {paths[id(owner)] or '<root>'!r}, {type(owner).__name__})"
+        tb = tb.tb_next
+    return found
 
 
 def _meta_of(val: Any) -> TensorMeta | None:
@@ -132,6 +190,8 @@ def _build_nodes(ep: Any, model: torch.nn.Module) -> tuple[dict[str, Node], tupl
     cache: dict[Any, tuple[int, int, tuple[Saved, ...], int | None]] = {}
     for fx_node in ep.graph.nodes:
         val = fx_node.meta.get("val")
+        if fx_node.op == "placeholder" and not isinstance(val, torch.Tensor) and not fx_node.users:
+            continue  # a Python constant argument (use_cache=False, return_dict=False): baked into the graph
         if fx_node.op == "placeholder":
             meta = _meta_of(val)
             if fx_node.name in to_param:
@@ -148,6 +208,8 @@ def _build_nodes(ep: Any, model: torch.nn.Module) -> tuple[dict[str, Node], tupl
                 fx_node.name, kind, "placeholder", (), (meta,), param_names=pnames, requires_grad=grad,  # type: ignore[arg-type]
                 template=fx_node.name,
             )
+        elif fx_node.op == "call_function" and val is None and not fx_node.users:
+            continue  # a check with no result, e.g. aten._assert_tensor_metadata: nothing to plan
         elif fx_node.op == "call_function":
             refs = _input_refs(fx_node)
             outs = tuple(_meta_of(v) for v in val) if isinstance(val, (tuple, list)) else (_meta_of(val),)
@@ -171,7 +233,9 @@ def _build_nodes(ep: Any, model: torch.nn.Module) -> tuple[dict[str, Node], tupl
                 shapes = [str(nodes[o.name].outputs[0]) for o in outs]
                 raise TraceError(
                     f"the model returns {len(outs)} tensor(s) {shapes}; the planner needs forward() to "
-                    "return one scalar training loss for the example inputs (e.g. pass targets/labels)"
+                    "return one scalar training loss for the example inputs: a tensor, a dict or "
+                    "ModelOutput with a 'loss', or a tuple whose first element is the loss (pass the "
+                    "targets/labels, e.g. labels=... for Hugging Face models)"
                 )
             output_name = outs[0].name
             _drop_unused_placeholders(ep.graph, nodes)
@@ -184,7 +248,7 @@ def _build_nodes(ep: Any, model: torch.nn.Module) -> tuple[dict[str, Node], tupl
 def _drop_unused_placeholders(graph: torch.fx.Graph, nodes: dict[str, Node]) -> None:
     """Tied weights export as one used placeholder and one unused one: keep the used one."""
     for fx_node in graph.nodes:
-        if fx_node.op == "placeholder" and not fx_node.users and nodes[fx_node.name].kind != "input":
+        if fx_node.op == "placeholder" and not fx_node.users and fx_node.name in nodes and nodes[fx_node.name].kind != "input":
             del nodes[fx_node.name]
 
 
@@ -227,6 +291,8 @@ def _replay(fx_node: torch.fx.Node) -> tuple[int, int, tuple[Saved, ...], int | 
     """Run the node's op alone on meta tensors: (fwd FLOPs, bwd FLOPs, saved tensors, aliased input)."""
 
     def materialize(a: Any) -> Any:
+        if isinstance(a, torch.device):  # x.to(device) replays on meta
+            return torch.device("meta")
         if isinstance(a, torch.fx.Node):
             v = a.meta.get("val")
             if isinstance(v, torch.Tensor):

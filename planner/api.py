@@ -1,0 +1,113 @@
+"""``auto_parallelize``: the one place that joins planning and running.
+
+Outside a process group it plans and returns a :class:`PlanningResult` (the best plan, every
+configuration tried, a readable report). Under ``torchrun`` with ``WORLD_SIZE == devices`` it
+plans (identically on every rank: planning is deterministic) and returns this rank's runnable
+:class:`runtime.module.ParallelModule`. ``runtime`` is imported lazily, so planning never touches
+``torch.distributed``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+
+from planner.hardware import HardwareProfile, load_profile
+from planner.plan import Plan
+from planner.report import format_search
+from planner.search import SUPPORTED_TP, SearchResult, SearchSpace, search
+from planner.solve import SolverSettings
+from planner.trace import trace
+
+if TYPE_CHECKING:
+    from runtime.module import ParallelModule
+
+
+@dataclass(frozen=True)
+class PlanningResult:
+    plan: Plan | None
+    search: SearchResult
+    report: str
+
+    def __str__(self) -> str:
+        return self.report
+
+
+def _world_size() -> int | None:
+    import torch.distributed as dist  # only to ask whether a process group exists
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return None
+
+
+def plan_model(
+    model: torch.nn.Module,
+    *,
+    devices: int,
+    example_inputs: tuple[Any, ...] | None = None,
+    example_kwargs: dict[str, Any] | None = None,
+    hardware: str | HardwareProfile = "a100-80g",
+    memory_budget: float | None = None,
+    tp: tuple[str, ...] = SUPPORTED_TP,
+    zero: tuple[int, ...] = (0,),
+    cdp: tuple[str, ...] = ("off",),
+    dp: int | None = None,
+    objective: Literal["time", "memory"] = "time",
+    optimizer: str = "adamw",
+    model_name: str | None = None,
+    solver: SolverSettings | None = None,
+) -> PlanningResult:
+    """Trace ``model`` on the example inputs (a full global batch) and search for the best plan."""
+    if example_inputs is None and not example_kwargs:
+        raise ValueError("example_inputs is required: a full (global) batch such that model(*example_inputs) returns the loss")
+    hw = load_profile(hardware) if isinstance(hardware, str) else hardware
+    space = SearchSpace(devices=devices, tp=tuple(tp), zero=tuple(zero), cdp=tuple(cdp), dp=dp)
+    t0 = time.perf_counter()
+    graph = trace(model, tuple(example_inputs or ()), dict(example_kwargs or {}))
+    trace_s = time.perf_counter() - t0
+    name = model_name or type(model).__name__
+    result = search(graph, space, hw, model_name=name, memory_budget=memory_budget, objective=objective, optimizer=optimizer, settings=solver)
+    report = format_search(result, model_name=name, devices=devices, hardware=hw, trace_seconds=trace_s, graph=graph)
+    return PlanningResult(result.best, result, report)
+
+
+def auto_parallelize(
+    model: torch.nn.Module,
+    devices: int | None = None,
+    example_inputs: tuple[Any, ...] | None = None,
+    *,
+    example_kwargs: dict[str, Any] | None = None,
+    plan: Plan | None = None,
+    device: torch.device | str | None = None,
+    **planning: Any,
+) -> PlanningResult | ParallelModule:
+    """Plan ``model`` for ``devices`` devices; under torchrun, return this rank's sharded module.
+
+    ``example_inputs``/``example_kwargs``: one full global batch (``model(*example_inputs,
+    **example_kwargs)`` returns the training loss). Keyword arguments of :func:`plan_model`
+    (``hardware``, ``memory_budget``, ``tp``, ``zero``, ``cdp``, ``dp``, ``objective``, ...) pass
+    through. Give ``plan=`` to run a saved plan without searching again.
+    """
+    world = _world_size()
+    if devices is None:
+        if world is None:
+            raise ValueError("devices is required outside torchrun (e.g. auto_parallelize(model, devices=64, example_inputs=batch))")
+        devices = world
+    if world is not None and world != devices:
+        raise ValueError(f"devices={devices} but WORLD_SIZE={world}: launch with torchrun --nproc-per-node {devices} (or plan for {world})")
+    result: PlanningResult | None = None
+    if plan is None:
+        result = plan_model(model, devices=devices, example_inputs=example_inputs, example_kwargs=example_kwargs, **planning)
+        plan = result.plan
+    if world is None:
+        assert result is not None, "a saved plan runs only under torchrun"
+        return result
+    if plan is None:
+        raise ValueError(f"no plan fits; nothing to run.\n{result.report if result else ''}")
+    from runtime.compile import compile_plan
+
+    return compile_plan(plan, model, tuple(example_inputs or ()), dict(example_kwargs or {}), device=device)

@@ -1,0 +1,127 @@
+"""The ``planner`` command line.
+
+    planner report MODEL --devices N [--batch B] [--hardware NAME|FILE] [--memory BYTES]
+                   [--tp none,1d] [--zero 0] [--cdp off] [--dp N] [--objective time|memory]
+                   [--json] [--save-plan FILE]
+
+MODEL is a bundled preset (``planner models`` lists them) or ``package.module:factory`` where
+``factory(batch)`` returns ``(model, args, kwargs)``: the model (ideally on the ``meta`` device)
+and one global batch such that ``model(*args, **kwargs)`` returns the training loss.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import re
+import sys
+from typing import Any
+
+import torch
+
+from planner.api import plan_model
+from planner.hardware import PRESETS, load_profile
+from planner.report import search_json
+from planner.search import ALL_TP
+
+_UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str) -> float:
+    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"cannot read {text!r} as bytes: use e.g. 80GiB, 40e9, 16GB")
+    return float(m.group(1)) * _UNITS[m.group(2).lower()]
+
+
+def _list(kind: type, allowed: tuple[Any, ...] | None = None) -> Any:
+    def parse(text: str) -> tuple[Any, ...]:
+        items = tuple(kind(x.strip()) for x in text.split(",") if x.strip())
+        if allowed is not None:
+            bad = [x for x in items if x not in allowed]
+            if bad:
+                raise argparse.ArgumentTypeError(f"{bad} not among {', '.join(map(str, allowed))}")
+        return items
+
+    return parse
+
+
+def load_model(spec: str, batch: int) -> tuple[torch.nn.Module, tuple[Any, ...], dict[str, Any], str]:
+    """A preset name, or ``package.module:factory``."""
+    if ":" in spec:
+        module_name, _, attr = spec.partition(":")
+        try:
+            factory = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as exc:
+            raise SystemExit(f"cannot load model factory {spec!r}: {exc}") from exc
+        out = factory(batch)
+        if not (isinstance(out, tuple) and len(out) == 3):
+            raise SystemExit(f"{spec}(batch) must return (model, args, kwargs); got {type(out).__name__}")
+        model, args, kwargs = out
+        return model, tuple(args), dict(kwargs), spec
+    from models import available_models, build_model, example_inputs
+
+    if spec not in available_models():
+        raise SystemExit(f"unknown model {spec!r}: use one of {', '.join(available_models())} or package.module:factory")
+    model = build_model(spec, device="meta")
+    args, kwargs = example_inputs(spec, batch=batch, device="meta")
+    return model, args, kwargs, spec
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="planner", description="Automatic parallelization planner for PyTorch training.")
+    sub = p.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("report", help="plan a model and print where time and memory go")
+    r.add_argument("model", help="preset name (see `planner models`) or package.module:factory")
+    r.add_argument("--devices", type=int, required=True)
+    r.add_argument("--batch", type=int, default=8, help="global batch size (default 8)")
+    r.add_argument("--hardware", default="a100-80g", help=f"preset ({', '.join(PRESETS)}) or a JSON profile file")
+    r.add_argument("--memory", type=parse_bytes, default=None, help="memory budget per device (default: the device's memory), e.g. 40GiB")
+    r.add_argument("--tp", type=_list(str, ALL_TP), default=("none", "1d"), help="tensor-parallel families to search (comma list of none,1d,2d,3d)")
+    r.add_argument("--zero", type=_list(int, (0, 1, 2, 3)), default=(0,), help="ZeRO stages to search (comma list)")
+    r.add_argument("--cdp", type=_list(str, ("off", "v1", "v2")), default=("off",), help="CDP modes to search (comma list)")
+    r.add_argument("--dp", type=int, default=None, help="fix the data-parallel degree")
+    r.add_argument("--objective", choices=("time", "memory"), default="time")
+    r.add_argument("--json", action="store_true", help="print one JSON document instead of the text report")
+    r.add_argument("--save-plan", metavar="FILE", help="write the best plan as JSON (runtime.compile_plan loads it)")
+    r.add_argument("--time-limit", type=float, default=120.0, help="ILP time limit per configuration, seconds")
+    r.add_argument("-v", "--verbose", action="store_true")
+    sub.add_parser("models", help="list bundled model presets")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "models":
+        from models import available_models
+
+        print("\n".join(available_models()))
+        return 0
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from planner.solve import SolverSettings
+
+    model, m_args, m_kwargs, name = load_model(args.model, args.batch)
+    hw = load_profile(args.hardware)
+    try:
+        result = plan_model(
+            model, devices=args.devices, example_inputs=m_args, example_kwargs=m_kwargs, hardware=hw,
+            memory_budget=args.memory, tp=args.tp, zero=args.zero, cdp=args.cdp, dp=args.dp,
+            objective=args.objective, model_name=name, solver=SolverSettings(time_limit_s=args.time_limit),
+        )
+    except ValueError as exc:
+        print(f"planner: error: {exc}", file=sys.stderr)
+        return 2
+    if args.save_plan and result.plan is not None:
+        with open(args.save_plan, "w") as f:
+            f.write(result.plan.model_dump_json(indent=1))
+    if args.json:
+        print(json.dumps(search_json(result.search, model_name=name, devices=args.devices, hardware=hw), indent=1))
+    else:
+        print(result.report)
+    return 0 if result.plan is not None else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,171 @@
+"""Readable reports of a search and of one plan (plain text; the CLI adds nothing but printing).
+
+Also the JSON document ``planner report --json`` prints: a ``pareto`` array of the
+non-dominated (step time, memory per device) plans among the configurations searched, each with
+``step_time_s``, ``peak_memory_bytes``, ``memory_breakdown``, ``mesh``, ``tp``, ``zero_stage``,
+``cdp``, and a ``candidates`` array saying what happened to every configuration.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from typing import Any
+
+from planner.hardware import HardwareProfile
+from planner.ir import IRGraph
+from planner.plan import Plan
+from planner.search import SearchResult
+
+GIB = 1024**3
+
+
+def _gib(x: float) -> str:
+    return f"{x / GIB:.2f} GiB"
+
+
+def _seconds(x: float) -> str:
+    if x >= 1:
+        return f"{x:.3f} s"
+    return f"{x * 1e3:.2f} ms"
+
+
+def _mib(x: float) -> str:
+    return f"{x / 2**20:.2f} MiB" if x >= 2**20 else f"{x / 1024:.1f} KiB" if x >= 1024 else f"{int(x)} B"
+
+
+def pareto(plans: list[Plan]) -> list[Plan]:
+    """Plans not dominated in (step time, peak memory), fastest first."""
+    front = []
+    for p in sorted(plans, key=lambda p: (p.step_time_s, p.peak_memory_bytes)):
+        if not front or p.peak_memory_bytes < front[-1].peak_memory_bytes:
+            front.append(p)
+    return front
+
+
+def _table(rows: list[list[str]], header: list[str]) -> str:
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True))]
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    return "\n".join(lines)
+
+
+def format_search(
+    result: SearchResult,
+    *,
+    model_name: str,
+    devices: int,
+    hardware: HardwareProfile,
+    trace_seconds: float,
+    graph: IRGraph | None = None,
+) -> str:
+    out = [f"planner report: {model_name} on {devices} devices, hardware {hardware.name}"]
+    if graph is not None:
+        shapes = ", ".join(str(list(graph.nodes[n].out.shape)) for n in graph.input_names)
+        out.append(f"model: {graph.summary()}; inputs {shapes}")
+    out.append(f"searched {len(result.candidates)} configurations in {result.seconds:.2f} s (trace {trace_seconds:.2f} s)")
+    rows = []
+    front = {id(p) for p in pareto(result.feasible)}
+    for c in result.candidates:
+        if c.plan is not None:
+            p = c.plan
+            mark = "best" if p is result.best else ("pareto" if id(p) in front else "")
+            rows.append([str(c.mesh), p.tp, str(p.zero_stage), p.cdp, _seconds(p.step_time_s), _gib(p.peak_memory_bytes), p.solver.status, mark])
+        else:
+            need = f"needs {_gib(c.least_memory)}" if c.least_memory is not None else "-"
+            reason = "infeasible" if c.least_memory is not None else "pruned"
+            rows.append([str(c.mesh), c.family, "0", "off", "-", need, reason, ""])
+    out.append("")
+    out.append(_table(rows, ["mesh", "tp", "zero", "cdp", "step time", "memory/device", "status", ""]))
+    pruned = [c for c in result.candidates if c.plan is None]
+    if pruned:
+        out.append("")
+        out += [f"  {c.mesh}: {c.reason}" for c in pruned]
+    out.append("")
+    if result.best is None:
+        out.append("No configuration fits the memory budget (see above for the least memory each needs).")
+    else:
+        out.append(format_plan(result.best, graph=graph))
+    return "\n".join(out)
+
+
+def format_plan(plan: Plan, *, graph: IRGraph | None = None) -> str:
+    mesh = " x ".join(f"{a}={d}" for a, d in plan.mesh.items())
+    m = plan.memory_breakdown
+    lines = [
+        f"Plan: mesh {mesh}, tensor parallelism {plan.tp}, ZeRO {plan.zero_stage}, CDP {plan.cdp}, optimizer {plan.optimizer}",
+        f"  predicted step time {_seconds(plan.step_time_s)}: compute {_seconds(plan.compute_time_s)}, communication {_seconds(plan.comm_time_s)} (not overlapped)",
+        f"  memory per device {_gib(plan.peak_memory_bytes)} of {_gib(plan.memory_budget_bytes) if plan.memory_budget_bytes else 'no budget'}: "
+        f"params {_gib(m.params)}, grads {_gib(m.grads)}, optimizer {_gib(m.optimizer)}, activations {_gib(m.activations)}, transient {_gib(m.transient)}",
+        f"  solver: {plan.solver.status} ({plan.solver.backend}, {plan.solver.num_variables} variables, {plan.solver.num_constraints} constraints, "
+        f"build {plan.solver.build_s:.2f} s, solve {plan.solver.solve_s:.2f} s)",
+        "",
+        "Strategies (one line per distinct node; repeated layers once):",
+    ]
+    lines += _strategy_lines(plan, graph)
+    lines.append("")
+    lines.append("Collectives per device per step:")
+    by_phase: dict[str, list[str]] = defaultdict(list)
+    for c in plan.comms:
+        by_phase[c.phase].append(f"{c.count} x {c.kind}({','.join(c.axes)}) {_mib(c.nbytes)}")
+    for phase in ("fwd", "bwd", "step"):
+        if by_phase[phase]:
+            lines.append(f"  {phase}: " + "; ".join(by_phase[phase]))
+    if not plan.comms:
+        lines.append("  none")
+    if plan.fallbacks:
+        lines.append("")
+        lines.append(f"Replicated because no sharding rule covers the op ({len(plan.fallbacks)}): " + ", ".join(plan.fallbacks[:12]) + (" ..." if len(plan.fallbacks) > 12 else ""))
+    return "\n".join(lines)
+
+
+def _strategy_lines(plan: Plan, graph: IRGraph | None) -> list[str]:
+    templates: dict[str, str] = {}
+    counts: Counter[str] = Counter()
+    paths: dict[str, str] = {}
+    if graph is not None:
+        for n in graph.nodes.values():
+            templates[n.name] = n.template
+            counts[n.template] += 1
+            paths[n.name] = n.module_path
+    lines = []
+    for node in plan.nodes:
+        if node.target == "placeholder" or node.algorithm in ("follow",):
+            continue
+        if templates.get(node.name, node.name) != node.name:
+            continue
+        times = counts.get(node.name, 1)
+        rep = f" x{times}" if times > 1 else ""
+        where = paths.get(node.name, "")
+        lines.append(f"  {node.name:<32} {node.target.removeprefix('aten.'):<44} {node.algorithm:<24} {where}{rep}")
+    return lines
+
+
+def search_json(result: SearchResult, *, model_name: str, devices: int, hardware: HardwareProfile) -> dict[str, Any]:
+    def entry(p: Plan) -> dict[str, Any]:
+        return {
+            "step_time_s": p.step_time_s,
+            "peak_memory_bytes": p.peak_memory_bytes,
+            "memory_breakdown": p.memory_breakdown.model_dump(),
+            "mesh": dict(p.mesh),
+            "tp": p.tp,
+            "zero_stage": p.zero_stage,
+            "cdp": p.cdp,
+            "compute_time_s": p.compute_time_s,
+            "comm_time_s": p.comm_time_s,
+            "solver_status": p.solver.status,
+            "best": p is result.best,
+        }
+
+    return {
+        "model": model_name,
+        "devices": devices,
+        "hardware": hardware.name,
+        "search_seconds": result.seconds,
+        "pareto": [entry(p) for p in pareto(result.feasible)],
+        "candidates": [
+            {"mesh": c.mesh.as_dict(), "tp": c.family, "feasible": c.plan is not None, "reason": c.reason,
+             "least_memory_bytes": c.least_memory}
+            for c in result.candidates
+        ],
+    }

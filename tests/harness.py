@@ -1,0 +1,80 @@
+"""Run a function on ``world_size`` gloo processes once, collect per-rank results, reap everything.
+
+Spawning is the expensive part (~2-5 s per world size on 2 cores), so each world size is started
+once and runs many checks inside (see tests/dist_checks.py). Every process is joined or killed
+before :func:`run_world` returns, whether the checks pass, fail, raise or hang.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import queue
+import socket
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...], out: Any) -> None:
+    import torch.distributed as dist
+
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
+        result = fn(rank, world, *args)
+        out.put((rank, "ok", result))
+        dist.barrier()  # before destroy: avoids a rare abort at exit after collectives in backward
+        dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        out.put((rank, "error", traceback.format_exc()))
+
+
+def run_world(world: int, fn: Callable[..., Any], *args: Any, timeout: float = 600.0) -> list[Any]:
+    """``fn(rank, world, *args)`` on every rank; returns the ranks' results (rank order)."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(r, world, port, fn, args, out), daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    errors: list[str] = []
+    try:
+        deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout)
+        while len(results) + len(errors) < world:
+            remaining = (deadline - datetime.datetime.now()).total_seconds()
+            if remaining <= 0:
+                errors.append(f"timed out after {timeout:.0f} s waiting for {world - len(results) - len(errors)} rank(s)")
+                break
+            try:
+                rank, status, payload = out.get(timeout=min(remaining, 5.0))
+            except queue.Empty:
+                if any(p.exitcode not in (None, 0) for p in procs) and out.empty():
+                    codes = [p.exitcode for p in procs]
+                    errors.append(f"a rank died without reporting (exit codes {codes})")
+                    break
+                continue
+            if status == "ok":
+                results[rank] = payload
+            else:
+                errors.append(f"rank {rank}:\n{payload}")
+    finally:
+        for p in procs:
+            p.join(timeout=30 if not errors else 2)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if errors:
+        raise RuntimeError("distributed run failed:\n" + "\n".join(errors))
+    return [results[r] for r in range(world)]
