@@ -151,7 +151,7 @@ def build_model(
         torch.manual_seed(seed)
     with device:
         model = spec.build()
-        model.reset_parameters()
+        model.reset_parameters()  # type: ignore[operator]
     if dtype is not None:
         model = model.to(dtype=dtype)
     return model

@@ -271,7 +271,7 @@ def _conversion_comms(src: Spec, dst: Spec, nbytes: int, with_grad: bool, mesh: 
 
 def _price_holds(problem: Problem, v: Node, p: int, ref: InputRef) -> None:
     """Inputs ``v`` saves for backward, as hold terms keyed by the storage they keep alive."""
-    graph, mesh = problem.graph, problem.mesh
+    graph, _mesh = problem.graph, problem.mesh
     saved_inputs = {s.index for s in v.saved if s.source == "input"}
     saved_output = any(s.source == "output" for s in v.saved)
     gv = problem.node_group[v.name]

@@ -35,7 +35,7 @@ def _mib(x: float) -> str:
 
 def pareto(plans: list[Plan]) -> list[Plan]:
     """Plans not dominated in (step time, peak memory), fastest first."""
-    front = []
+    front: list[Plan] = []
     for p in sorted(plans, key=lambda p: (p.step_time_s, p.peak_memory_bytes)):
         if not front or p.peak_memory_bytes < front[-1].peak_memory_bytes:
             front.append(p)

@@ -274,7 +274,7 @@ def _cross_entropy(ctx: RuleContext) -> list[Strategy]:
     sizes = {"n": logits[0], "c": logits[1]}
     operands = [Operand("nc", False, ctx.needs_grad(0)), Operand("n", False, False)]
     result = []
-    for ins, out, split, assign in einsum_strategies(ctx.mesh, operands, "", sizes):
+    for ins, _out, split, assign in einsum_strategies(ctx.mesh, operands, "", sizes):
         if any(ctx.mesh.is_dp(a) for a in assign["c"]):
             continue
         n_axes, c_axes = assign["n"], assign["c"]

@@ -191,7 +191,7 @@ def make_plan(
         comms=_comm_records(ev),
         fallbacks=tuple(fallbacks),
         solver=SolverInfo(
-            status=solution.status,
+            status="optimal" if solution.status == "optimal" else "time_limit",
             backend=solution.backend,
             trace_s=trace_seconds if trace_seconds is not None else sum(graph.timings.values()),
             build_s=problem.build_seconds + solution.build_seconds,

@@ -104,12 +104,12 @@ def einsum_strategies(
     results = []
     for choice in itertools.product(*options):
         assign: dict[str, tuple[str, ...]] = {c: () for c in letters}
-        for axis, c in zip(axes, choice, strict=True):
-            if c is not None:
-                assign[c] = (*assign[c], axis)
+        for axis, letter in zip(axes, choice, strict=True):
+            if letter is not None:
+                assign[letter] = (*assign[letter], axis)
         if any(sizes[c] % mesh.group_size(assign[c]) for c in letters):
             continue
-        split = frozenset(a for a, c in zip(axes, choice, strict=True) if c is not None)
+        split = frozenset(a for a, letter in zip(axes, choice, strict=True) if letter is not None)
         partial = frozenset(a for c in letters if c not in out_letters for a in assign[c])
         out = Layout(tuple(assign[c] for c in out_letters), partial)
         ins = []

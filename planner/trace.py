@@ -87,16 +87,16 @@ def _export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
     try:
         with _loss_only(model):
             return torch.export.export(model, args, kwargs, strict=False)
-    except Exception as exc:  # noqa: BLE001 - re-raised with a diagnosis
+    except Exception as exc:
         frames = [f for f in traceback.extract_tb(exc.__traceback__) if "/torch/" not in f.filename]
         where = f"{frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}" if frames else "inside torch"
+        where += _failing_module(exc, model)
         if frames and frames[-1].line:
-            where += f": {frames[-1].line.strip()}"
-        module = _failing_module(exc, model)
+            where += f"\n    {frames[-1].line.strip()}"
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise TraceError(
             f"could not trace {type(model).__name__} with torch.export (non-strict): {type(exc).__name__}: "
-            f"{first}\n  at {where}{module}\n  What to do: make forward() return the training loss for the "
+            f"{first}\n  at {where}\n  What to do: make forward() return the training loss for the "
             "example inputs you pass (for Hugging Face models, pass labels=...); avoid data-dependent "
             "Python control flow on tensor values (use torch.where / torch.cond); and mark a module whose "
             "internals cannot be traced as a leaf by wrapping its call in a torch.library custom op."
@@ -112,17 +112,17 @@ def _loss_only(model: torch.nn.Module) -> Iterator[None]:
     ``config.use_cache`` (Hugging Face models) is set to False for the export and restored after:
     the cache serves generation, not training, and torch.export cannot return a ``DynamicCache``.
     """
-    config = getattr(model, "config", None)
+    config: Any = getattr(model, "config", None)
     use_cache = getattr(config, "use_cache", None)
     if use_cache:
-        config.use_cache = False  # type: ignore[union-attr]
+        config.use_cache = False
     handle = model.register_forward_hook(lambda _module, _args, out: _loss_of(out))
     try:
         yield
     finally:
         handle.remove()
         if use_cache:
-            config.use_cache = use_cache  # type: ignore[union-attr]
+            config.use_cache = use_cache
 
 
 def _loss_of(out: Any) -> Any:
@@ -315,7 +315,7 @@ def _replay(fx_node: torch.fx.Node) -> tuple[int, int, tuple[Saved, ...], int | 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), FlopCounterMode(display=False) as fc:
             out = fx_node.target(*args, **kwargs)  # type: ignore[operator]
         flops_fwd = int(fc.get_total_flops())
-    except Exception as exc:  # noqa: BLE001 - an op we cannot replay costs nothing but is reported
+    except Exception as exc:
         log.warning("could not replay %s (%s) on meta tensors: %s; counting 0 FLOPs", fx_node.name, fx_node.target, exc)
         return 0, 0, (), None
     outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
@@ -331,7 +331,7 @@ def _replay(fx_node: torch.fx.Node) -> tuple[int, int, tuple[Saved, ...], int | 
             with FlopCounterMode(display=False) as fc:
                 torch.autograd.grad(diff_outs, grad_ins, [torch.ones_like(o) for o in diff_outs], allow_unused=True)
             flops_bwd = int(fc.get_total_flops())
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             log.warning("no backward FLOPs for %s: %s", fx_node.name, exc)
     if str(fx_node.target) == SDPA:
         return flops_fwd, flops_bwd, _flash_saved(tensor_inputs, outs[0]), alias

@@ -16,7 +16,6 @@ parameters would then differ by ~lr for reasons that have nothing to do with par
 
 from __future__ import annotations
 
-from collections import Counter
 from typing import Any
 
 import torch
@@ -77,8 +76,8 @@ def train_and_compare(rank: int, world: int, plans_json: list[str]) -> list[dict
                 "ref_loss": ref_loss.item(),
                 "grad_error": _grad_error(pm.full_grads(), ref),
                 "comms_equal": executed == priced,
-                "executed_not_priced": [list(k) + [v] for k, v in (executed - priced).items()],
-                "priced_not_executed": [list(k) + [v] for k, v in (priced - executed).items()],
+                "executed_not_priced": [[*list(k), v] for k, v in (executed - priced).items()],
+                "priced_not_executed": [[*list(k), v] for k, v in (priced - executed).items()],
                 "num_collectives": sum(executed.values()),
             })
             opt.step()

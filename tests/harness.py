@@ -35,7 +35,7 @@ def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple
         out.put((rank, "ok", result))
         dist.barrier()  # before destroy: avoids a rare abort at exit after collectives in backward
         dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001 - reported to the parent
+    except BaseException:
         out.put((rank, "error", traceback.format_exc()))
 
 

@@ -49,8 +49,9 @@ def megatron(node: Node, s: Strategy) -> bool:
 
 
 def _plan(devices: int, dp: int, *, allow: Any = None, objective: str = "time") -> str:
-    from models import build_model, example_inputs
     import torch
+
+    from models import build_model, example_inputs
 
     model = build_model(MODEL, dtype=torch.float64)
     args, kwargs = example_inputs(MODEL, batch=BATCH, dtype=torch.float64)
