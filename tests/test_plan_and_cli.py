@@ -1,0 +1,103 @@
+"""Plans round-trip exactly through JSON; the CLI and the API plan presets and refuse bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from models import build_model, example_inputs
+from planner import auto_parallelize
+from planner.cli import main, parse_bytes
+from planner.hardware import A100_80G
+from planner.plan import Plan
+from planner.search import SearchSpace, search
+from planner.trace import trace
+
+
+@pytest.fixture(scope="module")
+def tiny_plan() -> Plan:
+    model = build_model("gpt-tiny")
+    args, kwargs = example_inputs("gpt-tiny", batch=4)
+    result = search(trace(model, args, kwargs), SearchSpace(devices=4, dp=2), A100_80G, model_name="gpt-tiny", objective="memory")
+    assert result.best is not None
+    return result.best
+
+
+def test_plan_round_trips_through_json_exactly(tiny_plan: Plan) -> None:
+    again = Plan.model_validate_json(tiny_plan.model_dump_json())
+    assert again == tiny_plan
+    assert again.model_dump_json() == tiny_plan.model_dump_json()
+
+
+def test_plan_is_frozen_and_rejects_unknown_fields(tiny_plan: Plan) -> None:
+    with pytest.raises(Exception):
+        tiny_plan.step_time_s = 0.0  # type: ignore[misc]
+    data = json.loads(tiny_plan.model_dump_json())
+    data["surprise"] = 1
+    with pytest.raises(Exception):
+        Plan.model_validate(data)
+
+
+def test_plan_memory_breakdown_adds_up_to_peak(tiny_plan: Plan) -> None:
+    assert tiny_plan.memory_breakdown.total == pytest.approx(tiny_plan.peak_memory_bytes, abs=5)
+    assert tiny_plan.mesh == {"dp": 2, "tp": 2}
+
+
+def test_least_memory_plan_shards_parameters_four_ways(tiny_plan: Plan) -> None:
+    model = build_model("gpt-tiny")
+    param_bytes = sum(p.numel() * 4 for p in model.parameters())
+    # tp=2 can at best halve the parameters; dp never shards them (ZeRO is not built yet)
+    assert tiny_plan.memory_breakdown.params <= param_bytes / 2 * 1.1
+
+
+def test_cli_json_has_the_documented_fields(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["report", "gpt3-1.3b", "--devices", "8", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["pareto"], doc
+    for entry in doc["pareto"]:
+        assert set(entry) >= {"step_time_s", "peak_memory_bytes", "memory_breakdown", "mesh", "tp", "zero_stage", "cdp"}
+        assert set(entry["memory_breakdown"]) == {"params", "grads", "optimizer", "activations", "transient"}
+        assert entry["peak_memory_bytes"] <= 80 * 2**30
+    steps = [e["step_time_s"] for e in doc["pareto"]]
+    mems = [e["peak_memory_bytes"] for e in doc["pareto"]]
+    assert steps == sorted(steps) and mems == sorted(mems, reverse=True)
+
+
+def test_cli_text_report_names_the_best_mesh(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["report", "gpt2-small", "--devices", "4", "--tp", "1d"]) == 0
+    out = capsys.readouterr().out
+    assert "best" in out and "Plan: mesh dp=" in out and "Collectives per device per step" in out
+
+
+def test_cli_refuses_families_not_built_yet(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["report", "gpt-tiny", "--devices", "8", "--tp", "3d"]) == 2
+    assert "not implemented yet" in capsys.readouterr().err
+    assert main(["report", "gpt-tiny", "--devices", "8", "--zero", "0,3"]) == 2
+
+
+def test_infeasible_budget_says_by_how_much(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["report", "gpt3-175b", "--devices", "64"]) == 1
+    out = capsys.readouterr().out
+    assert "no plan on mesh dp=8 x tp=8 fits 80.00 GiB per device" in out
+    assert "GiB over" in out
+
+
+def test_parse_bytes_reads_units() -> None:
+    assert parse_bytes("80GiB") == 80 * 2**30
+    assert parse_bytes("40e9") == 40e9
+    assert parse_bytes("16 GB") == 16e9
+
+
+def test_auto_parallelize_outside_torchrun_returns_the_plan_and_report() -> None:
+    model = build_model("mlp-tiny", device="meta")
+    args, kwargs = example_inputs("mlp-tiny", batch=8, device="meta")
+    result = auto_parallelize(model, devices=4, example_inputs=args, example_kwargs=kwargs)
+    assert result.plan is not None and result.plan.mesh["dp"] * result.plan.mesh["tp"] == 4
+    assert "planner report" in str(result)
+
+
+def test_auto_parallelize_requires_devices_outside_torchrun() -> None:
+    model = build_model("mlp-tiny", device="meta")
+    with pytest.raises(ValueError, match="devices is required"):
+        auto_parallelize(model, example_inputs=(None,))
