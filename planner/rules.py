@@ -365,6 +365,11 @@ def follow(ctx: RuleContext, spec_in: Spec) -> Strategy:
         if len(keep) != len(ctx.node.out.shape):
             keep = [i for i in range(len(in_shape)) if i < len(ctx.node.out.shape)]
         return _strategy(lay, Layout(tuple(lay.dims[i] for i in keep), lay.partial), "op")
+    if target == "aten.select.int":  # x.select(dim, i): the dim must be whole; it disappears
+        dim = ctx.args[1] % lay.ndim
+        req = Layout(tuple(() if i == dim else d for i, d in enumerate(lay.dims)), lay.partial)
+        out = Layout(tuple(d for i, d in enumerate(req.dims) if i != dim), req.partial)
+        return _strategy(req, out, "op")
     if target in DIM_NEEDS_WHOLE:
         dim = ctx.args[DIM_NEEDS_WHOLE[target]] if len(ctx.args) > DIM_NEEDS_WHOLE[target] else 0
         dim %= max(lay.ndim, 1)

@@ -1,6 +1,6 @@
 """Checks that run inside gloo worker processes (see tests/harness.py).
 
-``train_and_compare`` trains ``gpt-tiny`` in float64 for three SGD-momentum steps under each plan
+``train_and_compare`` trains a tiny model (gpt-tiny, vit-tiny, mlp-tiny) in float64 for three SGD-momentum steps under each plan
 and, in the same process, a single-device copy from the same initial weights on the same
 batches, and reports per step: both losses, the largest gradient error (relative to the
 parameter's largest gradient, floored at 1e-6 of the largest gradient of the model so that
@@ -20,15 +20,14 @@ from typing import Any
 
 import torch
 
-MODEL = "gpt-tiny"
 BATCH = 4
 STEPS = 3
 
 
-def _batches(n: int) -> list[tuple[tuple[Any, ...], dict[str, Any]]]:
+def _batches(model: str, n: int) -> list[tuple[tuple[Any, ...], dict[str, Any]]]:
     from models import example_inputs
 
-    return [example_inputs(MODEL, batch=BATCH, dtype=torch.float64, seed=100 + i) for i in range(n)]
+    return [example_inputs(model, batch=BATCH, dtype=torch.float64, seed=100 + i) for i in range(n)]
 
 
 def _relative_error(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
@@ -42,17 +41,18 @@ def _grad_error(full: dict[str, torch.Tensor], ref: torch.nn.Module) -> float:
     return _relative_error(full, {n: p.grad for n, p in ref.named_parameters() if p.grad is not None})
 
 
-def train_and_compare(rank: int, world: int, plans_json: list[str]) -> list[dict[str, Any]]:
+def train_and_compare(rank: int, world: int, plans_json: list[tuple[str, str]]) -> list[dict[str, Any]]:
+    """For each (model preset, plan JSON): train both ways and report (see module docstring)."""
     from models import build_model
     from planner.plan import Plan
     from runtime.compile import compile_plan
 
-    batches = _batches(STEPS)
     reports = []
-    for text in plans_json:
+    for name, text in plans_json:
         plan = Plan.model_validate_json(text)
-        model = build_model(MODEL, dtype=torch.float64, seed=0)
-        ref = build_model(MODEL, dtype=torch.float64, seed=0)
+        batches = _batches(name, STEPS)
+        model = build_model(name, dtype=torch.float64, seed=0)
+        ref = build_model(name, dtype=torch.float64, seed=0)
         args, kwargs = batches[0]
         pm = compile_plan(plan, model, args, kwargs)
         state = pm.full_state_dict()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from pydantic import ValidationError
 
 from models import build_model, example_inputs
 from planner import auto_parallelize
@@ -31,11 +32,11 @@ def test_plan_round_trips_through_json_exactly(tiny_plan: Plan) -> None:
 
 
 def test_plan_is_frozen_and_rejects_unknown_fields(tiny_plan: Plan) -> None:
-    with pytest.raises(Exception):
+    with pytest.raises(ValidationError, match="frozen"):
         tiny_plan.step_time_s = 0.0  # type: ignore[misc]
     data = json.loads(tiny_plan.model_dump_json())
     data["surprise"] = 1
-    with pytest.raises(Exception):
+    with pytest.raises(ValidationError, match="surprise"):
         Plan.model_validate(data)
 
 

@@ -1,9 +1,10 @@
-"""Same math and priced = executed, on gloo: gpt-tiny in float64 on 2 and 4 ranks.
+"""Same math and priced = executed, on gloo: tiny models in float64 on 2 and 4 ranks.
 
-Each world size is spawned once; inside, every plan trains three optimizer steps beside a
-single-device run (SGD with momentum; see tests/dist_checks.py for why not AdamW). Plans: data parallel, Megatron 1-D tensor
-parallel (column/row linears, vocab-parallel embedding and loss), the ILP's most
-memory-frugal plan (it picks sequence-parallel layouts), and their combinations with dp=2.
+Each world size is spawned once; inside, every plan (gpt-tiny unless named) trains three
+optimizer steps beside a single-device run (SGD with momentum; see tests/dist_checks.py for why
+not AdamW). Plans: data parallel, Megatron 1-D tensor parallel (column/row linears,
+vocab-parallel embedding and loss), the ILP's most memory-frugal plan (it picks
+sequence-parallel layouts), and their combinations with dp=2.
 """
 
 from __future__ import annotations
@@ -11,13 +12,15 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
 
+from models import build_model, example_inputs
 from planner.hardware import A100_80G
 from planner.ir import Node
 from planner.search import SearchSpace, search
 from planner.strategy import Strategy
 from planner.trace import trace
-from tests.dist_checks import BATCH, MODEL, train_and_compare
+from tests.dist_checks import BATCH, train_and_compare
 from tests.harness import run_world
 
 HEAVY = ("aten.linear.default", "aten.layer_norm.default", "aten.scaled_dot_product_attention.default", "aten.cross_entropy_loss.default")
@@ -48,17 +51,13 @@ def megatron(node: Node, s: Strategy) -> bool:
     return True
 
 
-def _plan(devices: int, dp: int, *, allow: Any = None, objective: str = "time") -> str:
-    import torch
-
-    from models import build_model, example_inputs
-
-    model = build_model(MODEL, dtype=torch.float64)
-    args, kwargs = example_inputs(MODEL, batch=BATCH, dtype=torch.float64)
-    graph = trace(model, args, kwargs)
-    result = search(graph, SearchSpace(devices=devices, dp=dp), A100_80G, model_name=MODEL, objective=objective, allow=allow)  # type: ignore[arg-type]
+def _plan(devices: int, dp: int, *, model: str = "gpt-tiny", allow: Any = None, objective: str = "time") -> tuple[str, str]:
+    module = build_model(model, dtype=torch.float64)
+    args, kwargs = example_inputs(model, batch=BATCH, dtype=torch.float64)
+    graph = trace(module, args, kwargs)
+    result = search(graph, SearchSpace(devices=devices, dp=dp), A100_80G, model_name=model, objective=objective, allow=allow)  # type: ignore[arg-type]
     assert result.best is not None
-    return result.best.model_dump_json()
+    return model, result.best.model_dump_json()
 
 
 def megatron_dp(node: Node, s: Strategy) -> bool:
@@ -71,6 +70,8 @@ CASES = {
         "dp=2": dict(dp=2, allow=data_parallel),
         "tp=2 megatron": dict(dp=1, allow=megatron),
         "tp=2 least-memory": dict(dp=1, objective="memory"),
+        "vit-tiny tp=2 least-memory": dict(dp=1, model="vit-tiny", objective="memory"),
+        "mlp-tiny tp=2 megatron": dict(dp=1, model="mlp-tiny", allow=megatron),
     },
     4: {
         "dp=2 x tp=2 megatron": dict(dp=2, allow=megatron_dp),
