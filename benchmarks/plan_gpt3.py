@@ -14,7 +14,7 @@ import resource
 import time
 
 from models import build_model, example_inputs
-from planner.cli import parse_bytes
+from planner.units import parse_bytes
 from planner.hardware import load_profile
 from planner.problem import build_problem
 from planner.search import SearchSpace, candidate_meshes

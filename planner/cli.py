@@ -15,7 +15,6 @@ import argparse
 import importlib
 import json
 import logging
-import re
 import sys
 from typing import Any
 
@@ -25,15 +24,13 @@ from planner.api import plan_model
 from planner.hardware import PRESETS, load_profile
 from planner.report import search_json
 from planner.search import ALL_TP
+from planner.units import parse_bytes
 
-_UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def parse_bytes(text: str) -> float:
-    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", text)
-    if not m or m.group(2).lower() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"cannot read {text!r} as bytes: use e.g. 80GiB, 40e9, 16GB")
-    return float(m.group(1)) * _UNITS[m.group(2).lower()]
+def _bytes_arg(text: str) -> float:
+    try:
+        return parse_bytes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
 def _list(kind: type, allowed: tuple[Any, ...] | None = None) -> Any:
@@ -78,7 +75,7 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--devices", type=int, required=True)
     r.add_argument("--batch", type=int, default=8, help="global batch size (default 8)")
     r.add_argument("--hardware", default="a100-80g", help=f"preset ({', '.join(PRESETS)}) or a JSON profile file")
-    r.add_argument("--memory", type=parse_bytes, default=None, help="memory budget per device (default: the device's memory), e.g. 40GiB")
+    r.add_argument("--memory", type=_bytes_arg, default=None, help="memory budget per device (default: the device's memory), e.g. 40GiB")
     r.add_argument("--tp", type=_list(str, ALL_TP), default=("none", "1d"), help="tensor-parallel families to search (comma list of none,1d,2d,3d)")
     r.add_argument("--zero", type=_list(int, (0, 1, 2, 3)), default=(0,), help="ZeRO stages to search (comma list)")
     r.add_argument("--cdp", type=_list(str, ("off", "v1", "v2")), default=("off",), help="CDP modes to search (comma list)")

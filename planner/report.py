@@ -15,22 +15,8 @@ from planner.hardware import HardwareProfile
 from planner.ir import IRGraph
 from planner.plan import Plan
 from planner.search import SearchResult
+from planner.units import format_bytes, format_seconds
 
-GIB = 1024**3
-
-
-def _gib(x: float) -> str:
-    return f"{x / GIB:.2f} GiB"
-
-
-def _seconds(x: float) -> str:
-    if x >= 1:
-        return f"{x:.3f} s"
-    return f"{x * 1e3:.2f} ms"
-
-
-def _mib(x: float) -> str:
-    return f"{x / 2**20:.2f} MiB" if x >= 2**20 else f"{x / 1024:.1f} KiB" if x >= 1024 else f"{int(x)} B"
 
 
 def pareto(plans: list[Plan]) -> list[Plan]:
@@ -70,9 +56,9 @@ def format_search(
         if c.plan is not None:
             p = c.plan
             mark = "best" if p is result.best else ("pareto" if id(p) in front else "")
-            rows.append([str(c.mesh), p.tp, str(p.zero_stage), p.cdp, _seconds(p.step_time_s), _gib(p.peak_memory_bytes), p.solver.status, mark])
+            rows.append([str(c.mesh), p.tp, str(p.zero_stage), p.cdp, format_seconds(p.step_time_s), format_bytes(p.peak_memory_bytes), p.solver.status, mark])
         else:
-            need = f"needs {_gib(c.least_memory)}" if c.least_memory is not None else "-"
+            need = f"needs {format_bytes(c.least_memory)}" if c.least_memory is not None else "-"
             reason = "infeasible" if c.least_memory is not None else "pruned"
             rows.append([str(c.mesh), c.family, "0", "off", "-", need, reason, ""])
     out.append("")
@@ -94,9 +80,9 @@ def format_plan(plan: Plan, *, graph: IRGraph | None = None) -> str:
     m = plan.memory_breakdown
     lines = [
         f"Plan: mesh {mesh}, tensor parallelism {plan.tp}, ZeRO {plan.zero_stage}, CDP {plan.cdp}, optimizer {plan.optimizer}",
-        f"  predicted step time {_seconds(plan.step_time_s)}: compute {_seconds(plan.compute_time_s)}, communication {_seconds(plan.comm_time_s)} (not overlapped)",
-        f"  memory per device {_gib(plan.peak_memory_bytes)} of {_gib(plan.memory_budget_bytes) if plan.memory_budget_bytes else 'no budget'}: "
-        f"params {_gib(m.params)}, grads {_gib(m.grads)}, optimizer {_gib(m.optimizer)}, activations {_gib(m.activations)}, transient {_gib(m.transient)}",
+        f"  predicted step time {format_seconds(plan.step_time_s)}: compute {format_seconds(plan.compute_time_s)}, communication {format_seconds(plan.comm_time_s)} (not overlapped)",
+        f"  memory per device {format_bytes(plan.peak_memory_bytes)} of {format_bytes(plan.memory_budget_bytes) if plan.memory_budget_bytes else 'no budget'}: "
+        f"params {format_bytes(m.params)}, grads {format_bytes(m.grads)}, optimizer {format_bytes(m.optimizer)}, activations {format_bytes(m.activations)}, transient {format_bytes(m.transient)}",
         f"  solver: {plan.solver.status} ({plan.solver.backend}, {plan.solver.num_variables} variables, {plan.solver.num_constraints} constraints, "
         f"build {plan.solver.build_s:.2f} s, solve {plan.solver.solve_s:.2f} s)",
         "",
@@ -107,7 +93,7 @@ def format_plan(plan: Plan, *, graph: IRGraph | None = None) -> str:
     lines.append("Collectives per device per step:")
     by_phase: dict[str, list[str]] = defaultdict(list)
     for c in plan.comms:
-        by_phase[c.phase].append(f"{c.count} x {c.kind}({','.join(c.axes)}) {_mib(c.nbytes)}")
+        by_phase[c.phase].append(f"{c.count} x {c.kind}({','.join(c.axes)}) {format_bytes(c.nbytes)}")
     for phase in ("fwd", "bwd", "step"):
         if by_phase[phase]:
             lines.append(f"  {phase}: " + "; ".join(by_phase[phase]))

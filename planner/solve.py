@@ -10,8 +10,9 @@ Variables:
     z[h]   in [0,1]   tensor h is held
     T      >= 0       the largest transient working set
 
-Minimise   sum_{g,i} time[g,i] x[g,i] + sum_c cost[c] y[c] + eps * M
-where      M = sum_{g,i} mem[g,i] x[g,i] + sum_h bytes[h] z[h] + T   (GiB per device)
+Minimise   Time / t_unit + eps * M / m_unit
+where      Time = sum_{g,i} time[g,i] x[g,i] + sum_c cost[c] y[c]          (seconds)
+           M = sum_{g,i} mem[g,i] x[g,i] + sum_h bytes[h] z[h] + T     (bytes per device)
 
 subject to (each family is one function below; constraints carry their family's name)
     one_strategy:  sum_i x[g,i] = 1                                     for every g
@@ -23,9 +24,12 @@ subject to (each family is one function below; constraints carry their family's 
     transient:     T >= sum_i transient[g,i] x[g,i]                     for every g
     memory_budget: M <= budget
 
-``eps`` (1e-9 s per GiB) only breaks ties between equally fast plans in favour of less
-memory. Time and memory of the answer are re-computed exactly by
-:func:`planner.problem.evaluate`, not read off the relaxed y/z.
+``t_unit`` and ``m_unit`` are the largest time and memory coefficients of the problem, so every
+coefficient is at most 1 whatever the model's size; ``eps = 1e-9`` only breaks ties in favour of
+less memory (with ``objective="memory"`` the roles swap). Feasibility tolerances are 1e-9, the
+absolute gap 0. Time and memory of the answer are re-computed exactly by
+:func:`planner.problem.evaluate`, not read off the relaxed y/z, and an answer whose exact memory
+exceeds the budget (a tolerance slip) is re-solved with the budget lowered by the overrun.
 """
 
 from __future__ import annotations
@@ -42,11 +46,13 @@ from typing import Literal
 import pulp
 
 from planner.problem import Evaluation, Problem, evaluate
+from planner.units import format_bytes
 
 log = logging.getLogger(__name__)
 
-EPS_PER_GIB = 1e-9  # seconds per GiB: ties go to the plan with less memory
-GIB = float(1024**3)  # memory enters the model in GiB, keeping coefficients near 1
+TIE_BREAK = 1e-9  # weight of the secondary objective, both objectives normalised (see docstring)
+FEASIBILITY_TOL = 1e-9  # HiGHS' defaults (1e-6, 1e-7) let memory rows slip by ~1 KiB on small models
+MAX_RESOLVES = 4
 Status = Literal["optimal", "time_limit", "infeasible"]
 
 
@@ -93,6 +99,10 @@ class _Model:
         self.y = {key: lp.add_variable(f"y_{k}", 0, 1) for k, key in enumerate(problem.conversions)}
         self.z = {key: lp.add_variable(f"z_{k}", 0, 1) for k, key in enumerate(problem.holds)}
         self.transient = lp.add_variable("transient", 0)
+        mem = [m for g in problem.groups.values() for m in (*g.memory, *g.transient)] + [h.nbytes for h in problem.holds.values()]
+        self.m_unit = max([abs(m) for m in mem if m] or [1.0])
+        times = [t for g in problem.groups.values() for t in g.time] + [c.cost for c in problem.conversions.values()]
+        self.t_unit = max([abs(t) for t in times if t] or [1.0])
         self.one_strategy()
         self.conversion()
         self.hold()
@@ -100,14 +110,16 @@ class _Model:
 
     def time_expr(self) -> pulp.LpAffineExpression:
         p = self.problem
-        terms = [(v, grp.time[i]) for g, grp in p.groups.items() for i, v in enumerate(self.x[g]) if grp.time[i]]
-        terms += [(self.y[key], term.cost) for key, term in p.conversions.items() if term.cost]
+        u = self.t_unit
+        terms = [(v, grp.time[i] / u) for g, grp in p.groups.items() for i, v in enumerate(self.x[g]) if grp.time[i]]
+        terms += [(self.y[key], term.cost / u) for key, term in p.conversions.items() if term.cost]
         return pulp.LpAffineExpression(terms)
 
     def memory_expr(self) -> pulp.LpAffineExpression:
         p = self.problem
-        terms = [(v, grp.memory[i] / GIB) for g, grp in p.groups.items() for i, v in enumerate(self.x[g]) if grp.memory[i]]
-        terms += [(self.z[key], h.nbytes / GIB) for key, h in p.holds.items() if h.nbytes]
+        u = self.m_unit
+        terms = [(v, grp.memory[i] / u) for g, grp in p.groups.items() for i, v in enumerate(self.x[g]) if grp.memory[i]]
+        terms += [(self.z[key], h.nbytes / u) for key, h in p.holds.items() if h.nbytes]
         terms.append((self.transient, 1.0))
         return pulp.LpAffineExpression(terms)
 
@@ -136,11 +148,11 @@ class _Model:
     def transient_bound(self) -> None:
         for g, grp in self.problem.groups.items():
             if any(grp.transient):
-                expr = pulp.lpSum(t / GIB * v for t, v in zip(grp.transient, self.x[g], strict=True))
+                expr = pulp.lpSum(t / self.m_unit * v for t, v in zip(grp.transient, self.x[g], strict=True))
                 self.lp += self.transient >= expr, f"transient_{self.gid[g]}"
 
     def memory_budget(self, budget: float) -> None:
-        self.lp += self.memory_expr() <= budget / GIB, "memory_budget"
+        self.lp += self.memory_expr() <= budget / self.m_unit, "memory_budget"
 
     def assignment(self) -> dict[str, int]:
         out = {}
@@ -152,11 +164,17 @@ class _Model:
 
 def _solver(settings: SolverSettings) -> pulp.LpSolver:
     if settings.backend == "highs":
-        solver = pulp.HiGHS(msg=False, timeLimit=settings.time_limit_s, gapRel=settings.relative_gap, threads=settings.threads)
+        solver = pulp.HiGHS(
+            msg=False, timeLimit=settings.time_limit_s, gapRel=settings.relative_gap, gapAbs=0.0, threads=settings.threads,
+            mip_feasibility_tolerance=FEASIBILITY_TOL, primal_feasibility_tolerance=FEASIBILITY_TOL,
+        )
         if solver.available():
             return solver
         log.warning("HiGHS (highspy) is not installed; falling back to CBC")
-    return pulp.PULP_CBC_CMD(msg=False, timeLimit=settings.time_limit_s, gapRel=settings.relative_gap, threads=settings.threads)
+    return pulp.PULP_CBC_CMD(
+        msg=False, timeLimit=settings.time_limit_s, gapRel=settings.relative_gap, gapAbs=0.0, threads=settings.threads,
+        options=[f"primalTolerance {FEASIBILITY_TOL}", f"integerTolerance {FEASIBILITY_TOL}"],
+    )
 
 
 @contextlib.contextmanager
@@ -181,14 +199,32 @@ def solve(
     objective: Literal["time", "memory"] = "time",
     settings: SolverSettings | None = None,
 ) -> Solution:
-    """The fastest assignment (or the smallest, ``objective="memory"``) within the budget."""
+    """The fastest assignment (or the smallest, ``objective="memory"``) within the budget.
+
+    ``Solution.objective`` is the primary objective of the ILP's answer in its own unit (seconds
+    per step, or bytes per device); ``Solution.evaluation`` is the exact evaluation.
+    """
     settings = settings or SolverSettings()
+    budget = memory_budget
+    for _ in range(MAX_RESOLVES):
+        solution = _solve_once(problem, budget, objective, settings)
+        if objective == "memory" or budget == float("inf"):
+            return solution
+        overrun = solution.evaluation.peak_memory - memory_budget
+        if overrun <= 0:
+            return solution
+        log.info("mesh %s: answer exceeds the budget by %.0f B (solver tolerance); re-solving", problem.mesh, overrun)
+        budget -= overrun
+    raise RuntimeError(f"the ILP for mesh {problem.mesh} kept exceeding the memory budget after {MAX_RESOLVES} re-solves")
+
+
+def _solve_once(problem: Problem, budget: float, objective: Literal["time", "memory"], settings: SolverSettings) -> Solution:
     t0 = time.perf_counter()
     model = _Model(problem, f"plan_{problem.mesh}".replace(" ", "").replace("=", "").replace("x", "_"))
     time_e, mem_e = model.time_expr(), model.memory_expr()
-    model.lp += (time_e + EPS_PER_GIB * mem_e) if objective == "time" else (mem_e + 1e-6 * time_e)
-    if objective == "time" and memory_budget != float("inf"):
-        model.memory_budget(memory_budget)
+    model.lp += (time_e + TIE_BREAK * mem_e) if objective == "time" else (mem_e + TIE_BREAK * time_e)
+    if objective == "time" and budget != float("inf"):
+        model.memory_budget(budget)
     build = time.perf_counter() - t0
     solver = _solver(settings)
     t0 = time.perf_counter()
@@ -199,16 +235,17 @@ def solve(
     if status_name in ("Infeasible", "Not Solved") or model.lp.sol_status in (pulp.LpSolutionInfeasible, pulp.LpSolutionNoSolutionFound):
         if objective == "memory":
             raise RuntimeError(f"the memory-minimising ILP for mesh {problem.mesh} found no solution ({status_name})")
-        least = solve(problem, memory_budget=float("inf"), objective="memory", settings=settings).evaluation
-        raise InfeasibleBudget(_infeasible_message(problem, memory_budget, least), budget=memory_budget, least=least)
+        least = _solve_once(problem, float("inf"), "memory", settings).evaluation
+        raise InfeasibleBudget(_infeasible_message(problem, budget, least), budget=budget, least=least)
     status: Status = "optimal" if model.lp.sol_status == pulp.LpSolutionOptimal else "time_limit"
     assignment = model.assignment()
     evaluation = evaluate(problem, assignment)
+    primary = pulp.value(time_e) * model.t_unit if objective == "time" else pulp.value(mem_e) * model.m_unit
     return Solution(
         assignment=assignment,
         status=status,
         evaluation=evaluation,
-        objective=float(pulp.value(model.lp.objective) or 0.0),
+        objective=float(primary or 0.0),
         build_seconds=build,
         solve_seconds=elapsed,
         num_variables=model.lp.numVariables(),
@@ -218,10 +255,9 @@ def solve(
 
 
 def _infeasible_message(problem: Problem, budget: float, least: Evaluation) -> str:
-    gib = 1024**3
-    parts = ", ".join(f"{k} {v / gib:.2f}" for k, v in sorted(least.memory.items(), key=lambda kv: -kv[1]))
+    parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in sorted(least.memory.items(), key=lambda kv: -kv[1]))
     return (
-        f"no plan on mesh {problem.mesh} fits {budget / gib:.2f} GiB per device: the least any plan needs is "
-        f"{least.peak_memory / gib:.2f} GiB ({parts} GiB), {(least.peak_memory - budget) / gib:.2f} GiB over. "
+        f"no plan on mesh {problem.mesh} fits {format_bytes(budget)} per device: the least any plan needs is "
+        f"{format_bytes(least.peak_memory)} ({parts}), {format_bytes(least.peak_memory - budget)} over. "
         "Use more devices (more tensor or data parallelism), a smaller micro-batch, or ZeRO/CDP once available."
     )

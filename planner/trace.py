@@ -228,16 +228,16 @@ def _build_nodes(ep: Any, model: torch.nn.Module) -> tuple[dict[str, Node], tupl
             nodes[fx_node.name] = node
         elif fx_node.op == "output":
             flat, _ = tree_flatten(fx_node.args)
-            outs = [a for a in flat if isinstance(a, torch.fx.Node)]
-            if len(outs) != 1 or nodes[outs[0].name].outputs[0] is None or nodes[outs[0].name].out.shape != ():
-                shapes = [str(nodes[o.name].outputs[0]) for o in outs]
+            returned = [a for a in flat if isinstance(a, torch.fx.Node)]
+            if len(returned) != 1 or nodes[returned[0].name].outputs[0] is None or nodes[returned[0].name].out.shape != ():
+                shapes = [str(nodes[o.name].outputs[0]) for o in returned]
                 raise TraceError(
-                    f"the model returns {len(outs)} tensor(s) {shapes}; the planner needs forward() to "
+                    f"the model returns {len(returned)} tensor(s) {shapes}; the planner needs forward() to "
                     "return one scalar training loss for the example inputs: a tensor, a dict or "
                     "ModelOutput with a 'loss', or a tuple whose first element is the loss (pass the "
                     "targets/labels, e.g. labels=... for Hugging Face models)"
                 )
-            output_name = outs[0].name
+            output_name = returned[0].name
             _drop_unused_placeholders(ep.graph, nodes)
             nodes["output"] = Node("output", "output", "output", (InputRef(output_name),), (), template="output")
         else:
@@ -387,9 +387,9 @@ def _detect_repeats(nodes: dict[str, Node]) -> tuple[RepeatedLayers, ...]:
         for node in nodes.values():
             if node.kind == "param":
                 for pname in node.param_names:
-                    m = re.match(rf"^{re.escape(prefix)}\.(\d+)\.(.+)$", pname)
-                    if m:
-                        params[int(m.group(1))].append(node)
+                    found = re.match(rf"^{re.escape(prefix)}\.(\d+)\.(.+)$", pname)
+                    if found:
+                        params[int(found.group(1))].append(node)
                         break
         for i in idxs:
             params[i].sort(key=lambda n: _suffix(n, prefix))
