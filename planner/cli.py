@@ -26,6 +26,7 @@ from planner.report import search_json
 from planner.search import ALL_TP
 from planner.units import parse_bytes
 
+
 def _bytes_arg(text: str) -> float:
     try:
         return parse_bytes(text)

@@ -18,7 +18,6 @@ from planner.search import SearchResult
 from planner.units import format_bytes, format_seconds
 
 
-
 def pareto(plans: list[Plan]) -> list[Plan]:
     """Plans not dominated in (step time, peak memory), fastest first."""
     front: list[Plan] = []

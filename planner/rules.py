@@ -33,8 +33,9 @@ FALLBACK = "replicate (fallback)"
 LINEAR_UNARY = {
     "aten.clone.default", "aten.contiguous.default", "aten.alias.default", "aten.detach.default",
     "aten.neg.default", "aten._to_copy.default", "aten.to.dtype", "aten.to.dtype_layout",
-    "aten.lift_fresh_copy.default", "getitem",
+    "aten.lift_fresh_copy.default", "getitem", "aten.to.device",
 }
+SHAPE_ONLY = {"aten.new_ones.default", "aten.new_zeros.default", "aten.new_full.default", "aten.new_empty.default"}
 SCALAR_LINEAR = {"aten.mul.Tensor", "aten.div.Tensor", "aten.mul.Scalar", "aten.div.Scalar"}
 ELEMENTWISE_UNARY = {
     "aten.gelu.default", "aten.relu.default", "aten.silu.default", "aten.tanh.default",
@@ -59,6 +60,7 @@ BINARY_ELEMENTWISE = {
     "aten.maximum.default", "aten.minimum.default", "aten.masked_fill.Tensor", "aten.eq.Tensor",
     "aten.lt.Tensor", "aten.gt.Tensor", "aten.logical_and.default", "aten.logical_or.default",
     "aten.pow.Tensor_Tensor", "aten.ne.Tensor", "aten.ge.Tensor", "aten.le.Tensor",
+    "aten.__and__.Tensor", "aten.bitwise_and.Tensor", "aten.__or__.Tensor", "aten.bitwise_or.Tensor",
 }
 
 
@@ -200,6 +202,27 @@ def _linear(ctx: RuleContext) -> list[Strategy]:
     return result
 
 
+@anchor_rule("aten.addmm.default")
+def _addmm(ctx: RuleContext) -> list[Strategy]:
+    """``addmm(bias[n], x[m,k], w[k,n])`` (Hugging Face's Conv1D): a linear with the weight transposed."""
+    args = list(ctx.args) + [None] * 5
+    beta = ctx.kwargs.get("beta", 1)
+    alpha = ctx.kwargs.get("alpha", 1)
+    if len(ctx.in_shape(0)) != 1 or beta != 1 or alpha != 1 or args[3] is not None:
+        return []
+    (n,) = ctx.in_shape(0)
+    m, k = ctx.in_shape(1)
+    sizes = {"m": m, "k": k, "n": n}
+    operands = [Operand("n", ctx.is_param(0), ctx.needs_grad(0)), Operand("mk", ctx.is_param(1), ctx.needs_grad(1)), Operand("kn", ctx.is_param(2), ctx.needs_grad(2))]
+    result = []
+    for ins, out, split, assign in einsum_strategies(ctx.mesh, operands, "mn", sizes, dp_letters="m"):
+        tp_n = [a for a in assign["n"] if not ctx.mesh.is_dp(a)]
+        tp_k = [a for a in assign["k"] if not ctx.mesh.is_dp(a)]
+        label = "tp1d-col" if tp_n and not tp_k else "tp1d-row" if tp_k and not tp_n else "tp-col-row" if tp_k else split_label(ctx.mesh, split)
+        result.append(Strategy(with_dp(label, ctx.mesh, split), "addmm", ins, (Spec(out),), split))
+    return result
+
+
 @anchor_rule("aten.mm.default", "aten.bmm.default", "aten.matmul.default")
 def _matmul(ctx: RuleContext) -> list[Strategy]:
     a, b = ctx.in_shape(0), ctx.in_shape(1)
@@ -253,10 +276,15 @@ def _layer_norm(ctx: RuleContext) -> list[Strategy]:
 @anchor_rule("aten.scaled_dot_product_attention.default")
 def _attention(ctx: RuleContext) -> list[Strategy]:
     q, k, v = ctx.in_shape(0), ctx.in_shape(1), ctx.in_shape(2)
-    if len(q) != 4 or q[1] != k[1] or len(ctx.node.inputs) > 3:
-        return []  # grouped-query or masked attention: replicate (reported)
-    sizes = {"b": q[0], "h": q[1], "t": q[2], "s": k[2], "d": q[3], "e": v[3]}
+    if len(q) != 4 or q[1] != k[1] or len(ctx.node.inputs) > 4:
+        return []  # grouped-query attention: replicate (reported)
+    sizes = {"b": q[0], "h": q[1], "t": q[2], "s": k[2], "d": q[3], "e": v[3], "1": 1, "2": 1, "3": 1, "4": 1}
     operands = [Operand("bhtd", False, ctx.needs_grad(0)), Operand("bhsd", False, ctx.needs_grad(1)), Operand("bhse", False, ctx.needs_grad(2))]
+    if len(ctx.node.inputs) == 4:  # an attention mask broadcasting to [b, h, t, s]; size-1 dims stay whole
+        mask = ctx.in_shape(3)
+        full = "bhts"[4 - len(mask) :]
+        letters = "".join(c if size == sizes[c] and size != 1 else str(i + 1) for i, (c, size) in enumerate(zip(full, mask, strict=True)))
+        operands.append(Operand(letters, False, ctx.needs_grad(3)))
     result = []
     for ins, out, split, assign in einsum_strategies(ctx.mesh, operands, "bhte", sizes, splittable="bh"):
         label = "tp1d-heads" if any(not ctx.mesh.is_dp(a) for a in assign["h"]) else split_label(ctx.mesh, split)
@@ -344,6 +372,8 @@ def follow(ctx: RuleContext, spec_in: Spec) -> Strategy:
         return _same(_reduced(lay), "op")
     if target in RESHAPE:
         return _reshape(ctx, lay)
+    if target in SHAPE_ONLY:  # uses only the input's dtype and device: a replicated source
+        return _strategy(lay, Layout.replicated(len(ctx.node.out.shape)), "op", "replicate")
     if target == "aten.expand.default":
         shape = ctx.node.out.shape
         in_shape = ctx.in_shape(0)

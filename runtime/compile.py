@@ -30,7 +30,7 @@ from planner.plan import NodePlan, Plan, fingerprint
 from planner.trace import trace
 from runtime.collectives import CommRecorder, Convert, run_steps
 from runtime.groups import MeshGroups, build_groups
-from runtime.kernels import CrossEntropyKernel, EmbeddingKernel, Kernel, LinearKernel, MeanKernel, Slot, getitem
+from runtime.kernels import AddmmKernel, CrossEntropyKernel, EmbeddingKernel, Kernel, LinearKernel, MeanKernel, Slot, getitem
 from runtime.module import ParallelModule
 
 VIEW_TARGETS = {"aten.view.default", "aten._unsafe_view.default", "aten.reshape.default"}
@@ -199,6 +199,9 @@ class _Builder:
         if np.kernel == "linear":
             partial = self.mg.mesh.sort_axes(outs[0].layout.partial) if outs[0] else ()
             return LinearKernel(node.name, template, partial, self.mg)
+        if np.kernel == "addmm":
+            partial = self.mg.mesh.sort_axes(outs[0].layout.partial) if outs[0] else ()
+            return AddmmKernel(node.name, template, partial, self.mg)
         if np.kernel == "embedding":
             w = ins[0]
             assert w is not None

@@ -68,6 +68,17 @@ class LinearKernel(Kernel):
         return F.linear(x, w, b)
 
 
+class AddmmKernel(LinearKernel):
+    """``bias + x @ w`` (weight stored [in, out]); bias counted once under a split contraction."""
+
+    def forward(self, *tensors: torch.Tensor) -> Any:
+        args, _ = fill(self.arg_template, tensors)
+        bias, x, w = args[0], args[1], args[2]
+        if self.bias_scale is not None:
+            bias = bias * self.bias_scale
+        return torch.addmm(bias, x, w)
+
+
 class EmbeddingKernel(Kernel):
     """Embedding lookup; vocab-parallel when the table's rows are split: ids outside this rank's
     rows give zeros, and the output is a partial sum over the row axes."""
