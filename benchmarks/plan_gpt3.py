@@ -14,12 +14,12 @@ import resource
 import time
 
 from models import build_model, example_inputs
-from planner.units import parse_bytes
 from planner.hardware import load_profile
 from planner.problem import build_problem
 from planner.search import SearchSpace, candidate_meshes
 from planner.solve import InfeasibleBudget, solve
 from planner.trace import trace
+from planner.units import parse_bytes
 
 
 def rss_gib() -> float:

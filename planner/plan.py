@@ -36,6 +36,7 @@ class NodePlan(_Frozen):
     inputs: tuple[str | None, ...]  # encoded Specs (planner.layout.Spec.encode)
     outputs: tuple[str | None, ...]
     split_axes: tuple[str, ...] = ()
+    raw_output: str | None = None  # the kernel's output Spec before the strategy's own conversion
 
     def input_specs(self) -> list[Spec | None]:
         return [parse_spec(s) if s is not None else None for s in self.inputs]

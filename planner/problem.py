@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from planner.cost import OPTIMIZER_STATE_BYTES_PER_BYTE, comm_time, compute_time, steps_comms
 from planner.hardware import HardwareProfile
 from planner.ir import InputRef, IRGraph, Node
-from planner.layout import Spec, spec_conversion
+from planner.layout import Layout, Spec, spec_conversion
 from planner.mesh import Mesh
 from planner.rules import RuleContext, anchor_strategies, follow, is_follower
 from planner.strategy import Comm, Strategy
@@ -63,6 +63,19 @@ class ConversionTerm:
 
 
 @dataclass
+class EdgeTerm:
+    """A producer-consumer edge between two groups, for the ILP's transportation formulation:
+    the producer's strategies grouped by the Spec they output, the consumer's by the Spec they
+    need, and the conversion term each (output, need) pair pays (absent when they are equal)."""
+
+    group_u: str
+    group_v: str
+    src_sets: dict[Spec, frozenset[int]]
+    dst_sets: dict[Spec, frozenset[int]]
+    conversions: dict[tuple[Spec, Spec], set[tuple[object, ...]]]
+
+
+@dataclass
 class HoldTerm:
     key: tuple[object, ...]
     nbytes: float  # all instances
@@ -80,6 +93,7 @@ class Problem:
     choices: dict[str, list[Strategy]]
     conversions: dict[tuple[object, ...], ConversionTerm]
     holds: dict[tuple[object, ...], HoldTerm]
+    edges: dict[tuple[object, ...], EdgeTerm] = field(default_factory=dict)
     instances: dict[str, int] = field(default_factory=dict)  # template -> number of instances
     build_seconds: float = 0.0
 
@@ -108,6 +122,12 @@ def build_problem(
     instances: dict[str, int] = defaultdict(int)
     for node in graph.nodes.values():
         instances[node.template] += 1
+    op_anchors = {
+        node.name: anchor_strategies(node, graph, mesh)
+        for node in graph.nodes.values()
+        if node.kind == "op" and node.template == node.name and not is_follower(node, graph)
+    }
+    consumers = graph.consumers()
     for node in graph.nodes.values():
         if node.kind == "output":
             continue
@@ -129,7 +149,12 @@ def build_problem(
             choices[node.name] = out
             node_group[node.name] = node_group[ref.node]
         else:
-            strategies = anchor_strategies(node, graph, mesh)
+            if node.name in op_anchors:
+                strategies = op_anchors[node.name]
+            elif node.kind == "param":
+                strategies = _param_strategies(node, mesh, [(op_anchors.get(c), p) for c, p in consumers[node.name]])
+            else:
+                strategies = anchor_strategies(node, graph, mesh)
             if allow is not None:
                 kept = [s for s in strategies if allow(node, s)]
                 if not kept:
@@ -146,11 +171,35 @@ def build_problem(
                 node.name, strategies, instances[node.name], [0.0] * n, [0.0] * n, [(0.0, 0.0, 0.0)] * n,
                 [[] for _ in range(n)], [0.0] * n,
             )
-    problem = Problem(mesh, hardware, graph, groups, node_group, choices, {}, {}, dict(instances))
+    problem = Problem(mesh, hardware, graph, groups, node_group, choices, conversions={}, holds={}, instances=dict(instances))
     _price_nodes(problem, instances, optimizer)
     _price_edges(problem)
     problem.build_seconds = time.perf_counter() - t0
     return problem
+
+
+def _param_strategies(node: Node, mesh: Mesh, consumers: list[tuple[list[Strategy] | None, int]]) -> list[Strategy]:
+    """Storage layouts of a parameter: each layout a consumer computes with, and that layout
+    further split over the tensor-parallel axes it leaves idle (gathered before use: 2-D/3-D
+    weights, ZeRO-3-like over tp). Every layout, when a consumer is not an anchor."""
+    if any(strategies is None for strategies, _ in consumers):
+        return anchor_strategies(node, None, mesh)  # type: ignore[arg-type]
+    wanted: dict[Layout, None] = {}
+    for strategies, pos in consumers:
+        for s in strategies or ():
+            if pos < len(s.inputs):
+                wanted[Layout(s.inputs[pos].layout.dims)] = None
+    tp = [a for a in mesh.tp_axes if mesh.degree(a) > 1]
+    layouts: dict[Layout, None] = dict.fromkeys(sorted(wanted))
+    for lay in sorted(wanted):
+        idle = tuple(a for a in tp if a not in lay.shard_axes)
+        for d in range(lay.ndim) if idle else ():
+            dims = list(lay.dims)
+            dims[d] = (*dims[d], *idle)
+            ext = Layout(tuple(dims))
+            if ext.divides(node.out.shape, mesh):
+                layouts[ext] = None
+    return [Strategy("replicated" if not lay.shard_axes else "sharded", "source", (), (Spec(lay),)) for lay in layouts]
 
 
 def _input_spec_bytes(graph: IRGraph, ref: InputRef) -> int:
@@ -209,6 +258,15 @@ def _root(graph: IRGraph, ref: InputRef) -> InputRef:
     return ref
 
 
+def _spec_sets(strategies: list[Strategy], pick: Callable[[Strategy], Spec | None]) -> dict[Spec, frozenset[int]]:
+    sets: dict[Spec, set[int]] = defaultdict(set)
+    for i, s in enumerate(strategies):
+        spec = pick(s)
+        if spec is not None:
+            sets[spec].add(i)
+    return {spec: frozenset(idx) for spec, idx in sets.items()}
+
+
 def _price_edges(problem: Problem) -> None:
     graph, mesh, hw = problem.graph, problem.mesh, problem.hardware
     consumers = graph.consumers()
@@ -223,38 +281,38 @@ def _price_edges(problem: Problem) -> None:
             meta = u.outputs[ref.index]
             if meta is None:
                 continue
+            su, sv = problem.choices[u.name], problem.choices[v.name]
+            pairs: dict[tuple[Spec, Spec], tuple[frozenset[int], frozenset[int]]] = {}
+            if gu == gv:  # one choice drives both ends: strategy i meets strategy i
+                for i, (s, t) in enumerate(zip(su, sv, strict=True)):
+                    src, dst = s.outputs[ref.index], t.inputs[p] if p < len(t.inputs) else None
+                    if src is not None and dst is not None and src != dst:
+                        a, b = pairs.get((src, dst), (frozenset(), frozenset()))
+                        pairs[(src, dst)] = (a | {i}, b | {i})
+            else:
+                src_sets = _spec_sets(su, lambda s: s.outputs[ref.index])
+                dst_sets = _spec_sets(sv, lambda t: t.inputs[p] if p < len(t.inputs) else None)
+                edge_key = (gu, gv, tuple(src_sets.items()), tuple(dst_sets.items()))
+                if edge_key not in problem.edges:
+                    problem.edges[edge_key] = EdgeTerm(gu, gv, src_sets, dst_sets, {})
+                edge = problem.edges[edge_key]
+                pairs = {(a, b): (ia, ib) for a, ia in src_sets.items() for b, ib in dst_sets.items() if a != b}
             signature = tuple(sorted({(graph.nodes[c].template, q) for c, q in consumers[u.name]}))
-            by_pair: dict[tuple[Spec, Spec], tuple[set[int], set[int]]] = defaultdict(lambda: (set(), set()))
-            su = problem.choices[u.name]
-            sv = problem.choices[v.name]
-            for i, s in enumerate(su):
-                src = s.outputs[ref.index]
-                if src is None:
-                    continue
-                for j, t in enumerate(sv):
-                    if p >= len(t.inputs):
-                        continue
-                    dst = t.inputs[p]
-                    if gu == gv and i != j:
-                        continue
-                    if src != dst:
-                        a, b = by_pair[(src, dst)]
-                        a.add(i)
-                        b.add(j)
-            for (src, dst), (iu, iv) in by_pair.items():
+            for (src, dst), (iu, iv) in pairs.items():
                 key = ("conv", u.template, ref.index, src, dst, signature)
                 term = problem.conversions.get(key)
                 if term is None:
                     ck = (src, dst, meta.nbytes, u.requires_grad)
                     if ck not in conv_cache:
                         conv_cache[ck] = _conversion_comms(src, dst, meta.nbytes, u.requires_grad and meta.is_float, mesh)
-                    comms = conv_cache[ck]
-                    term = ConversionTerm(key, 0.0, comms)
+                    term = ConversionTerm(key, 0.0, conv_cache[ck])
                     problem.conversions[key] = term
                 term.producers.add(u.name)
-                cond = (gu, frozenset(iu), gv, frozenset(iv))
+                cond = (gu, iu, gv, iv)
                 if cond not in term.conditions:
                     term.conditions.append(cond)
+                if gu != gv:
+                    edge.conversions.setdefault((src, dst), set()).add(key)
             if v.template == v.name:
                 _price_holds(problem, v, p, ref)
     for term in problem.conversions.values():

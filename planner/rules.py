@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
+from planner.cost import steps_comms
 from planner.ir import IRGraph, Node, TensorMeta
-from planner.layout import Layout, Spec
+from planner.layout import Layout, Spec, spec_conversion
 from planner.mesh import Mesh
 from planner.strategy import Comm, Operand, Strategy, dedupe, einsum_strategies, enumerate_layouts, split_label, with_dp
 
@@ -151,7 +153,7 @@ def _fallback(ctx: RuleContext) -> Strategy:
 
 def _param_strategies(node: Node, mesh: Mesh) -> list[Strategy]:
     out = []
-    for lay in enumerate_layouts(node.out.shape, mesh, axes=mesh.tp_axes):
+    for lay in enumerate_layouts(node.out.shape, mesh, axes=mesh.tp_axes, orders=True, all_or_none=False):
         label = "replicated" if not lay.shard_axes else "sharded"
         out.append(Strategy(label, "source", (), (Spec(lay),)))
     return out
@@ -177,6 +179,37 @@ def _letters(n: int, start: str = "a") -> str:
     return "".join(chr(ord(start) + i) for i in range(n))
 
 
+def reduced_variants(ctx: RuleContext, strategies: list[Strategy], batch_dims: int) -> list[Strategy]:
+    """Each strategy with a partial output over tensor-parallel axes, plus variants that reduce it
+    inside the strategy: all-reduce (Megatron's row-parallel output), or reduce-scatter onto one
+    of the first ``batch_dims`` dims (sequence parallelism; 3-D's reduce-scatter over k)."""
+    out: list[Strategy] = list(strategies)
+    meta = ctx.node.out
+    for s in strategies:
+        raw = s.outputs[0]
+        if raw is None:
+            continue
+        tp_partial = ctx.mesh.sort_axes({a for a in raw.layout.partial if not ctx.mesh.is_dp(a)})
+        if not tp_partial:
+            continue
+        targets = [Layout(raw.layout.dims, raw.layout.partial - set(tp_partial))]
+        for d in range(batch_dims):
+            dims = list(raw.layout.dims)
+            dims[d] = (*dims[d], *tp_partial)
+            target = Layout(tuple(dims), raw.layout.partial - set(tp_partial))
+            if target.divides(meta.shape, ctx.mesh):
+                targets.append(target)
+        for target in targets:
+            conv = spec_conversion(raw, Spec(target), ctx.mesh)
+            raw_local = meta.nbytes // raw.layout.shard_factor(ctx.mesh)
+            comms = steps_comms(conv.forward, raw_local, ctx.mesh, "fwd")
+            if ctx.node.requires_grad:
+                comms += steps_comms(conv.backward, meta.nbytes // target.shard_factor(ctx.mesh), ctx.mesh, "bwd")
+            kind = "all-reduce" if not target.shard_axes - raw.layout.shard_axes else "reduce-scatter"
+            out.append(replace(s, algorithm=f"{s.algorithm}/{kind}", outputs=(Spec(target),), comms=s.comms + comms, raw_output=raw))
+    return out
+
+
 @anchor_rule("aten.linear.default")
 def _linear(ctx: RuleContext) -> list[Strategy]:
     x_shape = ctx.in_shape(0)
@@ -187,7 +220,7 @@ def _linear(ctx: RuleContext) -> list[Strategy]:
     if len(ctx.node.inputs) > 2:
         operands.append(Operand("o", ctx.is_param(2), ctx.needs_grad(2)))
     result = []
-    for ins, out, split, assign in einsum_strategies(ctx.mesh, operands, batch + "o", sizes):
+    for ins, out, split, assign in einsum_strategies(ctx.mesh, operands, batch + "o", sizes, batch_letters=batch):
         tp_o = [a for a in assign["o"] if not ctx.mesh.is_dp(a)]
         tp_i = [a for a in assign["i"] if not ctx.mesh.is_dp(a)]
         if tp_o and tp_i:
@@ -199,7 +232,7 @@ def _linear(ctx: RuleContext) -> list[Strategy]:
         else:
             label = split_label(ctx.mesh, split)
         result.append(Strategy(with_dp(label, ctx.mesh, split), "linear", ins, (Spec(out),), split))
-    return result
+    return reduced_variants(ctx, result, len(batch))
 
 
 @anchor_rule("aten.addmm.default")
@@ -215,12 +248,12 @@ def _addmm(ctx: RuleContext) -> list[Strategy]:
     sizes = {"m": m, "k": k, "n": n}
     operands = [Operand("n", ctx.is_param(0), ctx.needs_grad(0)), Operand("mk", ctx.is_param(1), ctx.needs_grad(1)), Operand("kn", ctx.is_param(2), ctx.needs_grad(2))]
     result = []
-    for ins, out, split, assign in einsum_strategies(ctx.mesh, operands, "mn", sizes, dp_letters="m"):
+    for ins, out, split, assign in einsum_strategies(ctx.mesh, operands, "mn", sizes, dp_letters="m", batch_letters="m"):
         tp_n = [a for a in assign["n"] if not ctx.mesh.is_dp(a)]
         tp_k = [a for a in assign["k"] if not ctx.mesh.is_dp(a)]
         label = "tp1d-col" if tp_n and not tp_k else "tp1d-row" if tp_k and not tp_n else "tp-col-row" if tp_k else split_label(ctx.mesh, split)
         result.append(Strategy(with_dp(label, ctx.mesh, split), "addmm", ins, (Spec(out),), split))
-    return result
+    return reduced_variants(ctx, result, 1)
 
 
 @anchor_rule("aten.mm.default", "aten.bmm.default", "aten.matmul.default")
@@ -234,7 +267,7 @@ def _matmul(ctx: RuleContext) -> list[Strategy]:
     operands = [Operand(batch + "mk", ctx.is_param(0), ctx.needs_grad(0)), Operand(b_letters, ctx.is_param(1), ctx.needs_grad(1))]
     return [
         Strategy(with_dp(split_label(ctx.mesh, split), ctx.mesh, split), "op", ins, (Spec(out),), split)
-        for ins, out, split, _ in einsum_strategies(ctx.mesh, operands, batch + "mn", sizes)
+        for ins, out, split, _ in einsum_strategies(ctx.mesh, operands, batch + "mn", sizes, batch_letters=batch + "m")
         if not out.partial or not any(ctx.mesh.is_dp(p) for p in out.partial)
     ]
 
@@ -247,7 +280,7 @@ def _embedding(ctx: RuleContext) -> list[Strategy]:
     sizes = dict(zip(batch, idx_shape, strict=True)) | {"v": v, "e": e}
     operands = [Operand("ve", ctx.is_param(0), ctx.needs_grad(0)), Operand(batch, False, False)]
     result = []
-    for ins, out, split, assign in einsum_strategies(ctx.mesh, operands, batch + "e", sizes, dp_letters=batch[:1]):
+    for ins, out, split, assign in einsum_strategies(ctx.mesh, operands, batch + "e", sizes, dp_letters=batch[:1], batch_letters=batch):
         if assign["v"]:
             label = "vocab-parallel"
         elif assign["e"]:
@@ -255,11 +288,14 @@ def _embedding(ctx: RuleContext) -> list[Strategy]:
         else:
             label = split_label(ctx.mesh, split)
         result.append(Strategy(with_dp(label, ctx.mesh, split), "embedding", ins, (Spec(out),), split))
-    return result
+    return reduced_variants(ctx, result, len(batch))
 
 
 @anchor_rule("aten.layer_norm.default")
 def _layer_norm(ctx: RuleContext) -> list[Strategy]:
+    """Rows split freely; the normalised dim split too (2-D/3-D), when the kernel all-reduces the
+    row statistics over those axes: mean and variance forward, and the two row sums of the
+    gradient backward (one all-reduce each, of one value per local row)."""
     x_shape = ctx.in_shape(0)
     norm = len(ctx.args[1])
     batch = _letters(len(x_shape) - norm)
@@ -267,10 +303,20 @@ def _layer_norm(ctx: RuleContext) -> list[Strategy]:
     sizes = dict(zip(batch + hidden, x_shape, strict=True))
     operands = [Operand(batch + hidden, ctx.is_param(0), ctx.needs_grad(0))]
     operands += [Operand(hidden, ctx.is_param(i), ctx.needs_grad(i)) for i in range(1, len(ctx.node.inputs))]
-    return [
-        Strategy(split_label(ctx.mesh, split), "op", ins, (Spec(out),), split)
-        for ins, out, split, _ in einsum_strategies(ctx.mesh, operands, batch + hidden, sizes, splittable=batch)
-    ]
+    splittable = batch + (hidden if len(hidden) == 1 else "")
+    result = []
+    itemsize = ctx.in_meta(0).itemsize
+    for ins, out, split, assign in einsum_strategies(ctx.mesh, operands, batch + hidden, sizes, splittable=splittable):
+        hidden_axes = ctx.mesh.sort_axes({a for c in hidden for a in assign[c]})
+        if not hidden_axes:
+            result.append(Strategy(split_label(ctx.mesh, split), "op", ins, (Spec(out),), split))
+            continue
+        rows = 1
+        for c in batch:
+            rows *= sizes[c] // ctx.mesh.group_size(assign[c])
+        stats = [Comm("all_reduce", hidden_axes, rows * itemsize, "fwd")] * 2 + [Comm("all_reduce", hidden_axes, rows * itemsize, "bwd")] * 2
+        result.append(Strategy("split-hidden", "layer_norm", ins, (Spec(out),), split, tuple(stats)))
+    return result
 
 
 @anchor_rule("aten.scaled_dot_product_attention.default")

@@ -25,7 +25,8 @@ from planner.solve import InfeasibleBudget, Solution, SolverSettings, solve
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_TP = ("none", "1d")
+SUPPORTED_TP = ("none", "1d", "2d", "3d")
+TP_AXES = {"1d": ("tp",), "2d": ("row", "col"), "3d": ("i", "j", "k")}
 ALL_TP = ("none", "1d", "2d", "3d")
 
 
@@ -43,9 +44,6 @@ class SearchSpace:
         unknown = [t for t in self.tp if t not in ALL_TP]
         if unknown:
             raise ValueError(f"unknown tensor-parallel family {unknown}; choose from {', '.join(ALL_TP)}")
-        later = [t for t in self.tp if t not in SUPPORTED_TP]
-        if later:
-            raise ValueError(f"tensor-parallel family {', '.join(later)} is not implemented yet (planned: 2-D SUMMA and 3-D); available: {', '.join(SUPPORTED_TP)}")
         if any(z not in (0, 1, 2, 3) for z in self.zero):
             raise ValueError(f"ZeRO stages are 0-3, got {self.zero}")
         if any(z != 0 for z in self.zero):
@@ -78,22 +76,38 @@ class SearchResult:
         return [c.plan for c in self.candidates if c.plan is not None]
 
 
+def _family_meshes(devices: int, family: str) -> list[Mesh]:
+    """``none``: dp only; ``1d``: dp x tp (tp > 1); ``2d``: dp x row x col (q x q, q > 1);
+    ``3d``: dp x i x j x k (q x q x q, q > 1). Tensor-parallel axes are the innermost, so they
+    land on the fastest links (consecutive ranks share a node)."""
+    if family == "none":
+        return [Mesh(("dp", "tp"), (devices, 1))]
+    if family not in TP_AXES:
+        raise ValueError(f"unknown tensor-parallel family {family!r}")
+    axes = TP_AXES[family]
+    meshes = []
+    q = 2
+    while q ** len(axes) <= devices:
+        tp = q ** len(axes)
+        if devices % tp == 0:
+            meshes.append(Mesh(("dp", *axes), (devices // tp, *([q] * len(axes)))))
+        q += 1
+    return meshes
+
+
 def candidate_meshes(space: SearchSpace, batch: int) -> list[Candidate]:
     out = []
-    for tp in range(1, space.devices + 1):
-        if space.devices % tp:
-            continue
-        dp = space.devices // tp
-        family = "none" if tp == 1 else "1d"
+    for family in ALL_TP:
         if family not in space.tp:
             continue
-        mesh = Mesh(("dp", "tp"), (dp, tp))
-        if space.dp is not None and dp != space.dp:
-            continue
-        if batch % dp:
-            out.append(Candidate(mesh, family, reason=f"batch {batch} does not split {dp} ways"))
-            continue
-        out.append(Candidate(mesh, family))
+        for mesh in _family_meshes(space.devices, family):
+            dp = mesh.degree("dp")
+            if space.dp is not None and dp != space.dp:
+                continue
+            if batch % dp:
+                out.append(Candidate(mesh, family, reason=f"batch {batch} does not split {dp} ways"))
+                continue
+            out.append(Candidate(mesh, family))
     return out
 
 
@@ -136,12 +150,16 @@ def search(
 
 
 def tp_family(problem: Problem, assignment: dict[str, int]) -> TPFamily:
+    """The mesh's family if any node uses its tensor-parallel axes, else ``none``."""
     mesh = problem.mesh
     tp_axes = {a for a in mesh.tp_axes if mesh.degree(a) > 1}
     for name, strategies in problem.choices.items():
         s = strategies[assignment[problem.node_group[name]]]
         if s.split_axes & tp_axes or any(o is not None and o.layout.shard_axes & tp_axes for o in s.outputs):
-            return "1d"
+            for family, axes in TP_AXES.items():
+                if set(axes) == set(mesh.tp_axes):
+                    return family  # type: ignore[return-value]
+            return "mixed"
     return "none"
 
 
@@ -168,6 +186,7 @@ def make_plan(
                 inputs=tuple(spec.encode() for spec in s.inputs),
                 outputs=tuple(spec.encode() if spec is not None else None for spec in s.outputs),
                 split_axes=problem.mesh.sort_axes(s.split_axes),
+                raw_output=s.raw_output.encode() if s.raw_output is not None else None,
             )
         )
         if s.algorithm == FALLBACK:

@@ -131,13 +131,26 @@ class _Model:
             self.lp += pulp.lpSum(xs) == 1, f"one_strategy_{self.gid[g]}"
 
     def conversion(self) -> None:
+        """Within a group: y >= x[i] for the strategies whose two ends disagree. Between groups,
+        the transportation form: e[S,T] >= 0 with sum_T e[S,T] = (producer outputs S) and
+        sum_S e[S,T] = (consumer needs T), and y >= e[S,T]; with one-hot x, e is the indicator
+        of the pair chosen, and the LP relaxation is far tighter than y >= x_u + x_v - 1."""
         for k, (key, term) in enumerate(self.problem.conversions.items()):
             for m, (gu, iu, gv, iv) in enumerate(term.conditions):
                 if gu == gv:
-                    rhs = self._sum(gu, iu & iv)
-                else:
-                    rhs = self._sum(gu, iu) + self._sum(gv, iv) - 1
-                self.lp += self.y[key] >= rhs, f"conversion_{k}_{m}"
+                    self.lp += self.y[key] >= self._sum(gu, iu & iv), f"conversion_{k}_{m}"
+        for k, edge in enumerate(self.problem.edges.values()):
+            e = {
+                (a, b): self.lp.add_variable(f"e_{k}_{m}", 0)
+                for m, (a, b) in enumerate((a, b) for a in edge.src_sets for b in edge.dst_sets)
+            }
+            for a, iu in edge.src_sets.items():
+                self.lp += pulp.lpSum(e[(a, b)] for b in edge.dst_sets) == self._sum(edge.group_u, iu), f"edge_{k}_src_{id(a) % 10**9}_{len(iu)}_{min(iu)}"
+            for b, iv in edge.dst_sets.items():
+                self.lp += pulp.lpSum(e[(a, b)] for a in edge.src_sets) == self._sum(edge.group_v, iv), f"edge_{k}_dst_{min(iv)}_{len(iv)}"
+            for pair, keys in edge.conversions.items():
+                for key in keys:
+                    self.lp += self.y[key] >= e[pair], f"edge_{k}_conv_{id(key) % 10**9}_{id(pair) % 10**9}"
 
     def hold(self) -> None:
         for k, (key, term) in enumerate(self.problem.holds.items()):

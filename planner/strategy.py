@@ -50,6 +50,9 @@ class Strategy:
     outputs: tuple[Spec | None, ...]
     split_axes: frozenset[str] = field(default_factory=frozenset)
     comms: tuple[Comm, ...] = ()
+    # the kernel's raw output Spec when the strategy converts it before handing it on (a partial
+    # sum reduce-scattered onto a batch dim, as 3-D and sequence parallelism do); None otherwise
+    raw_output: Spec | None = None
 
     def __str__(self) -> str:
         ins = ", ".join(str(s) for s in self.inputs)
@@ -73,6 +76,7 @@ def einsum_strategies(
     splittable: Iterable[str] | None = None,
     partial_ok: bool = True,
     dp_letters: Iterable[str] | None = None,
+    batch_letters: Iterable[str] | None = None,
 ) -> list[tuple[tuple[Spec, ...], Layout, frozenset[str], dict[str, tuple[str, ...]]]]:
     """Every assignment of mesh axes to letters: (input specs, output layout, split axes, assignment).
 
@@ -80,6 +84,12 @@ def einsum_strategies(
     contraction letters (absent from the output) produce partial outputs unless ``partial_ok`` is
     false. Data-parallel axes split the batch: only ``dp_letters`` (default: the first letter of
     the first operand, when that operand is not a parameter).
+
+    Tensor-parallel axes are used all or not at all (an idle axis would only repeat work; the
+    fully replicated strategy stays). When ``batch_letters`` is given (matmul-like ops), the
+    tensor-parallel axes land on distinct letters, at most one of them on a batch letter: the
+    1-D, 2-D and 3-D algorithms are all of this form, and it keeps the count of strategies small
+    (13 per linear on a 3-D mesh instead of hundreds).
     """
     letters = sorted({c for op in operands for c in op.letters} | set(out_letters))
     allowed = set(splittable) if splittable is not None else set(letters)
@@ -102,7 +112,14 @@ def einsum_strategies(
             opts.append(c)
         options.append(opts)
     results = []
+    tp_positions = [n for n, a in enumerate(axes) if not mesh.is_dp(a)]
+    batch = set(batch_letters) if batch_letters is not None else None
     for choice in itertools.product(*options):
+        tp_letters = [choice[n] for n in tp_positions if choice[n] is not None]
+        if tp_letters and len(tp_letters) != len(tp_positions):
+            continue
+        if batch is not None and (len(tp_letters) != len(set(tp_letters)) or sum(c in batch for c in tp_letters) > 1):
+            continue
         assign: dict[str, tuple[str, ...]] = {c: () for c in letters}
         for axis, letter in zip(axes, choice, strict=True):
             if letter is not None:
@@ -121,22 +138,33 @@ def einsum_strategies(
     return results
 
 
-def enumerate_layouts(shape: tuple[int, ...], mesh: Mesh, *, axes: Iterable[str] | None = None) -> list[Layout]:
+def enumerate_layouts(
+    shape: tuple[int, ...], mesh: Mesh, *, axes: Iterable[str] | None = None, orders: bool = False, all_or_none: bool = True
+) -> list[Layout]:
     """Every layout of ``shape`` sharding each given axis (degree > 1) on one dim or none.
 
-    Data-parallel axes only ever shard dim 0 (the batch).
+    Data-parallel axes only ever shard dim 0 (the batch). With ``orders``, a dim sharded by
+    several axes comes in every order of them (3-D stores a weight's input dim as ``(k, i)`` so
+    that gathering over ``i`` leaves it split over ``k``). With ``all_or_none``, tensor-parallel
+    axes shard something all together or not at all.
     """
     use = [a for a in (axes if axes is not None else mesh.axes) if mesh.degree(a) > 1]
     out = []
     options = [[None, 0] if mesh.is_dp(a) and shape else [None, *range(len(shape))] for a in use]
+    tp_positions = [n for n, a in enumerate(use) if not mesh.is_dp(a)]
     for choice in itertools.product(*options):
+        used = sum(choice[n] is not None for n in tp_positions)
+        if all_or_none and used not in (0, len(tp_positions)):
+            continue
         dims: list[tuple[str, ...]] = [() for _ in shape]
         for axis, d in zip(use, choice, strict=True):
             if d is not None:
                 dims[d] = (*dims[d], axis)
-        lay = Layout(tuple(dims))
-        if lay.divides(shape, mesh):
-            out.append(lay)
+        variants = itertools.product(*[itertools.permutations(d) for d in dims]) if orders else [tuple(dims)]
+        for v in variants:
+            lay = Layout(tuple(tuple(d) for d in v))
+            if lay.divides(shape, mesh):
+                out.append(lay)
     return out
 
 

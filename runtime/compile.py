@@ -25,12 +25,22 @@ import torch.fx
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from planner.ir import IRGraph, Node
-from planner.layout import Layout, Spec, conversion_steps, spec_conversion
+from planner.layout import Layout, Spec, conversion_steps, parse_spec, spec_conversion
 from planner.plan import NodePlan, Plan, fingerprint
 from planner.trace import trace
 from runtime.collectives import CommRecorder, Convert, run_steps
 from runtime.groups import MeshGroups, build_groups
-from runtime.kernels import AddmmKernel, CrossEntropyKernel, EmbeddingKernel, Kernel, LinearKernel, MeanKernel, Slot, getitem
+from runtime.kernels import (
+    AddmmKernel,
+    CrossEntropyKernel,
+    EmbeddingKernel,
+    Kernel,
+    LayerNormKernel,
+    LinearKernel,
+    MeanKernel,
+    Slot,
+    getitem,
+)
 from runtime.module import ParallelModule
 
 VIEW_TARGETS = {"aten.view.default", "aten._unsafe_view.default", "aten.reshape.default"}
@@ -165,9 +175,14 @@ class _Builder:
         ins = np.input_specs()
         outs = np.output_specs()
         values = tuple(self._input_value(node, p, ins[p] if p < len(ins) else None) for p in range(len(node.inputs)))
-        kernel = self._kernel(node, np, ins, outs)
+        raw = parse_spec(np.raw_output) if np.raw_output is not None else None
+        kernel = self._kernel(node, np, ins, [raw] if raw is not None else outs)
         name = self._add(f"k_{node.name}", kernel)
         out = self.fx.call_module(name, values)
+        if raw is not None and outs[0] is not None:  # the strategy reduces its own partial output
+            conv = spec_conversion(raw, outs[0], self.mg.mesh)
+            module = Convert(conv.forward, conv.backward if node.requires_grad else (), self.mg, self.rec, f"{node.name}: {raw} -> {outs[0]}")
+            out = self.fx.call_module(self._add(f"reduce_{node.name}", module), (out,))
         if len(node.outputs) == 1:
             self.env[(node.name, 0)] = out
         else:
@@ -202,6 +217,12 @@ class _Builder:
         if np.kernel == "addmm":
             partial = self.mg.mesh.sort_axes(outs[0].layout.partial) if outs[0] else ()
             return AddmmKernel(node.name, template, partial, self.mg)
+        if np.kernel == "layer_norm":
+            x = ins[0]
+            assert x is not None
+            norm = len(self.fx_nodes[node.name].args[1])
+            axes = self.mg.mesh.sort_axes({a for d in x.layout.dims[x.layout.ndim - norm :] for a in d})
+            return LayerNormKernel(node.name, template, axes, self.mg, self.rec)
         if np.kernel == "embedding":
             w = ins[0]
             assert w is not None

@@ -100,6 +100,47 @@ class EmbeddingKernel(Kernel):
         return out.masked_fill(outside.unsqueeze(-1), 0.0)
 
 
+class _AllReduceSum(torch.autograd.Function):
+    """Sum over ``axes`` whose result every rank uses for its own elements: backward sums too."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, axes: tuple[str, ...], mg: MeshGroups, rec: CommRecorder) -> torch.Tensor:  # type: ignore[override]
+        ctx.axes, ctx.mg, ctx.rec = axes, mg, rec
+        return all_reduce(x, axes, mg, rec, "fwd")
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        return all_reduce(grad, ctx.axes, ctx.mg, ctx.rec, "bwd"), None, None, None
+
+
+class LayerNormKernel(Kernel):
+    """LayerNorm with the normalised dim split over ``axes``: row mean and variance are sums
+    all-reduced over the group (two all-reduces forward, their two transposes backward)."""
+
+    def __init__(self, name: str, arg_template: Any, axes: tuple[str, ...], mg: MeshGroups, rec: CommRecorder) -> None:
+        super().__init__(name, torch.ops.aten.layer_norm.default, arg_template)
+        self.axes, self.mg, self.rec = axes, mg, rec
+
+    def forward(self, *tensors: torch.Tensor) -> Any:
+        args, kwargs = fill(self.arg_template, tensors)
+        args = list(args) + [None] * (5 - len(args))
+        x, shape, weight, bias = args[0], args[1], args[2], args[3]
+        eps = args[4] if args[4] is not None else kwargs.get("eps", 1e-5)
+        dims = tuple(range(x.dim() - len(shape), x.dim()))
+        count = 1
+        for n in shape:
+            count *= n
+        mean = _AllReduceSum.apply(x.sum(dim=dims, keepdim=True), self.axes, self.mg, self.rec) / count
+        centred = x - mean
+        var = _AllReduceSum.apply((centred * centred).sum(dim=dims, keepdim=True), self.axes, self.mg, self.rec) / count
+        y = centred * torch.rsqrt(var + eps)
+        if weight is not None:
+            y = y * weight
+        if bias is not None:
+            y = y + bias
+        return y
+
+
 class _VocabParallelCE(torch.autograd.Function):
     """Per-token cross-entropy with the class dim split over ``axes`` (Megatron's vocab-parallel
     loss): all-reduce the max, the sum of exponentials and the target logit; backward is local."""

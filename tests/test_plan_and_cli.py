@@ -10,11 +10,11 @@ from pydantic import ValidationError
 from models import build_model, example_inputs
 from planner import auto_parallelize
 from planner.cli import main
-from planner.units import parse_bytes
 from planner.hardware import A100_80G
 from planner.plan import Plan
 from planner.search import SearchSpace, search
 from planner.trace import trace
+from planner.units import parse_bytes
 
 
 @pytest.fixture(scope="module")
