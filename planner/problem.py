@@ -258,10 +258,10 @@ def _root(graph: IRGraph, ref: InputRef) -> InputRef:
     return ref
 
 
-def _spec_sets(strategies: list[Strategy], pick: Callable[[Strategy], Spec | None]) -> dict[Spec, frozenset[int]]:
+def _spec_sets(specs: list[Spec | None]) -> dict[Spec, frozenset[int]]:
+    """Strategy indices grouped by the Spec they produce or need."""
     sets: dict[Spec, set[int]] = defaultdict(set)
-    for i, s in enumerate(strategies):
-        spec = pick(s)
+    for i, spec in enumerate(specs):
         if spec is not None:
             sets[spec].add(i)
     return {spec: frozenset(idx) for spec, idx in sets.items()}
@@ -290,8 +290,8 @@ def _price_edges(problem: Problem) -> None:
                         a, b = pairs.get((src, dst), (frozenset(), frozenset()))
                         pairs[(src, dst)] = (a | {i}, b | {i})
             else:
-                src_sets = _spec_sets(su, lambda s: s.outputs[ref.index])
-                dst_sets = _spec_sets(sv, lambda t: t.inputs[p] if p < len(t.inputs) else None)
+                src_sets = _spec_sets([s.outputs[ref.index] for s in su])
+                dst_sets = _spec_sets([t.inputs[p] if p < len(t.inputs) else None for t in sv])
                 edge_key = (gu, gv, tuple(src_sets.items()), tuple(dst_sets.items()))
                 if edge_key not in problem.edges:
                     problem.edges[edge_key] = EdgeTerm(gu, gv, src_sets, dst_sets, {})

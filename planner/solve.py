@@ -26,7 +26,8 @@ subject to (each family is one function below; constraints carry their family's 
 
 ``t_unit`` and ``m_unit`` are the largest time and memory coefficients of the problem, so every
 coefficient is at most 1 whatever the model's size; ``eps = 1e-9`` only breaks ties in favour of
-less memory (with ``objective="memory"`` the roles swap). Feasibility tolerances are 1e-9, the
+less memory. ``objective="memory"`` is solved lexicographically: the least memory first, then
+the fastest plan within exactly that memory. Feasibility tolerances are 1e-9, the
 absolute gap 0. Time and memory of the answer are re-computed exactly by
 :func:`planner.problem.evaluate`, not read off the relaxed y/z, and an answer whose exact memory
 exceeds the budget (a tolerance slip) is re-solved with the budget lowered by the overrun.
@@ -40,7 +41,7 @@ import os
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import pulp
@@ -218,16 +219,34 @@ def solve(
     per step, or bytes per device); ``Solution.evaluation`` is the exact evaluation.
     """
     settings = settings or SolverSettings()
+    if objective == "memory":
+        # lexicographic: the least memory, then the fastest plan holding exactly that much
+        least = _solve_once(problem, float("inf"), "memory", settings)
+        try:
+            fastest = solve(problem, memory_budget=least.evaluation.peak_memory, settings=settings)
+        except InfeasibleBudget:
+            return least
+        better = fastest.evaluation.peak_memory <= least.evaluation.peak_memory and fastest.evaluation.step_time < least.evaluation.step_time
+        return replace(fastest, objective=fastest.evaluation.peak_memory) if better else least
     budget = memory_budget
     for _ in range(MAX_RESOLVES):
-        solution = _solve_once(problem, budget, objective, settings)
-        if objective == "memory" or budget == float("inf"):
+        try:
+            solution = _solve_once(problem, budget, objective, settings)
+        except InfeasibleBudget as exc:
+            if budget == memory_budget:
+                raise
+            # the lowered budget excluded every plan: the least-memory plan, if it fits, is the answer
+            least = _solve_once(problem, float("inf"), "memory", settings)
+            if least.evaluation.peak_memory <= memory_budget:
+                return least
+            raise InfeasibleBudget(_infeasible_message(problem, memory_budget, least.evaluation), budget=memory_budget, least=least.evaluation) from exc
+        if budget == float("inf"):
             return solution
         overrun = solution.evaluation.peak_memory - memory_budget
         if overrun <= 0:
             return solution
         log.info("mesh %s: answer exceeds the budget by %.0f B (solver tolerance); re-solving", problem.mesh, overrun)
-        budget -= overrun
+        budget = min(budget, memory_budget) - overrun
     raise RuntimeError(f"the ILP for mesh {problem.mesh} kept exceeding the memory budget after {MAX_RESOLVES} re-solves")
 
 

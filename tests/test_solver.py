@@ -16,7 +16,8 @@ The ILP normalises memory and time by the problem's largest coefficients (``_Mod
 answer whose exact memory exceeds the budget; ``test_a_budget_row_slip_*`` simulates a slip to
 exercise that re-solve.
 
-Known bugs are ``xfail(strict=True)`` with the reason: see ``RESOLVE_BUG`` and ``TIE_BREAK_BUG``.
+Two bugs these tests found are fixed: a re-solve that lost the plan fitting the caller's budget, and a
+memory objective that did not prefer the fastest least-memory plan (now lexicographic).
 """
 
 from __future__ import annotations
@@ -264,16 +265,9 @@ def test_memory_objective_finds_the_bruteforce_least_memory(name: str) -> None:
     assert sol.objective == pytest.approx(sol.evaluation.peak_memory, rel=REL)
 
 
-TIE_BREAK_BUG = (
-    "planner/solve.py: with objective='memory' the time tie-break (TIE_BREAK = 1e-9 per t_unit) is "
-    "below HiGHS's optimality tolerances (dual feasibility 1e-7), so even with relative_gap=0 it "
-    "does not reliably break ties: the answer has the least memory but is not the fastest such plan "
-    "(wide-two-linear: 1.34x slower; a weight of 1e-6 gets within 2e-4, a lexicographic second "
-    "solve that fixes the memory and minimises time would be exact)"
-)
 
 
-@pytest.mark.parametrize("name", _xfail(tuple(CASES), TIE_BREAK_BUG))
+@pytest.mark.parametrize("name", list(CASES))
 def test_memory_objective_breaks_ties_in_favour_of_the_fastest_least_memory_plan(name: str) -> None:
     c = case(name)
     least = c.memory <= c.least_memory * (1 + REL)
@@ -320,18 +314,9 @@ def test_a_budget_one_percent_below_the_least_memory_is_infeasible(name: str) ->
 # --------------------------------------------------------------------------- tolerance slips
 
 
-RESOLVE_BUG = (
-    "planner/solve.py solve(): an answer that slips over the budget is re-solved with the budget "
-    "lowered by the overrun; when the caller's budget is within that overrun of the least memory, "
-    "the lowered budget is below every plan and the re-solve raises InfeasibleBudget (for the "
-    "lowered budget, not the caller's) although the least-memory plan fits. Seen with real HiGHS at "
-    "FEASIBILITY_TOL = 1e-6 on an earlier wide-two-linear problem: budget = least memory "
-    "236609665 B, answer 128 B over, re-solve at least - 128 B -> 'no plan ... fits 225.65 MiB: "
-    "the least any plan needs is 225.65 MiB (...), 128 B over'"
-)
 
 
-@pytest.mark.parametrize("name", _xfail(tuple(CASES), RESOLVE_BUG, InfeasibleBudget))
+@pytest.mark.parametrize("name", list(CASES))
 def test_a_budget_row_slip_is_re_solved_without_losing_the_plan_that_fits(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The first solve enforces the budget row only to ``slip`` bytes (a solver tolerance large
     enough to admit the next Pareto plan), the re-solves exactly: with the budget at the least
