@@ -179,6 +179,19 @@ def _letters(n: int, start: str = "a") -> str:
     return "".join(chr(ord(start) + i) for i in range(n))
 
 
+def _active_tp(mesh: Mesh) -> list[str]:
+    return [a for a in mesh.tp_axes if mesh.degree(a) > 1]
+
+
+def multi_axis_label(mesh: Mesh, assign: dict[str, tuple[str, ...]], roles: dict[str, str]) -> str:
+    """``tp3d[batch=i,in=k,out=j]``: where each tensor-parallel axis of a 2-D/3-D mesh computes."""
+    tp = _active_tp(mesh)
+    parts = [f"{roles.get(c, c)}={','.join(a for a in axes if a in tp)}" for c, axes in assign.items() if any(a in tp for a in axes)]
+    if not parts:
+        return split_label(mesh, frozenset(a for axes in assign.values() for a in axes))
+    return f"tp{len(tp)}d[{' '.join(sorted(parts))}]"
+
+
 def reduced_variants(ctx: RuleContext, strategies: list[Strategy], batch_dims: int) -> list[Strategy]:
     """Each strategy with a partial output over tensor-parallel axes, plus variants that reduce it
     inside the strategy: all-reduce (Megatron's row-parallel output), or reduce-scatter onto one
@@ -220,10 +233,13 @@ def _linear(ctx: RuleContext) -> list[Strategy]:
     if len(ctx.node.inputs) > 2:
         operands.append(Operand("o", ctx.is_param(2), ctx.needs_grad(2)))
     result = []
+    roles = {c: "batch" for c in batch} | {"i": "in", "o": "out"}
     for ins, out, split, assign in einsum_strategies(ctx.mesh, operands, batch + "o", sizes, batch_letters=batch):
         tp_o = [a for a in assign["o"] if not ctx.mesh.is_dp(a)]
         tp_i = [a for a in assign["i"] if not ctx.mesh.is_dp(a)]
-        if tp_o and tp_i:
+        if len(_active_tp(ctx.mesh)) > 1:
+            label = multi_axis_label(ctx.mesh, assign, roles)
+        elif tp_o and tp_i:
             label = "tp-col-row"
         elif tp_o:
             label = "tp1d-col"

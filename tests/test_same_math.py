@@ -1,10 +1,12 @@
-"""Same math and priced = executed, on gloo: tiny models in float64 on 2 and 4 ranks.
+"""Same math and priced = executed, on gloo: tiny models in float64 on 2, 4 and 8 ranks.
 
 Each world size is spawned once; inside, every plan (gpt-tiny unless named) trains three
 optimizer steps beside a single-device run (SGD with momentum; see tests/dist_checks.py for why
 not AdamW). Plans: data parallel, Megatron 1-D tensor parallel (column/row linears,
 vocab-parallel embedding and loss), the ILP's most memory-frugal plan (it picks
-sequence-parallel layouts), and their combinations with dp=2.
+sequence-parallel layouts), and their combinations with dp=2; 2-D (SUMMA, all-gather form) on
+2x2 and dp=2 x 2x2, and 3-D on the 2x2x2 cube (the ILP's least-memory plans on those meshes,
+checked to use the family).
 """
 
 from __future__ import annotations
@@ -51,12 +53,17 @@ def megatron(node: Node, s: Strategy) -> bool:
     return True
 
 
-def _plan(devices: int, dp: int, *, model: str = "gpt-tiny", allow: Any = None, objective: str = "time") -> tuple[str, str]:
+def _plan(
+    devices: int, dp: int, *, model: str = "gpt-tiny", allow: Any = None, objective: str = "time", family: str = "1d"
+) -> tuple[str, str]:
     module = build_model(model, dtype=torch.float64)
     args, kwargs = example_inputs(model, batch=BATCH, dtype=torch.float64)
     graph = trace(module, args, kwargs)
-    result = search(graph, SearchSpace(devices=devices, dp=dp), A100_80G, model_name=model, objective=objective, allow=allow)  # type: ignore[arg-type]
+    space = SearchSpace(devices=devices, dp=dp, tp=(family,) if devices > dp else ("none",))
+    result = search(graph, space, A100_80G, model_name=model, objective=objective, allow=allow)  # type: ignore[arg-type]
     assert result.best is not None
+    if devices > dp:
+        assert result.best.tp == family, (family, result.best.tp)
     return model, result.best.model_dump_json()
 
 
@@ -77,6 +84,11 @@ CASES = {
         "dp=2 x tp=2 megatron": dict(dp=2, allow=megatron_dp),
         "dp=2 x tp=2 least-memory": dict(dp=2, objective="memory"),
         "tp=4 megatron": dict(dp=1, allow=megatron),
+        "2-D 2x2 least-memory": dict(dp=1, family="2d", objective="memory"),
+    },
+    8: {
+        "3-D 2x2x2 least-memory": dict(dp=1, family="3d", objective="memory"),
+        "dp=2 x 2-D 2x2 least-memory": dict(dp=2, family="2d", objective="memory"),
     },
 }
 

@@ -173,12 +173,6 @@ def between_pareto_budgets(c: Case) -> list[float]:
     return [*mids, float(c.memory.max())]
 
 
-def _xfail(failing: tuple[str, ...], reason: str, raises: type[BaseException] = AssertionError) -> list:
-    """Every case, those in ``failing`` marked as a known bug (strict: they must fail, with ``raises``)."""
-    mark = pytest.mark.xfail(reason=reason, strict=True, raises=raises)
-    return [pytest.param(n, marks=mark) if n in failing else n for n in CASES]
-
-
 def _assert_fastest_within(c: Case, budget: float) -> None:
     sol = solve(c.problem, memory_budget=budget, settings=EXACT)
     best = c.fastest_within(budget)
