@@ -192,10 +192,14 @@ def multi_axis_label(mesh: Mesh, assign: dict[str, tuple[str, ...]], roles: dict
     return f"tp{len(tp)}d[{' '.join(sorted(parts))}]"
 
 
-def reduced_variants(ctx: RuleContext, strategies: list[Strategy], batch_dims: int) -> list[Strategy]:
+def reduced_variants(ctx: RuleContext, strategies: list[Strategy], batch_dims: int, bias: int | None = None) -> list[Strategy]:
     """Each strategy with a partial output over tensor-parallel axes, plus variants that reduce it
     inside the strategy: all-reduce (Megatron's row-parallel output), or reduce-scatter onto one
-    of the first ``batch_dims`` dims (sequence parallelism; 3-D's reduce-scatter over k)."""
+    of the first ``batch_dims`` dims (sequence parallelism; 3-D's reduce-scatter over k).
+
+    The reduced variants add the bias (input ``bias``) after the reduction, as Megatron does: after
+    an all-reduce every rank adds the whole bias, so its gradient is no longer partial over the
+    reduced axes (no gradient all-reduce for it)."""
     out: list[Strategy] = list(strategies)
     meta = ctx.node.out
     for s in strategies:
@@ -219,7 +223,12 @@ def reduced_variants(ctx: RuleContext, strategies: list[Strategy], batch_dims: i
             if ctx.node.requires_grad:
                 comms += steps_comms(conv.backward, meta.nbytes // target.shard_factor(ctx.mesh), ctx.mesh, "bwd")
             kind = "all-reduce" if not target.shard_axes - raw.layout.shard_axes else "reduce-scatter"
-            out.append(replace(s, algorithm=f"{s.algorithm}/{kind}", outputs=(Spec(target),), comms=s.comms + comms, raw_output=raw))
+            inputs = s.inputs
+            if bias is not None and bias < len(inputs):
+                b = inputs[bias]
+                grad = b.grad_partial - set(tp_partial) if kind == "all-reduce" else b.grad_partial | (target.shard_axes - raw.layout.shard_axes - b.layout.shard_axes)
+                inputs = (*inputs[:bias], Spec(b.layout, frozenset(grad)), *inputs[bias + 1 :])
+            out.append(replace(s, algorithm=f"{s.algorithm}/{kind}", inputs=inputs, outputs=(Spec(target),), comms=s.comms + comms, raw_output=raw))
     return out
 
 
@@ -248,7 +257,7 @@ def _linear(ctx: RuleContext) -> list[Strategy]:
         else:
             label = split_label(ctx.mesh, split)
         result.append(Strategy(with_dp(label, ctx.mesh, split), "linear", ins, (Spec(out),), split))
-    return reduced_variants(ctx, result, len(batch))
+    return reduced_variants(ctx, result, len(batch), bias=2)
 
 
 @anchor_rule("aten.addmm.default")
@@ -269,7 +278,7 @@ def _addmm(ctx: RuleContext) -> list[Strategy]:
         tp_k = [a for a in assign["k"] if not ctx.mesh.is_dp(a)]
         label = "tp1d-col" if tp_n and not tp_k else "tp1d-row" if tp_k and not tp_n else "tp-col-row" if tp_k else split_label(ctx.mesh, split)
         result.append(Strategy(with_dp(label, ctx.mesh, split), "addmm", ins, (Spec(out),), split))
-    return reduced_variants(ctx, result, 1)
+    return reduced_variants(ctx, result, 1, bias=0)
 
 
 @anchor_rule("aten.mm.default", "aten.bmm.default", "aten.matmul.default")

@@ -43,6 +43,7 @@ from runtime.kernels import (
 )
 from runtime.module import ParallelModule
 
+_BIAS_INPUT = {"linear": 2, "addmm": 0}  # which input of the kernel is the bias
 VIEW_TARGETS = {"aten.view.default", "aten._unsafe_view.default", "aten.reshape.default"}
 
 
@@ -183,6 +184,9 @@ class _Builder:
             conv = spec_conversion(raw, outs[0], self.mg.mesh)
             module = Convert(conv.forward, conv.backward if node.requires_grad else (), self.mg, self.rec, f"{node.name}: {raw} -> {outs[0]}")
             out = self.fx.call_module(self._add(f"reduce_{node.name}", module), (out,))
+            bias = _BIAS_INPUT.get(np.kernel)
+            if bias is not None and bias < len(values) and (np.kernel != "linear" or len(values) > 2):
+                out = self.fx.call_module(self._add(f"bias_{node.name}", AddBias()), (out, values[bias]))
         if len(node.outputs) == 1:
             self.env[(node.name, 0)] = out
         else:
@@ -211,12 +215,10 @@ class _Builder:
     def _kernel(self, node: Node, np: NodePlan, ins: list[Spec | None], outs: list[Spec | None]) -> Kernel:
         template = self._template(node, outs)
         target = self.fx_nodes[node.name].target
-        if np.kernel == "linear":
+        if np.kernel in ("linear", "addmm"):
             partial = self.mg.mesh.sort_axes(outs[0].layout.partial) if outs[0] else ()
-            return LinearKernel(node.name, template, partial, self.mg)
-        if np.kernel == "addmm":
-            partial = self.mg.mesh.sort_axes(outs[0].layout.partial) if outs[0] else ()
-            return AddmmKernel(node.name, template, partial, self.mg)
+            cls = LinearKernel if np.kernel == "linear" else AddmmKernel
+            return cls(node.name, template, partial, self.mg, with_bias=np.raw_output is None)
         if np.kernel == "layer_norm":
             x = ins[0]
             assert x is not None

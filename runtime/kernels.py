@@ -55,17 +55,25 @@ class LinearKernel(Kernel):
     axes) the bias counts on the group's first rank only (times 0 elsewhere, so that every rank
     builds the same autograd graph), and the partial sum adds it once."""
 
-    def __init__(self, name: str, arg_template: Any, partial_axes: tuple[str, ...], mg: MeshGroups) -> None:
+    def __init__(self, name: str, arg_template: Any, partial_axes: tuple[str, ...], mg: MeshGroups, *, with_bias: bool = True) -> None:
         super().__init__(name, F.linear, arg_template)
         self.bias_scale = (1 if mg.index(partial_axes) == 0 else 0) if partial_axes else None
+        self.with_bias = with_bias
 
     def forward(self, *tensors: torch.Tensor) -> Any:
         args, _ = fill(self.arg_template, tensors)
         x, w = args[0], args[1]
-        b = args[2] if len(args) > 2 else None
+        b = args[2] if len(args) > 2 and self.with_bias else None
         if b is not None and self.bias_scale is not None:
             b = b * self.bias_scale
         return F.linear(x, w, b)
+
+
+class AddBias(torch.nn.Module):
+    """``y + b``: the bias of a linear whose partial output was reduced first."""
+
+    def forward(self, y: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return y + b
 
 
 class AddmmKernel(LinearKernel):
@@ -74,6 +82,8 @@ class AddmmKernel(LinearKernel):
     def forward(self, *tensors: torch.Tensor) -> Any:
         args, _ = fill(self.arg_template, tensors)
         bias, x, w = args[0], args[1], args[2]
+        if not self.with_bias:
+            return x @ w
         if self.bias_scale is not None:
             bias = bias * self.bias_scale
         return torch.addmm(bias, x, w)
