@@ -31,6 +31,7 @@ from planner.trace import trace
 from runtime.collectives import CommRecorder, Convert, run_steps
 from runtime.groups import MeshGroups, build_groups
 from runtime.kernels import (
+    AddBias,
     AddmmKernel,
     CrossEntropyKernel,
     EmbeddingKernel,
