@@ -54,6 +54,14 @@ def comm_time(comm: Comm, mesh: Mesh, hw: HardwareProfile) -> float:
     raise ValueError(f"no cost formula for collective {comm.kind}")
 
 
+def ring_volume(comm: Comm, mesh: Mesh) -> float:
+    """Bytes a rank sends (and receives) in ``comm`` under ring algorithms: all-reduce
+    2(n-1)/n * S, all-gather and reduce-scatter (n-1)/n * S."""
+    n = mesh.group_size(comm.axes)
+    factor = 2 * (n - 1) / n if comm.kind == "all_reduce" else (n - 1) / n
+    return factor * comm.nbytes
+
+
 def compute_time(node: Node, strategy: Strategy, mesh: Mesh, hw: HardwareProfile, in_bytes: int) -> float:
     """Roofline time of ``node`` run with ``strategy`` (``in_bytes``: its local input bytes)."""
     split = mesh.group_size(strategy.split_axes)

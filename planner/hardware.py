@@ -72,7 +72,31 @@ A100_80G = HardwareProfile(
     },
 )
 
-PRESETS: dict[str, HardwareProfile] = {p.name: p for p in (A100_80G,)}
+V100_16G = HardwareProfile(
+    name="v100-16g",
+    device_memory=16 * GiB,
+    peak_flops={
+        "torch.float16": 125e12,
+        "torch.bfloat16": 125e12 / 8,  # no bf16 tensor cores on Volta: CUDA-core rate, counted as fp32
+        "torch.float32": 15.7e12,
+        "torch.float64": 7.8e12,
+    },
+    memory_bandwidth=900 * GB,
+    devices_per_node=4,
+    intra_node=LinkTier(name="nvlink2", bandwidth=75 * GB, latency=5e-6),
+    inter_node=LinkTier(name="ib-edr-100g", bandwidth=12.5 * GB, latency=10e-6),
+    sources={
+        "peak_flops": "NVIDIA V100 SXM2 datasheet: FP16 tensor 125 TFLOPS, FP32 15.7, FP64 7.8",
+        "memory_bandwidth": "NVIDIA V100 SXM2 16GB datasheet: 900 GB/s HBM2",
+        "intra_node": "4 x V100 with NVLink 2 (the 64-GPU cluster class of Bian et al. 2021): 3 links x 25 GB/s each way between a pair, about 75 GB/s",
+        "inter_node": "one 100 Gb/s EDR InfiniBand HCA per node shared by 4 GPUs: 12.5 GB/s each way per node",
+        "latency": "assumed: ~5 us NVLink, ~10 us InfiniBand per ring step",
+        "compute_efficiency": "assumed 0.6 of peak for large matmuls until calibrated",
+        "bandwidth_efficiency": "assumed 0.8 of link bandwidth until calibrated",
+    },
+)
+
+PRESETS: dict[str, HardwareProfile] = {p.name: p for p in (A100_80G, V100_16G)}
 
 
 def load_profile(name_or_path: str) -> HardwareProfile:

@@ -24,7 +24,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from planner.cost import OPTIMIZER_STATE_BYTES_PER_BYTE, comm_time, compute_time, steps_comms
+from planner.cost import OPTIMIZER_STATE_BYTES_PER_BYTE, comm_time, compute_time, ring_volume, steps_comms
 from planner.hardware import HardwareProfile
 from planner.ir import InputRef, IRGraph, Node
 from planner.layout import Layout, Spec, spec_conversion
@@ -382,6 +382,24 @@ class Evaluation:
     @property
     def peak_memory(self) -> float:
         return sum(self.memory.values())
+
+
+def layer_volume(problem: Problem, assignment: dict[str, int]) -> float:
+    """Ring bytes per device per step that one repeated layer moves (its nodes' collectives and
+    the conversions of tensors its nodes produce), averaged over the instances."""
+    graph, mesh = problem.graph, problem.mesh
+    if not graph.repeated:
+        return 0.0
+    layers = graph.repeated[0].count
+    in_layer = {n.name for n in graph.nodes.values() if n.layer is not None}
+    total = 0.0
+    for key, group in problem.groups.items():
+        if key in in_layer:
+            total += sum(ring_volume(c, mesh) * n for c, n in group.comms[assignment[key]])
+    for term in problem.conversions.values():
+        if term.producers <= in_layer and any(assignment[gu] in iu and assignment[gv] in iv for gu, iu, gv, iv in term.conditions):
+            total += sum(ring_volume(c, mesh) for c in term.comms) * term.count
+    return total / layers
 
 
 def evaluate(problem: Problem, assignment: dict[str, int]) -> Evaluation:

@@ -72,10 +72,18 @@ def test_cli_text_report_names_the_best_mesh(capsys: pytest.CaptureFixture[str])
     assert "best" in out and "Plan: mesh dp=" in out and "Collectives per device per step" in out
 
 
-def test_cli_refuses_families_not_built_yet(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["report", "gpt-tiny", "--devices", "8", "--tp", "3d"]) == 2
-    assert "not implemented yet" in capsys.readouterr().err
+def test_cli_refuses_options_not_built_yet(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["report", "gpt-tiny", "--devices", "8", "--zero", "0,3"]) == 2
+    assert "ZeRO stages 1-3 are not implemented yet" in capsys.readouterr().err
+    assert main(["report", "gpt-tiny", "--devices", "8", "--cdp", "v1"]) == 2
+    assert "not implemented yet" in capsys.readouterr().err
+
+
+def test_cli_tp_3d_with_dp_1_plans_pure_3d_tensor_parallelism(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["report", "gpt3-1.3b", "--devices", "64", "--tp", "3d", "--dp", "1", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [e["mesh"] for e in doc["pareto"]] == [{"dp": 1, "i": 4, "j": 4, "k": 4}]
+    assert doc["pareto"][0]["tp"] == "3d"
 
 
 def test_infeasible_budget_says_by_how_much(capsys: pytest.CaptureFixture[str]) -> None:
