@@ -37,6 +37,7 @@ class NodePlan(_Frozen):
     outputs: tuple[str | None, ...]
     split_axes: tuple[str, ...] = ()
     raw_output: str | None = None  # the kernel's output Spec before the strategy's own conversion
+    regather: tuple[tuple[int, str], ...] = ()  # inputs gathered by the kernel, again in backward
 
     def input_specs(self) -> list[Spec | None]:
         return [parse_spec(s) if s is not None else None for s in self.inputs]

@@ -232,6 +232,50 @@ def reduced_variants(ctx: RuleContext, strategies: list[Strategy], batch_dims: i
     return out
 
 
+def regather_variants(ctx: RuleContext, strategies: list[Strategy], inputs: dict[int, int | None]) -> list[Strategy]:
+    """On 2-D/3-D meshes, each strategy whose inputs are gathered before use (over the
+    tensor-parallel axes they leave idle) also comes in a variant that receives them still split
+    over those axes, gathers them itself, and gathers them again in backward rather than keeping
+    the gathered tensors saved (Bian et al.'s two 3-D variants: less memory, more traffic).
+
+    ``inputs``: position -> dim that carries the idle axes on arrival (None: the first dim that
+    is already split, else dim 0)."""
+    tp = _active_tp(ctx.mesh)
+    if len(tp) < 2:
+        return strategies
+    out = list(strategies)
+    for s in strategies:
+        if not s.split_axes & set(tp):
+            continue
+        new_inputs = list(s.inputs)
+        regather: list[tuple[int, Spec]] = []
+        comms: list[Comm] = []
+        for pos, dim in inputs.items():
+            if pos >= len(s.inputs) or not ctx.needs_grad(pos):
+                continue
+            compute = s.inputs[pos]
+            idle = tuple(a for a in tp if a not in compute.layout.shard_axes and a not in compute.layout.partial)
+            if not idle:
+                continue
+            d = dim if dim is not None else next((k for k, axes in enumerate(compute.layout.dims) if axes), 0)
+            dims = list(compute.layout.dims)
+            dims[d] = (*dims[d], *idle)
+            arrival_layout = Layout(tuple(dims), compute.layout.partial)
+            if not arrival_layout.divides(ctx.in_shape(pos), ctx.mesh):
+                continue
+            arrival = Spec(arrival_layout, compute.grad_partial - set(idle))
+            conv = spec_conversion(arrival, compute, ctx.mesh)
+            nbytes = ctx.in_meta(pos).nbytes
+            gathered = steps_comms(conv.forward, nbytes // arrival_layout.shard_factor(ctx.mesh), ctx.mesh, "fwd")
+            comms += [*gathered, *steps_comms(conv.backward, nbytes // compute.layout.shard_factor(ctx.mesh), ctx.mesh, "bwd")]
+            comms += [replace(c, phase="bwd") for c in gathered]  # gathered again for backward
+            new_inputs[pos] = arrival
+            regather.append((pos, compute))
+        if regather:
+            out.append(replace(s, algorithm=f"{s.algorithm}+regather", inputs=tuple(new_inputs), comms=s.comms + tuple(comms), regather=tuple(regather)))
+    return out
+
+
 @anchor_rule("aten.linear.default")
 def _linear(ctx: RuleContext) -> list[Strategy]:
     x_shape = ctx.in_shape(0)
@@ -257,7 +301,7 @@ def _linear(ctx: RuleContext) -> list[Strategy]:
         else:
             label = split_label(ctx.mesh, split)
         result.append(Strategy(with_dp(label, ctx.mesh, split), "linear", ins, (Spec(out),), split))
-    return reduced_variants(ctx, result, len(batch), bias=2)
+    return regather_variants(ctx, reduced_variants(ctx, result, len(batch), bias=2), {0: None, 1: 1})
 
 
 @anchor_rule("aten.addmm.default")

@@ -187,6 +187,7 @@ def make_plan(
                 outputs=tuple(spec.encode() if spec is not None else None for spec in s.outputs),
                 split_axes=problem.mesh.sort_axes(s.split_axes),
                 raw_output=s.raw_output.encode() if s.raw_output is not None else None,
+                regather=tuple((pos, spec.encode()) for pos, spec in s.regather),
             )
         )
         if s.algorithm == FALLBACK:

@@ -53,6 +53,9 @@ class Strategy:
     # the kernel's raw output Spec when the strategy converts it before handing it on (a partial
     # sum reduce-scattered onto a batch dim, as 3-D and sequence parallelism do); None otherwise
     raw_output: Spec | None = None
+    # inputs the kernel gathers itself and gathers again in backward instead of keeping the
+    # gathered tensor saved (3-D's re-gathering variant): (input position, Spec it computes with)
+    regather: tuple[tuple[int, Spec], ...] = ()
 
     def __str__(self) -> str:
         ins = ", ".join(str(s) for s in self.inputs)

@@ -39,6 +39,7 @@ from runtime.kernels import (
     LayerNormKernel,
     LinearKernel,
     MeanKernel,
+    RegatherKernel,
     Slot,
     getitem,
 )
@@ -178,7 +179,16 @@ class _Builder:
         outs = np.output_specs()
         values = tuple(self._input_value(node, p, ins[p] if p < len(ins) else None) for p in range(len(node.inputs)))
         raw = parse_spec(np.raw_output) if np.raw_output is not None else None
-        kernel = self._kernel(node, np, ins, [raw] if raw is not None else outs)
+        kernel: torch.nn.Module = self._kernel(node, np, ins, [raw] if raw is not None else outs)
+        if np.regather:
+            private = {}
+            for pos, text in np.regather:
+                compute = parse_spec(text)
+                arrival = ins[pos]
+                assert arrival is not None
+                conv = spec_conversion(arrival, compute, self.mg.mesh)
+                private[pos] = Convert(conv.forward, conv.backward, self.mg, self.rec, f"{node.name}[{pos}]: {arrival} -> {compute} (re-gathered in backward)")
+            kernel = RegatherKernel(kernel, private, self.mg, self.rec)
         name = self._add(f"k_{node.name}", kernel)
         out = self.fx.call_module(name, values)
         if raw is not None and outs[0] is not None:  # the strategy reduces its own partial output

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch.utils._pytree import tree_map
 
 from planner.layout import Spec
-from runtime.collectives import CommRecorder, all_reduce
+from runtime.collectives import CommRecorder, Convert, all_reduce, run_steps
 from runtime.groups import MeshGroups
 
 
@@ -219,6 +219,44 @@ class MeanKernel(Kernel):
 
     def forward(self, *tensors: torch.Tensor) -> Any:
         return super().forward(*tensors) / self.shards
+
+
+class RegatherKernel(torch.nn.Module):
+    """Run ``kernel`` on inputs it gathers itself, saving only their shards for backward.
+
+    Autograd would keep the gathered tensors; a saved-tensors hook swaps each for (its shard,
+    the view geometry) and gathers it again when backward needs it (recorded as ``bwd``)."""
+
+    def __init__(self, kernel: torch.nn.Module, gathers: dict[int, Convert], mg: MeshGroups, rec: CommRecorder) -> None:
+        super().__init__()
+        self.kernel = kernel
+        self.gathers = torch.nn.ModuleDict({str(k): v for k, v in gathers.items()})
+        self.mg, self.rec = mg, rec
+
+    def forward(self, *tensors: torch.Tensor) -> Any:
+        inputs = list(tensors)
+        shards: dict[int, tuple[torch.Tensor, Convert]] = {}
+        for key, conv in self.gathers.items():
+            pos = int(key)
+            shard = inputs[pos]
+            inputs[pos] = conv(shard)
+            shards[inputs[pos].untyped_storage().data_ptr()] = (shard.detach(), conv)  # type: ignore[assignment]
+
+        def pack(t: torch.Tensor) -> Any:
+            entry = shards.get(t.untyped_storage().data_ptr()) if t.device.type != "meta" else None
+            if entry is None:
+                return t
+            return ("regather", entry[0], entry[1], t.shape, t.stride(), t.storage_offset())
+
+        def unpack(packed: Any) -> torch.Tensor:
+            if not isinstance(packed, tuple):
+                return packed  # type: ignore[no-any-return]
+            _, shard, conv, shape, stride, offset = packed
+            full = run_steps(shard, conv.forward_steps, self.mg, self.rec, "bwd")
+            return full.as_strided(shape, stride, offset)
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            return self.kernel(*inputs)
 
 
 def localize(spec: Spec | None, shape: tuple[int, ...], mg: MeshGroups) -> tuple[int, ...]:

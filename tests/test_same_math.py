@@ -67,6 +67,13 @@ def _plan(
     return model, result.best.model_dump_json()
 
 
+def regathering(node: Node, s: Strategy) -> bool:
+    """Every block linear gathers its inputs itself and again in backward (3-D's low-memory variant)."""
+    if node.target == "aten.linear.default" and node.module_path.startswith("h."):
+        return s.algorithm.endswith("+regather")
+    return True
+
+
 def megatron_dp(node: Node, s: Strategy) -> bool:
     """Megatron with the batch split over dp everywhere."""
     return megatron(node, s) and data_parallel(node, s)
@@ -88,6 +95,7 @@ CASES = {
     },
     8: {
         "3-D 2x2x2 least-memory": dict(dp=1, family="3d", objective="memory"),
+        "3-D 2x2x2 re-gathering": dict(dp=1, family="3d", allow=regathering),
         "dp=2 x 2-D 2x2 least-memory": dict(dp=2, family="2d", objective="memory"),
     },
 }
