@@ -401,7 +401,7 @@ def _attention(ctx: RuleContext) -> list[Strategy]:
         letters = "".join(c if size == sizes[c] and size != 1 else str(i + 1) for i, (c, size) in enumerate(zip(full, mask, strict=True)))
         operands.append(Operand(letters, False, ctx.needs_grad(3)))
     result = []
-    for ins, out, split, assign in einsum_strategies(ctx.mesh, operands, "bhte", sizes, splittable="bh"):
+    for ins, out, split, assign in einsum_strategies(ctx.mesh, operands, "bhte", sizes, splittable="bh", all_or_none=False):
         label = "tp1d-heads" if any(not ctx.mesh.is_dp(a) for a in assign["h"]) else split_label(ctx.mesh, split)
         result.append(Strategy(with_dp(label, ctx.mesh, split), "op", ins, (Spec(out),), split))
     return result

@@ -80,6 +80,7 @@ def einsum_strategies(
     partial_ok: bool = True,
     dp_letters: Iterable[str] | None = None,
     batch_letters: Iterable[str] | None = None,
+    all_or_none: bool = True,
 ) -> list[tuple[tuple[Spec, ...], Layout, frozenset[str], dict[str, tuple[str, ...]]]]:
     """Every assignment of mesh axes to letters: (input specs, output layout, split axes, assignment).
 
@@ -89,7 +90,8 @@ def einsum_strategies(
     the first operand, when that operand is not a parameter).
 
     Tensor-parallel axes are used all or not at all (an idle axis would only repeat work; the
-    fully replicated strategy stays). When ``batch_letters`` is given (matmul-like ops), the
+    fully replicated strategy stays), unless ``all_or_none`` is false (attention, whose only
+    splittable dims, batch and heads, may be too small for every axis). When ``batch_letters`` is given (matmul-like ops), the
     tensor-parallel axes land on distinct letters, at most one of them on a batch letter: the
     1-D, 2-D and 3-D algorithms are all of this form, and it keeps the count of strategies small
     (13 per linear on a 3-D mesh instead of hundreds).
@@ -119,7 +121,7 @@ def einsum_strategies(
     batch = set(batch_letters) if batch_letters is not None else None
     for choice in itertools.product(*options):
         tp_letters = [choice[n] for n in tp_positions if choice[n] is not None]
-        if tp_letters and len(tp_letters) != len(tp_positions):
+        if all_or_none and tp_letters and len(tp_letters) != len(tp_positions):
             continue
         if batch is not None and (len(tp_letters) != len(set(tp_letters)) or sum(c in batch for c in tp_letters) > 1):
             continue
