@@ -17,6 +17,7 @@ tier the group spans:
     all_reduce:     2 (n-1) a + 2 (n-1)/n * S / b
     all_gather:       (n-1) a +   (n-1)/n * S / b
     reduce_scatter:   (n-1) a +   (n-1)/n * S / b
+    broadcast, reduce: ceil(log2 n) a + S / b        (pipelined tree, large messages)
 
 Memory per device (bytes): parameters, gradients and optimizer states of the local parameter
 shards (fp32 AdamW: 4 + 4 + 8 bytes per value; SGD with momentum 4 + 4 + 4), tensors saved for
@@ -25,6 +26,8 @@ one op (its local inputs and output).
 """
 
 from __future__ import annotations
+
+import math
 
 from planner.hardware import HardwareProfile
 from planner.ir import Node
@@ -51,6 +54,8 @@ def comm_time(comm: Comm, mesh: Mesh, hw: HardwareProfile) -> float:
         return 2 * (n - 1) * tier.latency + 2 * (n - 1) / n * comm.nbytes / bw
     if comm.kind in ("all_gather", "reduce_scatter"):
         return (n - 1) * tier.latency + (n - 1) / n * comm.nbytes / bw
+    if comm.kind in ("broadcast", "reduce"):  # pipelined binomial tree: log2(n) steps, S/b stream
+        return math.ceil(math.log2(n)) * tier.latency + comm.nbytes / bw
     raise ValueError(f"no cost formula for collective {comm.kind}")
 
 
@@ -58,6 +63,8 @@ def ring_volume(comm: Comm, mesh: Mesh) -> float:
     """Bytes a rank sends (and receives) in ``comm`` under ring algorithms: all-reduce
     2(n-1)/n * S, all-gather and reduce-scatter (n-1)/n * S."""
     n = mesh.group_size(comm.axes)
+    if comm.kind in ("broadcast", "reduce"):
+        return float(comm.nbytes) if n > 1 else 0.0
     factor = 2 * (n - 1) / n if comm.kind == "all_reduce" else (n - 1) / n
     return factor * comm.nbytes
 

@@ -301,7 +301,52 @@ def _linear(ctx: RuleContext) -> list[Strategy]:
         else:
             label = split_label(ctx.mesh, split)
         result.append(Strategy(with_dp(label, ctx.mesh, split), "linear", ins, (Spec(out),), split))
-    return regather_variants(ctx, reduced_variants(ctx, result, len(batch), bias=2), {0: None, 1: 1})
+    result = regather_variants(ctx, reduced_variants(ctx, result, len(batch), bias=2), {0: None, 1: 1})
+    return result + summa_strategies(ctx, batch, sizes)
+
+
+def summa_strategies(ctx: RuleContext, batch: str, sizes: dict[str, int]) -> list[Strategy]:
+    """2-D SUMMA (van de Geijn & Watts; Optimus, Xu et al. 2021) on a ``row x col`` mesh: X, W
+    and Y blocked q x q (rows of X on ``row``, its hidden dim on ``col``; W[in, out] on
+    ``(row, col)``). Forward runs q steps, each broadcasting a block-column of X along the row's
+    ``col`` group and a block-row of W along the ``row`` group, then a local matmul-accumulate.
+    Backward: dX = dY W^T re-broadcasts W and reduces over ``col``; dW = X^T dY re-broadcasts X
+    and reduces over ``row``; dY never moves, and only local blocks are saved. Per device per
+    linear X[N,a] W[a,b]: forward q broadcasts of N*a/q^2 and of a*b/q^2; backward the same
+    broadcasts again plus q reduces of N*a/q^2 and of a*b/q^2 (ring volume (2Na + 2ab)/q^2 * q
+    each way), 4q latency steps forward+backward per operand pair."""
+    mesh = ctx.mesh
+    if set(_active_tp(mesh)) != {"row", "col"} or mesh.degree("row") != mesh.degree("col"):
+        return []
+    q = mesh.degree("row")
+    o_dim, i_dim = ctx.in_shape(1)
+    dp = tuple(a for a in mesh.dp_axes if mesh.degree(a) > 1)
+    itemsize = ctx.in_meta(0).itemsize
+    out = []
+    for d in range(len(batch)):
+        x_dims: list[tuple[str, ...]] = [() for _ in range(len(batch) + 1)]
+        if d == 0 and dp:
+            x_dims[0] = dp
+        x_dims[d] = (*x_dims[d], "row")
+        x_dims[-1] = ("col",)
+        x_lay = Layout(tuple(x_dims))
+        if not x_lay.divides(ctx.in_shape(0), mesh) or o_dim % q or i_dim % q:
+            continue
+        split = frozenset({"row", "col", *dp})
+        x = Spec(x_lay, frozenset())
+        w = Spec(Layout((("col",), ("row",))), frozenset(dp))
+        ins = [x, w]
+        if len(ctx.node.inputs) > 2:
+            ins.append(Spec(Layout((("col",),)), frozenset({"row", *dp})))
+        y = Layout((*x_lay.dims[:-1], ("col",)))
+        rows = ctx.node.out.numel // o_dim // mesh.group_size(x_lay.shard_axes - {"col"})
+        x_block, w_block = rows * (i_dim // q) * itemsize, (o_dim // q) * (i_dim // q) * itemsize
+        comms = [Comm("broadcast", ("col",), x_block, "fwd"), Comm("broadcast", ("row",), w_block, "fwd")] * q
+        comms += [Comm("broadcast", ("row",), w_block, "bwd"), Comm("reduce", ("col",), x_block, "bwd"),
+                  Comm("broadcast", ("col",), x_block, "bwd"), Comm("reduce", ("row",), w_block, "bwd")] * q
+        label = with_dp(f"tp2d-summa[batch{d}=row]", mesh, split)
+        out.append(Strategy(label, "summa", tuple(ins), (Spec(y),), split, tuple(comms)))
+    return out
 
 
 @anchor_rule("aten.addmm.default")

@@ -62,6 +62,22 @@ def reduce_scatter(t: torch.Tensor, axes: tuple[str, ...], dim: int, mg: MeshGro
     return out
 
 
+def broadcast(t: torch.Tensor, axis: str, root: int, mg: MeshGroups, rec: CommRecorder, phase: str) -> torch.Tensor:
+    """``t`` from the rank at coordinate ``root`` of ``axis`` to the others of its group."""
+    out = t.contiguous().clone() if mg.coords[axis] == root else torch.empty_like(t, memory_format=torch.contiguous_format)
+    rec.add("broadcast", (axis,), _nbytes(out), phase)
+    dist.broadcast(out, src=mg.peer(axis, root), group=mg.group((axis,)))
+    return out
+
+
+def reduce(t: torch.Tensor, axis: str, root: int, mg: MeshGroups, rec: CommRecorder, phase: str) -> torch.Tensor:
+    """Sum of ``t`` over the group of ``axis``, valid on the rank at coordinate ``root``."""
+    out = t.contiguous().clone()
+    rec.add("reduce", (axis,), _nbytes(out), phase)
+    dist.reduce(out, dst=mg.peer(axis, root), group=mg.group((axis,)))
+    return out
+
+
 def local_slice(t: torch.Tensor, axes: tuple[str, ...], dim: int, mg: MeshGroups) -> torch.Tensor:
     n = mg.size(axes)
     if n == 1:

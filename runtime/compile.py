@@ -41,6 +41,7 @@ from runtime.kernels import (
     MeanKernel,
     RegatherKernel,
     Slot,
+    SummaKernel,
     getitem,
 )
 from runtime.module import ParallelModule
@@ -230,6 +231,8 @@ class _Builder:
             partial = self.mg.mesh.sort_axes(outs[0].layout.partial) if outs[0] else ()
             cls = LinearKernel if np.kernel == "linear" else AddmmKernel
             return cls(node.name, template, partial, self.mg, with_bias=np.raw_output is None)
+        if np.kernel == "summa":
+            return SummaKernel(node.name, template, self.mg, self.rec)
         if np.kernel == "layer_norm":
             x = ins[0]
             assert x is not None

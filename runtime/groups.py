@@ -36,6 +36,10 @@ class MeshGroups:
             idx = idx * self.mesh.degree(a) + self.coords[a]
         return idx
 
+    def peer(self, axis: str, coord: int) -> int:
+        """Global rank of the rank whose coordinates equal this one's except ``axis = coord``."""
+        return self.rank + (coord - self.coords[axis]) * self.mesh.stride(axis)
+
     def size(self, axes: tuple[str, ...]) -> int:
         return self.mesh.group_size(axes)
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch.utils._pytree import tree_map
 
 from planner.layout import Spec
-from runtime.collectives import CommRecorder, Convert, all_reduce, run_steps
+from runtime.collectives import CommRecorder, Convert, all_reduce, broadcast, reduce, run_steps
 from runtime.groups import MeshGroups
 
 
@@ -219,6 +219,55 @@ class MeanKernel(Kernel):
 
     def forward(self, *tensors: torch.Tensor) -> Any:
         return super().forward(*tensors) / self.shards
+
+
+class _Summa(torch.autograd.Function):
+    """Y = X W^T by SUMMA on a q x q (row, col) grid; X [rows/q, a/q] and W [b/q, a/q] local blocks
+    (see planner.rules.summa_strategies for the schedule)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, mg: MeshGroups, rec: CommRecorder) -> torch.Tensor:  # type: ignore[override]
+        q = mg.mesh.degree("row")
+        x2 = x.reshape(-1, x.shape[-1])
+        y = x2.new_zeros(x2.shape[0], w.shape[0])
+        for t in range(q):
+            xt = broadcast(x2, "col", t, mg, rec, "fwd")  # X[r, t] along the row
+            wt = broadcast(w, "row", t, mg, rec, "fwd")  # W[t, c] down the column
+            y = y + xt @ wt.t()
+        ctx.save_for_backward(x, w)
+        ctx.mg, ctx.rec = mg, rec
+        return y.reshape(*x.shape[:-1], w.shape[0])
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        x, w = ctx.saved_tensors
+        mg, rec = ctx.mg, ctx.rec
+        q = mg.mesh.degree("row")
+        x2 = x.reshape(-1, x.shape[-1])
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        dx = torch.zeros_like(x2)
+        dw = torch.zeros_like(w)
+        for t in range(q):
+            wt = broadcast(w, "row", t, mg, rec, "bwd")
+            part = reduce(dy2 @ wt, "col", t, mg, rec, "bwd")  # dX[r, t] = sum_c dY[r, c] W[t, c]
+            if mg.coords["col"] == t:
+                dx = part
+            xt = broadcast(x2, "col", t, mg, rec, "bwd")
+            partw = reduce(dy2.t() @ xt, "row", t, mg, rec, "bwd")  # dW[t, c] = sum_r dY[r, c]^T X[r, t]
+            if mg.coords["row"] == t:
+                dw = partw
+        return dx.reshape(x.shape), dw, None, None
+
+
+class SummaKernel(Kernel):
+    def __init__(self, name: str, arg_template: Any, mg: MeshGroups, rec: CommRecorder) -> None:
+        super().__init__(name, F.linear, arg_template)
+        self.mg, self.rec = mg, rec
+
+    def forward(self, *tensors: torch.Tensor) -> Any:
+        args, _ = fill(self.arg_template, tensors)
+        y = _Summa.apply(args[0], args[1], self.mg, self.rec)
+        return y + args[2] if len(args) > 2 and args[2] is not None else y
 
 
 class RegatherKernel(torch.nn.Module):

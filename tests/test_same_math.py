@@ -67,6 +67,13 @@ def _plan(
     return model, result.best.model_dump_json()
 
 
+def summa(node: Node, s: Strategy) -> bool:
+    """Every block linear runs SUMMA's q broadcast steps (2-D's stepped variant)."""
+    if node.target == "aten.linear.default" and node.module_path.startswith("h."):
+        return s.kernel == "summa"
+    return True
+
+
 def regathering(node: Node, s: Strategy) -> bool:
     """Every block linear gathers its inputs itself and again in backward (3-D's low-memory variant)."""
     if node.target == "aten.linear.default" and node.module_path.startswith("h."):
@@ -92,6 +99,7 @@ CASES = {
         "dp=2 x tp=2 least-memory": dict(dp=2, objective="memory"),
         "tp=4 megatron": dict(dp=1, allow=megatron),
         "2-D 2x2 least-memory": dict(dp=1, family="2d", objective="memory"),
+        "2-D 2x2 SUMMA stepped broadcasts": dict(dp=1, family="2d", allow=summa),
     },
     8: {
         "3-D 2x2x2 least-memory": dict(dp=1, family="3d", objective="memory"),
