@@ -1,10 +1,11 @@
 """Search over configurations (mesh factorisations per TP family) and turn solutions into Plans.
 
-For ``devices`` devices and the allowed families, every mesh ``dp x tp`` with
-``dp * tp = devices`` is a configuration (``none``: tp = 1; ``1d``: tp > 1). Configurations that
-cannot run are pruned with a reason (the batch does not split ``dp`` ways). Each remaining one is
-solved (fastest plan within the memory budget); the best feasible plan wins. Families that later
-issues build (2-D, 3-D tensor parallelism, ZeRO stages above 0, CDP) are refused with a message.
+For ``devices`` devices and the allowed families, every mesh of the family that tiles the
+devices is a configuration (``none``: dp only; ``1d``: dp x tp; ``2d``: dp x row x col with
+q x q; ``3d``: dp x i x j x k with q x q x q). Configurations that cannot run are pruned with a
+reason (the batch does not split ``dp`` ways). Each remaining one is solved (fastest plan within
+the memory budget); the best feasible plan wins. ZeRO stages above 0 and CDP, which later issues
+build, are refused with a message.
 """
 
 from __future__ import annotations
