@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from planner.layout import Step
+from planner.layout import Layout, Step, conversion_steps
 from runtime.groups import MeshGroups
 
 
@@ -112,6 +112,12 @@ def run_steps(t: torch.Tensor, steps: tuple[Step, ...], mg: MeshGroups, rec: Com
         else:
             raise ValueError(f"unknown conversion step {step}")
     return t
+
+
+def relayout(t: torch.Tensor, src: Layout, dst: Layout, mg: MeshGroups) -> torch.Tensor:
+    """``t`` (this rank's part in layout ``src``) in layout ``dst``, outside autograd and not
+    recorded: sharding a full parameter or batch, gathering shards back."""
+    return run_steps(t, conversion_steps(src, dst, mg.mesh), mg, CommRecorder(), "fwd")
 
 
 class _ConvertFn(torch.autograd.Function):

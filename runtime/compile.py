@@ -25,10 +25,10 @@ import torch.fx
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from planner.ir import IRGraph, Node
-from planner.layout import Layout, Spec, conversion_steps, parse_spec, spec_conversion
+from planner.layout import Layout, Spec, parse_spec, spec_conversion
 from planner.plan import NodePlan, Plan, fingerprint
 from planner.trace import trace
-from runtime.collectives import CommRecorder, Convert, run_steps
+from runtime.collectives import CommRecorder, Convert, relayout
 from runtime.groups import MeshGroups, build_groups
 from runtime.kernels import (
     AddBias,
@@ -146,8 +146,7 @@ class _Builder:
     def shard(self, full: torch.Tensor, layout: Layout) -> torch.Tensor:
         if full.is_meta:
             raise ValueError("parameters on the meta device must be materialised before compile (see runtime.materialize)")
-        steps = conversion_steps(Layout.replicated(layout.ndim), layout, self.mg.mesh)
-        return run_steps(full, steps, self.mg, CommRecorder(), "fwd")
+        return relayout(full, Layout.replicated(layout.ndim), layout, self.mg)
 
     # ----------------------------------------------------------------- ops
 

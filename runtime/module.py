@@ -19,12 +19,12 @@ from typing import Any
 
 import torch
 import torch.fx
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from planner.ir import IRGraph
-from planner.layout import Layout, Spec, conversion_steps
+from planner.layout import Layout, Spec
 from planner.plan import Plan
-from runtime.collectives import CommRecorder, all_reduce, run_steps
+from runtime.collectives import CommRecorder, all_reduce, relayout
 from runtime.groups import MeshGroups
 
 
@@ -88,11 +88,8 @@ class ParallelModule(torch.nn.Module):
         for a in flat:
             if isinstance(a, torch.Tensor):
                 s = next(it)
-                steps = conversion_steps(Layout.replicated(s.layout.ndim), s.layout, self.mesh_groups.mesh)
-                a = run_steps(a, steps, self.mesh_groups, CommRecorder(), "fwd")
+                a = relayout(a, Layout.replicated(s.layout.ndim), s.layout, self.mesh_groups)
             out.append(a)
-        from torch.utils._pytree import tree_unflatten
-
         return tree_unflatten(out, spec)  # type: ignore[no-any-return]
 
     # ----------------------------------------------------------------- run
@@ -121,8 +118,7 @@ class ParallelModule(torch.nn.Module):
     def gather(self, attr: str, tensor: torch.Tensor) -> torch.Tensor:
         """The full tensor of a parameter (or its gradient) from the local shards (all ranks call)."""
         spec = self.param_specs[attr]
-        steps = conversion_steps(spec.layout, Layout.replicated(spec.layout.ndim), self.mesh_groups.mesh)
-        return run_steps(tensor.detach(), steps, self.mesh_groups, CommRecorder(), "fwd")
+        return relayout(tensor.detach(), spec.layout, Layout.replicated(spec.layout.ndim), self.mesh_groups)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter, full, under its original names (tied weights under each name)."""
