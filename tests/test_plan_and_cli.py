@@ -87,7 +87,7 @@ def test_cli_tp_3d_with_dp_1_plans_pure_3d_tensor_parallelism(capsys: pytest.Cap
 
 
 def test_infeasible_budget_says_by_how_much(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["report", "gpt3-175b", "--devices", "64"]) == 1
+    assert main(["report", "gpt3-175b", "--devices", "64", "--tp", "1d"]) == 1
     out = capsys.readouterr().out
     assert "no plan on mesh dp=8 x tp=8 fits 80.00 GiB per device" in out
     assert "GiB over" in out
