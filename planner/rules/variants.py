@@ -1,0 +1,141 @@
+"""Variants that strategies of matmul-like ops come in: partial outputs reduced inside the
+strategy, inputs re-gathered in backward, and 2-D SUMMA with stepped broadcasts."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from planner.cost import steps_comms
+from planner.layout import Layout, Spec, spec_conversion
+from planner.rules.context import RuleContext, active_tp
+from planner.strategy import Comm, Strategy, with_dp
+
+
+def reduced_variants(ctx: RuleContext, strategies: list[Strategy], batch_dims: int, bias: int | None = None) -> list[Strategy]:
+    """Each strategy with a partial output over tensor-parallel axes, plus variants that reduce it
+    inside the strategy: all-reduce (Megatron's row-parallel output), or reduce-scatter onto one
+    of the first ``batch_dims`` dims (sequence parallelism; 3-D's reduce-scatter over k).
+
+    The reduced variants add the bias (input ``bias``) after the reduction, as Megatron does: after
+    an all-reduce every rank adds the whole bias, so its gradient is no longer partial over the
+    reduced axes (no gradient all-reduce for it)."""
+    out: list[Strategy] = list(strategies)
+    meta = ctx.node.out
+    for s in strategies:
+        raw = s.outputs[0]
+        if raw is None:
+            continue
+        tp_partial = ctx.mesh.sort_axes({a for a in raw.layout.partial if not ctx.mesh.is_dp(a)})
+        if not tp_partial:
+            continue
+        targets = [Layout(raw.layout.dims, raw.layout.partial - set(tp_partial))]
+        for d in range(batch_dims):
+            dims = list(raw.layout.dims)
+            dims[d] = (*dims[d], *tp_partial)
+            target = Layout(tuple(dims), raw.layout.partial - set(tp_partial))
+            if target.divides(meta.shape, ctx.mesh):
+                targets.append(target)
+        for target in targets:
+            conv = spec_conversion(raw, Spec(target), ctx.mesh)
+            raw_local = meta.nbytes // raw.layout.shard_factor(ctx.mesh)
+            comms = steps_comms(conv.forward, raw_local, ctx.mesh, "fwd")
+            if ctx.node.requires_grad:
+                comms += steps_comms(conv.backward, meta.nbytes // target.shard_factor(ctx.mesh), ctx.mesh, "bwd")
+            kind = "all-reduce" if not target.shard_axes - raw.layout.shard_axes else "reduce-scatter"
+            inputs = s.inputs
+            if bias is not None and bias < len(inputs):
+                b = inputs[bias]
+                grad = b.grad_partial - set(tp_partial) if kind == "all-reduce" else b.grad_partial | (target.shard_axes - raw.layout.shard_axes - b.layout.shard_axes)
+                inputs = (*inputs[:bias], Spec(b.layout, frozenset(grad)), *inputs[bias + 1 :])
+            out.append(replace(s, algorithm=f"{s.algorithm}/{kind}", inputs=inputs, outputs=(Spec(target),), comms=s.comms + comms, raw_output=raw))
+    return out
+
+
+def regather_variants(ctx: RuleContext, strategies: list[Strategy], inputs: dict[int, int | None]) -> list[Strategy]:
+    """On 2-D/3-D meshes, each strategy whose inputs are gathered before use (over the
+    tensor-parallel axes they leave idle) also comes in a variant that receives them still split
+    over those axes, gathers them itself, and gathers them again in backward rather than keeping
+    the gathered tensors saved (Bian et al.'s two 3-D variants: less memory, more traffic).
+
+    ``inputs``: position -> dim that carries the idle axes on arrival (None: the first dim that
+    is already split, else dim 0)."""
+    tp = active_tp(ctx.mesh)
+    if len(tp) < 2:
+        return strategies
+    out = list(strategies)
+    for s in strategies:
+        if not s.split_axes & set(tp):
+            continue
+        new_inputs = list(s.inputs)
+        regather: list[tuple[int, Spec]] = []
+        comms: list[Comm] = []
+        for pos, dim in inputs.items():
+            if pos >= len(s.inputs) or not ctx.needs_grad(pos):
+                continue
+            compute = s.inputs[pos]
+            idle = tuple(a for a in tp if a not in compute.layout.shard_axes and a not in compute.layout.partial)
+            if not idle:
+                continue
+            d = dim if dim is not None else next((k for k, axes in enumerate(compute.layout.dims) if axes), 0)
+            dims = list(compute.layout.dims)
+            dims[d] = (*dims[d], *idle)
+            arrival_layout = Layout(tuple(dims), compute.layout.partial)
+            if not arrival_layout.divides(ctx.in_shape(pos), ctx.mesh):
+                continue
+            arrival = Spec(arrival_layout, compute.grad_partial - set(idle))
+            conv = spec_conversion(arrival, compute, ctx.mesh)
+            nbytes = ctx.in_meta(pos).nbytes
+            gathered = steps_comms(conv.forward, nbytes // arrival_layout.shard_factor(ctx.mesh), ctx.mesh, "fwd")
+            comms += [*gathered, *steps_comms(conv.backward, nbytes // compute.layout.shard_factor(ctx.mesh), ctx.mesh, "bwd")]
+            comms += [replace(c, phase="bwd") for c in gathered]  # gathered again for backward
+            new_inputs[pos] = arrival
+            regather.append((pos, compute))
+        if regather:
+            out.append(replace(s, algorithm=f"{s.algorithm}+regather", inputs=tuple(new_inputs), comms=s.comms + tuple(comms), regather=tuple(regather)))
+    return out
+
+
+def summa_strategies(ctx: RuleContext, batch: str, sizes: dict[str, int]) -> list[Strategy]:
+    """2-D SUMMA (van de Geijn & Watts; Optimus, Xu et al. 2021) on a ``row x col`` mesh: X, W
+    and Y blocked q x q (rows of X on ``row``, its hidden dim on ``col``; W[in, out] on
+    ``(row, col)``). Forward runs q steps, each broadcasting a block-column of X along the row's
+    ``col`` group and a block-row of W along the ``row`` group, then a local matmul-accumulate.
+    Backward: dX = dY W^T re-broadcasts W and reduces over ``col``; dW = X^T dY re-broadcasts X
+    and reduces over ``row``; dY never moves, and only local blocks are saved. Per device per
+    linear X[N,a] W[a,b]: forward q broadcasts of N*a/q^2 and of a*b/q^2; backward the same
+    broadcasts again plus q reduces of N*a/q^2 and of a*b/q^2 (ring volume (2Na + 2ab)/q^2 * q
+    each way), 4q latency steps forward+backward per operand pair."""
+    mesh = ctx.mesh
+    if set(active_tp(mesh)) != {"row", "col"} or mesh.degree("row") != mesh.degree("col"):
+        return []
+    q = mesh.degree("row")
+    o_dim, i_dim = ctx.in_shape(1)
+    dp = tuple(a for a in mesh.dp_axes if mesh.degree(a) > 1)
+    itemsize = ctx.in_meta(0).itemsize
+    out = []
+    for d in range(len(batch)):
+        x_dims: list[tuple[str, ...]] = [() for _ in range(len(batch) + 1)]
+        if d == 0 and dp:
+            x_dims[0] = dp
+        x_dims[d] = (*x_dims[d], "row")
+        x_dims[-1] = ("col",)
+        x_lay = Layout(tuple(x_dims))
+        if not x_lay.divides(ctx.in_shape(0), mesh) or o_dim % q or i_dim % q:
+            continue
+        split = frozenset({"row", "col", *dp})
+        x = Spec(x_lay, frozenset())
+        w = Spec(Layout((("col",), ("row",))), frozenset(dp))
+        ins = [x, w]
+        if len(ctx.node.inputs) > 2:
+            ins.append(Spec(Layout((("col",),)), frozenset({"row", *dp})))
+        y = Layout((*x_lay.dims[:-1], ("col",)))
+        rows = ctx.node.out.numel // o_dim // mesh.group_size(x_lay.shard_axes - {"col"})
+        x_block, w_block = rows * (i_dim // q) * itemsize, (o_dim // q) * (i_dim // q) * itemsize
+        comms = [Comm("broadcast", ("col",), x_block, "fwd"), Comm("broadcast", ("row",), w_block, "fwd")] * q
+        comms += [Comm("broadcast", ("row",), w_block, "bwd"), Comm("reduce", ("col",), x_block, "bwd"),
+                  Comm("broadcast", ("col",), x_block, "bwd"), Comm("reduce", ("row",), w_block, "bwd")] * q
+        label = with_dp(f"tp2d-summa[batch{d}=row]", mesh, split)
+        out.append(Strategy(label, "summa", tuple(ins), (Spec(y),), split, tuple(comms)))
+    return out
+
+
