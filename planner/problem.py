@@ -30,7 +30,8 @@ from planner.ir import InputRef, IRGraph, Node
 from planner.layout import Layout, Spec, spec_conversion
 from planner.mesh import Mesh
 from planner.rules import RuleContext, anchor_strategies, follow, is_follower
-from planner.strategy import Comm, Strategy
+from planner.rules.variants import regather_variants
+from planner.strategy import Comm, Strategy, dedupe
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +95,7 @@ class Problem:
     conversions: dict[tuple[object, ...], ConversionTerm]
     holds: dict[tuple[object, ...], HoldTerm]
     edges: dict[tuple[object, ...], EdgeTerm] = field(default_factory=dict)
+    zero_stage: int = 0
     instances: dict[str, int] = field(default_factory=dict)  # template -> number of instances
     build_seconds: float = 0.0
 
@@ -111,10 +113,21 @@ def build_problem(
     hardware: HardwareProfile,
     *,
     optimizer: str = "adamw",
+    zero_stage: int = 0,
     allow: StrategyFilter | None = None,
 ) -> Problem:
     """``allow(node, strategy)``, when given, pins choices: an anchor keeps only the strategies it
-    accepts (a ValueError names the node if it accepts none)."""
+    accepts (a ValueError names the node if it accepts none).
+
+    ZeRO (Rajbhandari et al. 2020) over the data-parallel axes, for fp32 AdamW (4 B parameter,
+    4 B gradient, 8 B optimizer state per value; ``b`` the local bytes of a parameter after tensor
+    parallelism, ``D`` the data-parallel degree): stage 0 holds b + b + 2b and all-reduces the
+    gradient (ring 2(D-1)/D b); stage 1 holds b + b + 2b/D; stage 2 b + b/D + 2b/D, both
+    reduce-scattering the gradient and all-gathering the updated shard (the same ring volume); stage
+    3 holds b/D + b/D + 2b/D: parameters are stored split over the data-parallel axes, gathered
+    before use (kept for backward, or, ``+zero3`` strategies, freed and gathered again), and their
+    gradients reduce-scattered in backward: 3(D-1)/D b when re-gathered. A parameter whose dims
+    cannot be split D ways stays as in stage 0."""
     t0 = time.perf_counter()
     choices: dict[str, list[Strategy]] = {}
     node_group: dict[str, str] = {}
@@ -127,6 +140,13 @@ def build_problem(
         for node in graph.nodes.values()
         if node.kind == "op" and node.template == node.name and not is_follower(node, graph)
     }
+    dp_axes = tuple(a for a in mesh.dp_axes if mesh.degree(a) > 1)
+    if zero_stage == 3 and dp_axes:
+        for name, strategies in op_anchors.items():
+            node = graph.nodes[name]
+            params: dict[int, int | None] = {p: None for p, ref in enumerate(node.inputs) if graph.nodes[ref.node].kind == "param"}
+            if params:
+                op_anchors[name] = regather_variants(RuleContext(node, graph, mesh), strategies, params, axes=dp_axes)
     consumers = graph.consumers()
     for node in graph.nodes.values():
         if node.kind == "output":
@@ -152,7 +172,7 @@ def build_problem(
             if node.name in op_anchors:
                 strategies = op_anchors[node.name]
             elif node.kind == "param":
-                strategies = _param_strategies(node, mesh, [(op_anchors.get(c), p) for c, p in consumers[node.name]])
+                strategies = _param_strategies(node, mesh, [(op_anchors.get(c), p) for c, p in consumers[node.name]], zero3=zero_stage == 3)
             else:
                 strategies = anchor_strategies(node, graph, mesh)
             if allow is not None:
@@ -163,7 +183,11 @@ def build_problem(
                 strategies = kept
             if node.kind == "param":
                 dp = frozenset(a for a in mesh.dp_axes if mesh.degree(a) > 1)
-                strategies = [Strategy(s.algorithm, s.kernel, s.inputs, (Spec(s.outputs[0].layout, dp),)) for s in strategies if s.outputs[0]]  # type: ignore[union-attr]
+                strategies = [
+                    Strategy(s.algorithm, s.kernel, s.inputs, (Spec(s.outputs[0].layout, dp - s.outputs[0].layout.shard_axes),))  # type: ignore[union-attr]
+                    for s in strategies
+                    if s.outputs[0]
+                ]
             choices[node.name] = strategies
             node_group[node.name] = node.name
             n = len(strategies)
@@ -172,16 +196,37 @@ def build_problem(
                 [[] for _ in range(n)], [0.0] * n,
             )
     problem = Problem(mesh, hardware, graph, groups, node_group, choices, conversions={}, holds={}, instances=dict(instances))
+    problem.zero_stage = zero_stage
     _price_nodes(problem, instances, optimizer)
     _price_edges(problem)
     problem.build_seconds = time.perf_counter() - t0
     return problem
 
 
-def _param_strategies(node: Node, mesh: Mesh, consumers: list[tuple[list[Strategy] | None, int]]) -> list[Strategy]:
+def _param_strategies(node: Node, mesh: Mesh, consumers: list[tuple[list[Strategy] | None, int]], *, zero3: bool = False) -> list[Strategy]:
     """Storage layouts of a parameter: each layout a consumer computes with, and that layout
     further split over the tensor-parallel axes it leaves idle (gathered before use: 2-D/3-D
-    weights, ZeRO-3-like over tp). Every layout, when a consumer is not an anchor."""
+    weights, ZeRO-3-like over tp). Every layout, when a consumer is not an anchor. With ``zero3``,
+    each layout is also split over the data-parallel axes where a dim allows it."""
+    if zero3:
+        base = _param_strategies(node, mesh, consumers)
+        dp = tuple(a for a in mesh.dp_axes if mesh.degree(a) > 1)
+        out = []
+        for s in base:
+            lay = s.outputs[0].layout  # type: ignore[union-attr]
+            if set(dp) <= lay.shard_axes:
+                out.append(Strategy("zero3", "source", (), (Spec(lay),)))
+                continue
+            for d in sorted(range(lay.ndim), key=lambda k: not lay.dims[k]):
+                dims = list(lay.dims)
+                dims[d] = (*dims[d], *dp)
+                ext = Layout(tuple(dims))
+                if dp and ext.divides(node.out.shape, mesh):
+                    out.append(Strategy("zero3", "source", (), (Spec(ext),)))
+                    break
+            else:
+                out.append(s)
+        return dedupe(out)
     if any(strategies is None for strategies, _ in consumers):
         return anchor_strategies(node, None, mesh)  # type: ignore[arg-type]
     wanted: dict[Layout, None] = {}
@@ -200,6 +245,32 @@ def _param_strategies(node: Node, mesh: Mesh, consumers: list[tuple[list[Strateg
             if ext.divides(node.out.shape, mesh):
                 layouts[ext] = None
     return [Strategy("replicated" if not lay.shard_axes else "sharded", "source", (), (Spec(lay),)) for lay in layouts]
+
+
+def zero_dim(local_shape: tuple[int, ...], degree: int) -> int | None:
+    """The dim ZeRO-1/2 splits a parameter's gradient and optimizer state along: the first that
+    ``degree`` divides (None: the parameter stays whole, as in stage 0)."""
+    return next((d for d, n in enumerate(local_shape) if n % degree == 0), None)
+
+
+def zero_param_terms(
+    shape: tuple[int, ...], itemsize: int, spec: Spec, mesh: Mesh, stage: int, opt_factor: float
+) -> tuple[float, float, float, list[Comm]]:
+    """(parameter, gradient, optimizer-state bytes held per device, step-phase collectives)."""
+    local_shape = spec.layout.local_shape(shape, mesh)
+    local = float(itemsize)
+    for n in local_shape:
+        local *= n
+    dp = mesh.sort_axes(spec.grad_partial)
+    degree = mesh.group_size(dp)
+    if not dp:  # stage 3 storage (split over dp: reduced in backward), or no data parallelism
+        return local, local, local * opt_factor, []
+    if stage in (1, 2) and zero_dim(local_shape, degree) is not None:
+        # stage 2 reduce-scatters each gradient as soon as backward has it (and frees it)
+        grads = local / degree if stage == 2 else local
+        comms = [Comm("reduce_scatter", dp, int(local), "bwd" if stage == 2 else "step"), Comm("all_gather", dp, int(local), "step")]
+        return local, grads, local * opt_factor / degree, comms
+    return local, local, local * opt_factor, [Comm("all_reduce", dp, int(local), "step")]
 
 
 def _input_spec_bytes(graph: IRGraph, ref: InputRef) -> int:
@@ -224,13 +295,13 @@ def _price_nodes(problem: Problem, instances: dict[str, int], optimizer: str) ->
             t = compute_time(node, strategy, mesh, hw, in_bytes) if node.kind == "op" else 0.0
             comms = list(strategy.comms)
             if node.kind == "param":
-                local = node.out.nbytes / strategy.outputs[0].layout.shard_factor(mesh)  # type: ignore[union-attr]
-                dp = mesh.sort_axes(strategy.outputs[0].grad_partial)  # type: ignore[union-attr]
-                if dp:
-                    comms.append(Comm("all_reduce", dp, int(local), "step"))
+                spec = strategy.outputs[0]
+                assert spec is not None
+                params, grads, states, step = zero_param_terms(node.out.shape, node.out.itemsize, spec, mesh, problem.zero_stage, opt_factor)
+                comms += step
                 p, g, o = group.param_memory[i]
-                group.param_memory[i] = (p + local * count, g + local * count, o + local * opt_factor * count)
-                group.memory[i] += local * (2 + opt_factor) * count
+                group.param_memory[i] = (p + params * count, g + grads * count, o + states * count)
+                group.memory[i] += (params + grads + states) * count
             if node.name == consumers_of_output:
                 partial = strategy.outputs[0].layout.partial if strategy.outputs[0] else frozenset()
                 if partial:

@@ -59,7 +59,7 @@ def format_search(
         else:
             need = f"needs {format_bytes(c.least_memory)}" if c.least_memory is not None else "-"
             reason = "infeasible" if c.least_memory is not None else "pruned"
-            rows.append([str(c.mesh), c.family, "0", "off", "-", need, reason, ""])
+            rows.append([str(c.mesh), c.family, str(c.zero), "off", "-", need, reason, ""])
     out.append("")
     out.append(_table(rows, ["mesh", "tp", "zero", "cdp", "step time", "memory/device", "status", ""]))
     pruned = [c for c in result.candidates if c.plan is None]
@@ -149,7 +149,7 @@ def search_json(result: SearchResult, *, model_name: str, devices: int, hardware
         "search_seconds": result.seconds,
         "pareto": [entry(p) for p in pareto(result.feasible)],
         "candidates": [
-            {"mesh": c.mesh.as_dict(), "tp": c.family, "feasible": c.plan is not None, "reason": c.reason,
+            {"mesh": c.mesh.as_dict(), "tp": c.family, "zero_stage": c.zero, "feasible": c.plan is not None, "reason": c.reason,
              "least_memory_bytes": c.least_memory}
             for c in result.candidates
         ],

@@ -2,10 +2,10 @@
 
 For ``devices`` devices and the allowed families, every mesh of the family that tiles the
 devices is a configuration (``none``: dp only; ``1d``: dp x tp; ``2d``: dp x row x col with
-q x q; ``3d``: dp x i x j x k with q x q x q). Configurations that cannot run are pruned with a
-reason (the batch does not split ``dp`` ways). Each remaining one is solved (fastest plan within
-the memory budget); the best feasible plan wins. ZeRO stages above 0 and CDP, which later issues
-build, are refused with a message.
+q x q; ``3d``: dp x i x j x k with q x q x q), with every requested ZeRO stage when dp > 1.
+Configurations that cannot run are pruned with a reason (the batch does not split ``dp`` ways).
+Each remaining one is solved (fastest plan within the memory budget); the best feasible plan
+wins. CDP, which a later issue builds, is refused with a message.
 """
 
 from __future__ import annotations
@@ -47,8 +47,6 @@ class SearchSpace:
             raise ValueError(f"unknown tensor-parallel family {unknown}; choose from {', '.join(ALL_TP)}")
         if any(z not in (0, 1, 2, 3) for z in self.zero):
             raise ValueError(f"ZeRO stages are 0-3, got {self.zero}")
-        if any(z != 0 for z in self.zero):
-            raise ValueError("ZeRO stages 1-3 are not implemented yet; only --zero 0 is available")
         if any(c not in ("off", "v1", "v2") for c in self.cdp):
             raise ValueError(f"CDP modes are off, v1, v2; got {self.cdp}")
         if any(c != "off" for c in self.cdp):
@@ -61,6 +59,7 @@ class SearchSpace:
 class Candidate:
     mesh: Mesh
     family: str
+    zero: int = 0
     plan: Plan | None = None
     reason: str = ""  # why pruned or infeasible
     least_memory: float | None = None
@@ -108,7 +107,10 @@ def candidate_meshes(space: SearchSpace, batch: int) -> list[Candidate]:
             if batch % dp:
                 out.append(Candidate(mesh, family, reason=f"batch {batch} does not split {dp} ways"))
                 continue
-            out.append(Candidate(mesh, family))
+            stages = [z for z in space.zero if z == 0 or dp > 1]
+            if not stages:  # ZeRO shards over data-parallel axes: with dp = 1 every stage is stage 0
+                stages = [0]
+            out += [Candidate(mesh, family, zero) for zero in stages]
     return out
 
 
@@ -132,15 +134,15 @@ def search(
         if cand.reason:
             result.candidates.append(cand)
             continue
-        problem = build_problem(graph, cand.mesh, hardware, optimizer=optimizer, allow=allow)
+        problem = build_problem(graph, cand.mesh, hardware, optimizer=optimizer, zero_stage=cand.zero, allow=allow)
         try:
             sol = solve(problem, memory_budget=budget, objective=objective, settings=settings)
         except InfeasibleBudget as exc:
             least = exc.least.peak_memory if exc.least else None
-            result.candidates.append(Candidate(cand.mesh, cand.family, reason=str(exc), least_memory=least))
+            result.candidates.append(Candidate(cand.mesh, cand.family, cand.zero, reason=str(exc), least_memory=least))
             continue
         plan = make_plan(graph, problem, sol, model_name=model_name, memory_budget=budget, optimizer=optimizer)
-        result.candidates.append(Candidate(cand.mesh, plan.tp, plan))
+        result.candidates.append(Candidate(cand.mesh, plan.tp, cand.zero, plan))
         log.info("mesh %s: %.4f s/step, %.2f GiB", cand.mesh, plan.step_time_s, plan.peak_memory_bytes / 2**30)
     feasible = result.feasible
     if feasible:
@@ -201,6 +203,7 @@ def make_plan(
         mesh=problem.mesh.as_dict(),
         hardware=problem.hardware.name,
         tp=tp_family(problem, solution.assignment),
+        zero_stage=problem.zero_stage,
         optimizer=optimizer,
         memory_budget_bytes=int(memory_budget) if memory_budget != float("inf") else 0,
         step_time_s=ev.step_time,

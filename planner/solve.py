@@ -291,5 +291,5 @@ def _infeasible_message(problem: Problem, budget: float, least: Evaluation) -> s
     return (
         f"no plan on mesh {problem.mesh} fits {format_bytes(budget)} per device: the least any plan needs is "
         f"{format_bytes(least.peak_memory)} ({parts}), {format_bytes(least.peak_memory - budget)} over. "
-        "Use more devices (more tensor or data parallelism), a smaller micro-batch, or ZeRO/CDP once available."
+        + ("Use ZeRO (--zero 1,2,3), more devices (more tensor or data parallelism), or a smaller micro-batch." if problem.zero_stage < 3 else "Use more devices (more tensor or data parallelism) or a smaller micro-batch.")
     )

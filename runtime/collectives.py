@@ -82,7 +82,8 @@ def local_slice(t: torch.Tensor, axes: tuple[str, ...], dim: int, mg: MeshGroups
     n = mg.size(axes)
     if n == 1:
         return t
-    return t.chunk(n, dim=dim)[mg.index(axes)].contiguous()
+    # a copy, not a view: a view would keep the whole tensor's storage alive
+    return t.chunk(n, dim=dim)[mg.index(axes)].clone(memory_format=torch.contiguous_format)
 
 
 def keep_on_first(t: torch.Tensor, axes: tuple[str, ...], mg: MeshGroups) -> torch.Tensor:

@@ -26,6 +26,7 @@ from planner.layout import Layout, Spec
 from planner.plan import Plan
 from runtime.collectives import CommRecorder, all_reduce, relayout
 from runtime.groups import MeshGroups
+from runtime.zero import ZeroOptimizer, ZeroShards
 
 
 class _SyncAtBackwardEnd(torch.autograd.Function):
@@ -61,6 +62,17 @@ class ParallelModule(torch.nn.Module):
         self.param_specs = param_specs
         self.param_names = param_names
         self.input_specs = input_specs
+        self.zero: ZeroShards | None = None
+        if plan.zero_stage in (1, 2):
+            dp_axes = {attr: mesh_groups.mesh.sort_axes(spec.grad_partial) for attr, spec in param_specs.items()}
+            self.zero = ZeroShards(self.local_parameters(), dp_axes, plan.zero_stage, mesh_groups, recorder)
+
+    def make_optimizer(self, optimizer_class: type[torch.optim.Optimizer], **kwargs: Any) -> Any:
+        """A torch optimizer over this rank's parameters; with ZeRO-1/2 over its data-parallel slices
+        (states only for the slice; ``step`` all-gathers the updated parameters)."""
+        if self.zero is not None:
+            return ZeroOptimizer(self.zero, optimizer_class, **kwargs)
+        return optimizer_class(self.parameters(), **kwargs)
 
     # ----------------------------------------------------------------- data
 
@@ -103,7 +115,11 @@ class ParallelModule(torch.nn.Module):
         return loss  # type: ignore[no-any-return]
 
     def sync_grads(self) -> None:
-        """All-reduce gradients that are partial sums over the data-parallel axes."""
+        """All-reduce gradients that are partial sums over the data-parallel axes (ZeRO-1/2:
+        reduce-scatter them into this rank's slice)."""
+        if self.zero is not None:
+            self.zero.reduce_at_backward_end()
+            return
         for attr, spec in self.param_specs.items():
             p = self.graph_module.get_parameter(attr)
             axes = self.mesh_groups.mesh.sort_axes(spec.grad_partial)
@@ -132,12 +148,34 @@ class ParallelModule(torch.nn.Module):
     def full_grads(self) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
         for attr, p in self.local_parameters().items():
-            if p.grad is None:
+            grad = self.zero.full_grad(attr) if self.zero is not None else p.grad
+            if grad is None:
                 continue
-            full = self.gather(attr, p.grad)
+            full = self.gather(attr, grad)
             for name in self.param_names[attr]:
                 out[name] = full
         return out
+
+    def held_bytes(self, optimizer: Any) -> dict[str, int]:
+        """Bytes this rank holds in parameters, gradients and optimizer states (live tensors,
+        each storage counted once)."""
+        seen: set[int] = set()
+
+        def size(tensors: list[torch.Tensor]) -> int:
+            total = 0
+            for t in tensors:
+                key = t.untyped_storage().data_ptr()
+                if key not in seen:
+                    seen.add(key)
+                    total += t.untyped_storage().nbytes()
+            return total
+
+        params: list[torch.Tensor] = list(self.local_parameters().values())
+        grads = [p.grad for p in params if p.grad is not None]
+        if self.zero is not None:
+            grads += [s.grad for s in self.zero.shards.values() if s.grad is not None]
+        states = [t for st in optimizer.state.values() for t in st.values() if isinstance(t, torch.Tensor) and t.dim() > 0]
+        return {"params": size(params), "grads": size(grads), "optimizer": size(states)}
 
     def executed_comms(self) -> Counter[tuple[str, tuple[str, ...], int, str]]:
         return Counter(self.recorder.records)

@@ -57,16 +57,19 @@ def train_and_compare(rank: int, world: int, plans_json: list[tuple[str, str]]) 
         pm = compile_plan(plan, model, args, kwargs)
         state = pm.full_state_dict()
         exact_state = all(torch.equal(state[n], t) for n, t in model.state_dict().items())
-        opt = torch.optim.SGD(pm.parameters(), lr=0.5, momentum=0.9, weight_decay=0.01)
+        opt = pm.make_optimizer(torch.optim.SGD, lr=0.5, momentum=0.9, weight_decay=0.01)
         ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5, momentum=0.9, weight_decay=0.01)
         steps = []
         for args, kwargs in batches:
             local_args, local_kwargs = pm.shard_batch(*args, **kwargs)
             pm.recorder.records.clear()
-            pm.recorder.enabled = True
+            pm.recorder.enabled = True  # one whole step: forward, backward, optimizer step
             loss = pm(*local_args, **local_kwargs)
             loss.backward()
+            grads = pm.full_grads()
+            opt.step()
             pm.recorder.enabled = False
+            held = pm.held_bytes(opt)
             executed = pm.executed_comms()
             priced = plan.priced_comms()
             ref_loss = ref(*args, **kwargs)
@@ -74,19 +77,22 @@ def train_and_compare(rank: int, world: int, plans_json: list[tuple[str, str]]) 
             steps.append({
                 "loss": loss.item(),
                 "ref_loss": ref_loss.item(),
-                "grad_error": _grad_error(pm.full_grads(), ref),
+                "grad_error": _grad_error(grads, ref),
                 "comms_equal": executed == priced,
                 "executed_not_priced": [[*list(k), v] for k, v in (executed - priced).items()],
                 "priced_not_executed": [[*list(k), v] for k, v in (priced - executed).items()],
                 "num_collectives": sum(executed.values()),
             })
-            opt.step()
             opt.zero_grad(set_to_none=True)
             ref_opt.step()
             ref_opt.zero_grad(set_to_none=True)
         final = pm.full_state_dict()
         param_error = _relative_error(final, dict(ref.named_parameters()))
-        reports.append({"mesh": plan.mesh, "steps": steps, "param_error": param_error, "exact_initial_state": exact_state})
+        predicted = plan.memory_breakdown
+        reports.append({
+            "mesh": plan.mesh, "zero": plan.zero_stage, "steps": steps, "param_error": param_error, "exact_initial_state": exact_state,
+            "held": held, "predicted": {"params": predicted.params, "grads": predicted.grads, "optimizer": predicted.optimizer},
+        })
     return reports
 
 

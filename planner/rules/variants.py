@@ -51,20 +51,25 @@ def reduced_variants(ctx: RuleContext, strategies: list[Strategy], batch_dims: i
     return out
 
 
-def regather_variants(ctx: RuleContext, strategies: list[Strategy], inputs: dict[int, int | None]) -> list[Strategy]:
+def regather_variants(
+    ctx: RuleContext, strategies: list[Strategy], inputs: dict[int, int | None], axes: tuple[str, ...] | None = None
+) -> list[Strategy]:
     """On 2-D/3-D meshes, each strategy whose inputs are gathered before use (over the
     tensor-parallel axes they leave idle) also comes in a variant that receives them still split
     over those axes, gathers them itself, and gathers them again in backward rather than keeping
     the gathered tensors saved (Bian et al.'s two 3-D variants: less memory, more traffic).
 
+    With ``axes`` (the data-parallel axes, ZeRO-3) the inputs arrive split over those axes
+    instead: parameters sharded at rest, gathered before use, freed, gathered again for backward.
+
     ``inputs``: position -> dim that carries the idle axes on arrival (None: the first dim that
-    is already split, else dim 0)."""
+    is already split and divides, else the first that divides)."""
     tp = active_tp(ctx.mesh)
-    if len(tp) < 2:
+    if axes is None and len(tp) < 2:
         return strategies
     out = list(strategies)
     for s in strategies:
-        if not s.split_axes & set(tp):
+        if axes is None and not s.split_axes & set(tp):
             continue
         new_inputs = list(s.inputs)
         regather: list[tuple[int, Spec]] = []
@@ -73,14 +78,12 @@ def regather_variants(ctx: RuleContext, strategies: list[Strategy], inputs: dict
             if pos >= len(s.inputs) or not ctx.needs_grad(pos):
                 continue
             compute = s.inputs[pos]
-            idle = tuple(a for a in tp if a not in compute.layout.shard_axes and a not in compute.layout.partial)
+            pool = axes if axes is not None else tuple(tp)
+            idle = tuple(a for a in pool if ctx.mesh.degree(a) > 1 and a not in compute.layout.shard_axes and a not in compute.layout.partial)
             if not idle:
                 continue
-            d = dim if dim is not None else next((k for k, axes in enumerate(compute.layout.dims) if axes), 0)
-            dims = list(compute.layout.dims)
-            dims[d] = (*dims[d], *idle)
-            arrival_layout = Layout(tuple(dims), compute.layout.partial)
-            if not arrival_layout.divides(ctx.in_shape(pos), ctx.mesh):
+            arrival_layout = _extended(compute.layout, idle, dim, ctx.in_shape(pos), ctx)
+            if arrival_layout is None:
                 continue
             arrival = Spec(arrival_layout, compute.grad_partial - set(idle))
             conv = spec_conversion(arrival, compute, ctx.mesh)
@@ -91,8 +94,21 @@ def regather_variants(ctx: RuleContext, strategies: list[Strategy], inputs: dict
             new_inputs[pos] = arrival
             regather.append((pos, compute))
         if regather:
-            out.append(replace(s, algorithm=f"{s.algorithm}+regather", inputs=tuple(new_inputs), comms=s.comms + tuple(comms), regather=tuple(regather)))
+            tag = "+zero3" if axes is not None else "+regather"
+            out.append(replace(s, algorithm=f"{s.algorithm}{tag}", inputs=tuple(new_inputs), comms=s.comms + tuple(comms), regather=tuple(regather)))
     return out
+
+
+def _extended(layout: Layout, idle: tuple[str, ...], dim: int | None, shape: tuple[int, ...], ctx: RuleContext) -> Layout | None:
+    """``layout`` further split over ``idle`` on ``dim`` (or the first dim where that divides)."""
+    order = [dim] if dim is not None else sorted(range(layout.ndim), key=lambda k: not layout.dims[k])
+    for d in order:
+        dims = list(layout.dims)
+        dims[d] = (*dims[d], *idle)
+        candidate = Layout(tuple(dims), layout.partial)
+        if candidate.divides(shape, ctx.mesh):
+            return candidate
+    return None
 
 
 def summa_strategies(ctx: RuleContext, batch: str, sizes: dict[str, int]) -> list[Strategy]:

@@ -1,0 +1,114 @@
+"""ZeRO stages 1 and 2 over the data-parallel axes (stage 3 needs no code here: its plans store
+parameters split over the data-parallel axes and gather them through ordinary conversions).
+
+Stage 1: when backward ends, each parameter's gradient (a partial sum over the data-parallel
+ranks) is reduce-scattered along its first dim that the data-parallel degree divides; the
+optimizer updates only this rank's slice, whose states are all it keeps; the updated slices are
+all-gathered back into the parameter. Stage 2 does the same but reduce-scatters each gradient as
+soon as backward has accumulated it and frees the full gradient, so gradients are held 1/D too.
+Parameters no dim of which splits D ways stay as in stage 0 (gradient all-reduced).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from planner.problem import zero_dim
+from runtime.collectives import CommRecorder, all_gather, all_reduce, reduce_scatter
+from runtime.groups import MeshGroups
+
+
+class ZeroShards:
+    """The data-parallel slices of a module's parameters and the gradients reduced into them."""
+
+    def __init__(self, params: dict[str, torch.nn.Parameter], dp_axes: dict[str, tuple[str, ...]], stage: int, mg: MeshGroups, rec: CommRecorder) -> None:
+        self.stage, self.mg, self.rec = stage, mg, rec
+        self.params = params
+        self.axes = dp_axes
+        self.dims: dict[str, int] = {}
+        self.shards: dict[str, torch.nn.Parameter] = {}
+        for name, p in params.items():
+            axes = dp_axes.get(name, ())
+            d = zero_dim(tuple(p.shape), mg.size(axes)) if axes else None
+            if d is None:
+                continue
+            self.dims[name] = d
+            # a view of this rank's slice of the parameter: updated in place, no extra memory
+            self.shards[name] = torch.nn.Parameter(self._slice(p.data, name))
+            if stage == 2:
+                p.register_post_accumulate_grad_hook(self._reduce_now(name))
+
+    def _reduce_now(self, name: str) -> Any:
+        def hook(p: torch.Tensor) -> None:
+            self._reduce(name, "bwd")
+        return hook
+
+    def _slice(self, t: torch.Tensor, name: str) -> torch.Tensor:
+        axes = self.axes[name]
+        return t.chunk(self.mg.size(axes), self.dims[name])[self.mg.index(axes)]
+
+    def _reduce(self, name: str, phase: str) -> None:
+        p, shard = self.params[name], self.shards[name]
+        if p.grad is None:
+            return
+        g = reduce_scatter(p.grad, self.axes[name], self.dims[name], self.mg, self.rec, phase)
+        if self.stage == 2:  # the full gradient is freed; only the reduced slice stays
+            shard.grad = g
+            p.grad = None
+        else:  # stage 1 keeps the gradient buffer and reduces into its own slice of it
+            view = self._slice(p.grad, name)
+            view.copy_(g)
+            shard.grad = view
+
+    def reduce_at_backward_end(self) -> None:
+        """Stage 1 reduce-scatters here; parameters that cannot be split are all-reduced."""
+        for name, p in self.params.items():
+            axes = self.axes.get(name, ())
+            if not axes or p.grad is None:
+                continue
+            if name in self.shards:
+                if self.stage == 1:
+                    self._reduce(name, "step")
+            else:
+                p.grad.copy_(all_reduce(p.grad, axes, self.mg, self.rec, "step"))
+
+    def optimizer_params(self) -> list[torch.nn.Parameter]:
+        return [self.shards.get(name, p) for name, p in self.params.items()]
+
+    def gather_updated(self) -> None:
+        with torch.no_grad():
+            for name, shard in self.shards.items():
+                full = all_gather(shard.detach(), self.axes[name], self.dims[name], self.mg, self.rec, "step")
+                self.params[name].copy_(full)
+
+    def full_grad(self, name: str) -> torch.Tensor | None:
+        """This rank's (tensor-parallel) gradient, reduced over the data-parallel axes."""
+        if name not in self.shards:
+            return self.params[name].grad
+        g = self.shards[name].grad
+        if g is None:
+            return None
+        return all_gather(g.detach(), self.axes[name], self.dims[name], self.mg, CommRecorder(), "step")
+
+
+class ZeroOptimizer:
+    """A torch optimizer over this rank's slices; ``step`` updates them and gathers the parameters."""
+
+    def __init__(self, shards: ZeroShards, optimizer_class: type[torch.optim.Optimizer], **kwargs: Any) -> None:
+        self.shards = shards
+        self.inner = optimizer_class(shards.optimizer_params(), **kwargs)
+
+    def step(self) -> None:
+        self.inner.step()
+        self.shards.gather_updated()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.inner.zero_grad(set_to_none=set_to_none)
+        for p in self.shards.params.values():
+            p.grad = None
+
+    @property
+    def state(self) -> Any:
+        return self.inner.state
