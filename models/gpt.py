@@ -164,6 +164,11 @@ GPT_PRESETS: dict[str, GPTConfig] = {
     "gpt-tiny": GPTConfig(
         n_layer=2, n_head=8, n_embd=64, block_size=16, vocab_size=256
     ),
+    # without biases (as Llama): no parameter whose true gradient is zero (the key bias is one),
+    # so Adam's normalisation does not amplify rounding noise; used for AdamW same-math tests
+    "gpt-tiny-nobias": GPTConfig(
+        n_layer=2, n_head=8, n_embd=64, block_size=16, vocab_size=256, bias=False
+    ),
     "gpt2-small": GPTConfig(
         n_layer=12, n_head=12, n_embd=768, block_size=1024, vocab_size=50257
     ),

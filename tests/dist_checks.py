@@ -8,7 +8,7 @@ parameters whose true gradient is ~0, like a key bias under softmax, do not divi
 whether the collectives executed equal the plan's priced list, and at the end the largest
 parameter error and whether the gathered initial state dict equalled the model's bit for bit.
 
-Why SGD and not AdamW here: the key projection's bias has a true gradient of zero (softmax is
+Why SGD for gpt-tiny and AdamW only for gpt-tiny-nobias: the key projection's bias has a true gradient of zero (softmax is
 invariant to adding the same q.b_k to every score), so both runs see ~1e-17 of rounding noise
 there, and Adam's normalisation m / sqrt(v) turns any such noise into a full-size step of lr. The
 parameters would then differ by ~lr for reasons that have nothing to do with parallelism.
@@ -41,14 +41,21 @@ def _grad_error(full: dict[str, torch.Tensor], ref: torch.nn.Module) -> float:
     return _relative_error(full, {n: p.grad for n, p in ref.named_parameters() if p.grad is not None})
 
 
-def train_and_compare(rank: int, world: int, plans_json: list[tuple[str, str]]) -> list[dict[str, Any]]:
-    """For each (model preset, plan JSON): train both ways and report (see module docstring)."""
+OPTIMIZERS = {
+    "sgd": (torch.optim.SGD, {"lr": 0.5, "momentum": 0.9, "weight_decay": 0.01}),
+    "adamw": (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}),
+}
+
+
+def train_and_compare(rank: int, world: int, plans_json: list[tuple[str, ...]]) -> list[dict[str, Any]]:
+    """For each (model preset, plan JSON[, optimizer]): train both ways and report (module docstring)."""
     from models import build_model
     from planner.plan import Plan
     from runtime.compile import compile_plan
 
     reports = []
-    for name, text in plans_json:
+    for name, text, *rest in plans_json:
+        opt_class, opt_kwargs = OPTIMIZERS[rest[0] if rest else "sgd"]
         plan = Plan.model_validate_json(text)
         batches = _batches(name, STEPS)
         model = build_model(name, dtype=torch.float64, seed=0)
@@ -57,8 +64,8 @@ def train_and_compare(rank: int, world: int, plans_json: list[tuple[str, str]]) 
         pm = compile_plan(plan, model, args, kwargs)
         state = pm.full_state_dict()
         exact_state = all(torch.equal(state[n], t) for n, t in model.state_dict().items())
-        opt = pm.make_optimizer(torch.optim.SGD, lr=0.5, momentum=0.9, weight_decay=0.01)
-        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5, momentum=0.9, weight_decay=0.01)
+        opt = pm.make_optimizer(opt_class, **opt_kwargs)
+        ref_opt = opt_class(ref.parameters(), **opt_kwargs)
         steps = []
         for args, kwargs in batches:
             local_args, local_kwargs = pm.shard_batch(*args, **kwargs)
