@@ -134,7 +134,10 @@ class ParallelModule(torch.nn.Module):
     def gather(self, attr: str, tensor: torch.Tensor) -> torch.Tensor:
         """The full tensor of a parameter (or its gradient) from the local shards (all ranks call)."""
         spec = self.param_specs[attr]
-        return relayout(tensor.detach(), spec.layout, Layout.replicated(spec.layout.ndim), self.mesh_groups)
+        full = relayout(tensor.detach(), spec.layout, Layout.replicated(spec.layout.ndim), self.mesh_groups)
+        if full.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr():
+            full = full.clone()  # a replicated parameter: a copy, not the live tensor
+        return full
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter, full, under its original names (tied weights under each name)."""

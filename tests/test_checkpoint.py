@@ -1,0 +1,148 @@
+"""Checkpoints: atomic writes, and state that moves between plans and world sizes.
+
+Saved under dp=4 ZeRO-3 on 4 ranks after two AdamW steps; resumed under dp=2 x tp=2 ZeRO-1 on the
+same 4 ranks and under dp=2 ZeRO-2 on 2 ranks: parameters and optimizer states equal the saved
+ones bit for bit after the move, and the next step's loss equals the uninterrupted run's (1e-9).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import runtime.checkpoint as ckpt
+from models import build_model, example_inputs
+from planner.hardware import A100_80G
+from planner.search import SearchSpace, search
+from planner.trace import trace
+from tests.harness import run_world
+from tests.test_same_math import data_parallel, megatron_dp
+
+MODEL = "gpt-tiny-nobias"
+ADAMW = {"lr": 1e-2, "weight_decay": 0.1}
+
+
+def test_a_crash_mid_write_leaves_the_previous_checkpoint_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "ckpt.pt"
+    ckpt.atomic_save({"step": 1, "w": torch.arange(4.0)}, path)
+
+    def broken_save(obj: Any, f: Any) -> None:
+        f.write(b"half a checkpoint")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(ckpt.torch, "save", broken_save)
+    with pytest.raises(OSError, match="disk full"):
+        ckpt.atomic_save({"step": 2, "w": torch.zeros(4)}, path)
+    monkeypatch.undo()
+    kept = torch.load(path, weights_only=True)
+    assert kept["step"] == 1 and torch.equal(kept["w"], torch.arange(4.0))
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"]
+
+
+def _plan(devices: int, dp: int, zero: int, family: str, allow: Any) -> str:
+    model = build_model(MODEL, dtype=torch.float64)
+    args, kwargs = example_inputs(MODEL, batch=4, dtype=torch.float64)
+    result = search(trace(model, args, kwargs), SearchSpace(devices=devices, dp=dp, zero=(zero,), tp=(family,)), A100_80G,
+                    model_name=MODEL, allow=allow)
+    assert result.best is not None and result.best.zero_stage == zero
+    return result.best.model_dump_json()
+
+
+def _batches() -> list[tuple[tuple[Any, ...], dict[str, Any]]]:
+    return [example_inputs(MODEL, batch=4, dtype=torch.float64, seed=200 + i) for i in range(3)]
+
+
+def _step(pm: Any, opt: Any, batch: tuple[tuple[Any, ...], dict[str, Any]]) -> float:
+    args, kwargs = pm.shard_batch(*batch[0], **batch[1])
+    loss = pm(*args, **kwargs)
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return float(loss.item())
+
+
+def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    if a.keys() != b.keys():
+        return False
+    for k in a:
+        x, y = a[k], b[k]
+        if isinstance(x, dict):
+            if not _same(x, y):
+                return False
+        elif isinstance(x, torch.Tensor):
+            if not torch.equal(x, y):
+                return False
+        elif x != y:
+            return False
+    return True
+
+
+def save_then_move(rank: int, world: int, plan_a: str, plan_b: str, path: str) -> dict[str, Any]:
+    from planner.plan import Plan
+    from runtime.compile import compile_plan
+
+    batches = _batches()
+    pm_a = compile_plan(Plan.model_validate_json(plan_a), build_model(MODEL, dtype=torch.float64, seed=0), *batches[0])
+    opt_a = pm_a.make_optimizer(torch.optim.AdamW, **ADAMW)
+    for batch in batches[:2]:
+        _step(pm_a, opt_a, batch)
+    ckpt.save_checkpoint(pm_a, opt_a, path)
+    params, states = pm_a.full_state_dict(), ckpt.full_optimizer_state(pm_a, opt_a)
+    uninterrupted = _step(pm_a, opt_a, batches[2])
+    pm_b = compile_plan(Plan.model_validate_json(plan_b), build_model(MODEL, dtype=torch.float64, seed=1), *batches[0])
+    opt_b = pm_b.make_optimizer(torch.optim.AdamW, **ADAMW)
+    ckpt.load_checkpoint(pm_b, opt_b, path)
+    moved_params, moved_states = pm_b.full_state_dict(), ckpt.full_optimizer_state(pm_b, opt_b)
+    resumed = _step(pm_b, opt_b, batches[2])
+    return {
+        "params_bitwise": _same(params, moved_params),
+        "states_bitwise": _same(states, moved_states),
+        "has_states": all(len(s) >= 3 for s in states.values()),
+        "uninterrupted": uninterrupted,
+        "resumed": resumed,
+    }
+
+
+def load_elsewhere(rank: int, world: int, plan_c: str, path: str) -> dict[str, Any]:
+    from planner.plan import Plan
+    from runtime.compile import compile_plan
+
+    batches = _batches()
+    pm = compile_plan(Plan.model_validate_json(plan_c), build_model(MODEL, dtype=torch.float64, seed=2), *batches[0])
+    opt = pm.make_optimizer(torch.optim.AdamW, **ADAMW)
+    ckpt.load_checkpoint(pm, opt, path)
+    saved = torch.load(path, weights_only=True)
+    params = pm.full_state_dict()
+    states = ckpt.full_optimizer_state(pm, opt)
+    return {
+        "params_bitwise": _same(saved["model"], params),
+        "states_bitwise": _same(saved["optimizer"], states),
+        "resumed": _step(pm, opt, batches[2]),
+    }
+
+
+@pytest.fixture(scope="module")
+def moved(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], dict[str, Any]]:
+    path = str(tmp_path_factory.mktemp("ckpt") / "gpt.pt")
+    plan_a = _plan(4, 4, 3, "none", data_parallel)
+    plan_b = _plan(4, 2, 1, "1d", megatron_dp)
+    plan_c = _plan(2, 2, 2, "none", data_parallel)
+    four = run_world(4, save_then_move, plan_a, plan_b, path, timeout=600)[0]
+    two = run_world(2, load_elsewhere, plan_c, path, timeout=600)[0]
+    return four, two
+
+
+def test_parameters_and_optimizer_states_move_bitwise_between_plans(moved) -> None:  # type: ignore[no-untyped-def]
+    four, two = moved
+    assert four["has_states"]
+    assert four["params_bitwise"] and four["states_bitwise"]
+    assert two["params_bitwise"] and two["states_bitwise"]
+
+
+def test_training_resumes_with_the_uninterrupted_loss(moved) -> None:  # type: ignore[no-untyped-def]
+    four, two = moved
+    assert abs(four["resumed"] - four["uninterrupted"]) <= 1e-9 * abs(four["uninterrupted"])
+    assert abs(two["resumed"] - four["uninterrupted"]) <= 1e-9 * abs(four["uninterrupted"])
