@@ -73,10 +73,16 @@ def test_cli_text_report_names_the_best_mesh(capsys: pytest.CaptureFixture[str])
 
 
 def test_cli_refuses_options_not_built_yet(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["report", "gpt-tiny", "--devices", "8", "--zero", "0,3"]) == 2
-    assert "ZeRO stages 1-3 are not implemented yet" in capsys.readouterr().err
     assert main(["report", "gpt-tiny", "--devices", "8", "--cdp", "v1"]) == 2
     assert "not implemented yet" in capsys.readouterr().err
+
+
+def test_zero_3_makes_gpt3_175b_fit_on_64_devices(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["report", "gpt3-175b", "--devices", "64", "--tp", "1d", "--zero", "0,3", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    best = next(e for e in doc["pareto"] if e["best"])
+    assert best["zero_stage"] == 3 and best["peak_memory_bytes"] <= 80 * 2**30
+    assert not any(c["feasible"] for c in doc["candidates"] if c["zero_stage"] == 0)
 
 
 def test_cli_tp_3d_with_dp_1_plans_pure_3d_tensor_parallelism(capsys: pytest.CaptureFixture[str]) -> None:
