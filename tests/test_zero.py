@@ -1,4 +1,5 @@
-"""ZeRO stages 0-3 on 4 gloo ranks (dp=4, and dp=2 x Megatron tp=2), gpt-tiny-nobias in float64.
+"""ZeRO stages 0-3 on 4 gloo ranks (dp=4, and dp=2 x Megatron tp=2) and 8 ranks (dp=2 x 2-D
+2x2), gpt-tiny-nobias in float64.
 
 For every stage: loss, gradients and parameters after three AdamW steps equal one device to 1e-9; the collectives executed (including ZeRO's reduce-scatters and all-gathers) equal the
 plan's priced list; and the bytes each rank holds in parameters, gradients and optimizer states
@@ -26,11 +27,11 @@ STAGES = (0, 1, 2, 3)
 MODEL = "gpt-tiny-nobias"  # AdamW: see tests/dist_checks.py for why not gpt-tiny
 
 
-def _plan(dp: int, zero: int, allow: Any) -> tuple[str, str, str]:
+def _plan(dp: int, zero: int, allow: Any, devices: int = 4, family: str = "1d") -> tuple[str, str, str]:
     model = build_model(MODEL, dtype=torch.float64)
     args, kwargs = example_inputs(MODEL, batch=BATCH, dtype=torch.float64)
     graph = trace(model, args, kwargs)
-    space = SearchSpace(devices=4, dp=dp, zero=(zero,), tp=("none",) if dp == 4 else ("1d",))
+    space = SearchSpace(devices=devices, dp=dp, zero=(zero,), tp=("none",) if dp == devices else (family,))
     result = search(graph, space, A100_80G, model_name=MODEL, optimizer="adamw", allow=allow)
     assert result.best is not None and result.best.zero_stage == zero
     return MODEL, result.best.model_dump_json(), "adamw"
@@ -42,7 +43,12 @@ def results() -> dict[str, list[dict[str, Any]]]:
     cases |= {f"dp=2 x tp=2 zero={z}": (2, z, megatron_dp) for z in STAGES}
     plans = [_plan(*args) for args in cases.values()]
     per_rank = run_world(4, train_and_compare, plans, timeout=900)
-    return {name: [r[i] for r in per_rank] for i, name in enumerate(cases)}
+    out = {name: [r[i] for r in per_rank] for i, name in enumerate(cases)}
+    eight = {f"dp=2 x 2-D 2x2 zero={z}": z for z in STAGES}
+    plans = [_plan(2, z, data_parallel, devices=8, family="2d") for z in eight.values()]
+    per_rank = run_world(8, train_and_compare, plans, timeout=900)
+    out |= {name: [r[i] for r in per_rank] for i, name in enumerate(eight)}
+    return out
 
 
 def test_every_stage_computes_the_single_device_losses_gradients_and_parameters(results) -> None:  # type: ignore[no-untyped-def]
