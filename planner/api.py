@@ -18,7 +18,7 @@ import torch
 from planner.hardware import HardwareProfile, load_profile
 from planner.plan import Plan
 from planner.report import format_search
-from planner.search import SUPPORTED_TP, SearchResult, SearchSpace, search
+from planner.search import ALL_TP, SearchResult, SearchSpace, search
 from planner.solve import SolverSettings
 from planner.trace import trace
 
@@ -52,7 +52,7 @@ def plan_model(
     example_kwargs: dict[str, Any] | None = None,
     hardware: str | HardwareProfile = "a100-80g",
     memory_budget: float | None = None,
-    tp: tuple[str, ...] = SUPPORTED_TP,
+    tp: tuple[str, ...] = ALL_TP,
     zero: tuple[int, ...] = (0,),
     cdp: tuple[str, ...] = ("off",),
     dp: int | None = None,

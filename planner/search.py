@@ -26,7 +26,7 @@ from planner.solve import InfeasibleBudget, Solution, SolverSettings, solve
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_TP = ("none", "1d", "2d", "3d")
+
 TP_AXES = {"1d": ("tp",), "2d": ("row", "col"), "3d": ("i", "j", "k")}
 ALL_TP = ("none", "1d", "2d", "3d")
 
@@ -34,7 +34,7 @@ ALL_TP = ("none", "1d", "2d", "3d")
 @dataclass(frozen=True, kw_only=True)
 class SearchSpace:
     devices: int
-    tp: tuple[str, ...] = SUPPORTED_TP
+    tp: tuple[str, ...] = ALL_TP
     zero: tuple[int, ...] = (0,)
     cdp: tuple[str, ...] = ("off",)
     dp: int | None = None

@@ -17,7 +17,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils._pytree import tree_map
 
-from planner.layout import Spec
 from runtime.collectives import CommRecorder, Convert, all_reduce, broadcast, reduce, run_steps
 from runtime.groups import MeshGroups
 
@@ -306,9 +305,3 @@ class RegatherKernel(torch.nn.Module):
 
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             return self.kernel(*inputs)
-
-
-def localize(spec: Spec | None, shape: tuple[int, ...], mg: MeshGroups) -> tuple[int, ...]:
-    if spec is None:
-        return shape
-    return spec.layout.local_shape(shape, mg.mesh)
