@@ -41,7 +41,7 @@ def main() -> None:
     pm = auto_parallelize(model, dist.get_world_size(), batch_args, example_kwargs=batch_kwargs, objective=args.objective)
     if rank == 0:
         print(f"plan: mesh {pm.plan.mesh}, tp {pm.plan.tp}, predicted {pm.plan.peak_memory_bytes / 2**20:.1f} MiB/device")
-    optimizer = torch.optim.AdamW(pm.parameters(), lr=3e-3)
+    optimizer = pm.make_optimizer(torch.optim.AdamW, lr=3e-3)
     for step in range(args.steps):
         full_args, full_kwargs = example_inputs("gpt-tiny", batch=args.batch, seed=step % 4)
         local_args, local_kwargs = pm.shard_batch(*full_args, **full_kwargs)
