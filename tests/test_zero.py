@@ -76,3 +76,19 @@ def test_memory_held_equals_memory_predicted_for_every_stage(results) -> None:  
 def test_higher_stages_hold_less(results) -> None:  # type: ignore[no-untyped-def]
     held = {z: sum(results[f"dp=4 zero={z}"][0]["held"].values()) for z in STAGES}
     assert held[0] > held[1] > held[2] > held[3], held
+
+
+@pytest.mark.parametrize("stage, expected", [(0, 16.0), (1, 8 + 8 / 4), (2, 4 + 12 / 4), (3, 16 / 4)])
+def test_per_value_bytes_follow_the_zero_paper_for_fp32_adamw(stage: int, expected: float) -> None:
+    """ZeRO's Psi*(2 + 2 + K) accounting with fp32 weights and gradients (4 + 4 B) and K = 8 B of
+    AdamW state, D = 4: stage 0 16, stage 1 8 + 8/D, stage 2 4 + 12/D, stage 3 16/D bytes a value
+    (design.md gives the mixed-precision version, 2 + 2 + 12)."""
+    from planner.layout import Layout, Spec
+    from planner.mesh import Mesh
+    from planner.problem import zero_param_terms
+
+    mesh = Mesh(("dp", "tp"), (4, 1))
+    stored = Layout(((("dp",) if stage == 3 else ()), ()))
+    spec = Spec(stored, frozenset() if stage == 3 else frozenset({"dp"}))
+    params, grads, states, _ = zero_param_terms((64, 32), 4, spec, mesh, stage, 2.0)
+    assert (params + grads + states) / (64 * 32) == expected
