@@ -1,9 +1,9 @@
 """``auto_parallelize``: the one place that joins planning and running.
 
 Outside a process group it plans and returns a :class:`PlanningResult` (the best plan, every
-configuration tried, a readable report). Under ``torchrun`` with ``WORLD_SIZE == devices`` it
-plans (identically on every rank: planning is deterministic) and returns this rank's runnable
-:class:`runtime.module.ParallelModule`. ``runtime`` is imported lazily, so planning never touches
+configuration tried, a readable report). Under ``torchrun`` with ``WORLD_SIZE == devices`` rank 0
+plans, every rank receives that plan (so all ranks run the same one, whatever their solver did),
+and each returns its runnable :class:`runtime.module.ParallelModule`. ``runtime`` is imported lazily, so planning never touches
 ``torch.distributed``.
 """
 
@@ -99,15 +99,21 @@ def auto_parallelize(
         devices = world
     if world is not None and world != devices:
         raise ValueError(f"devices={devices} but WORLD_SIZE={world}: launch with torchrun --nproc-per-node {devices} (or plan for {world})")
-    result: PlanningResult | None = None
-    if plan is None:
-        result = plan_model(model, devices=devices, example_inputs=example_inputs, example_kwargs=example_kwargs, **planning)
-        plan = result.plan
     if world is None:
-        assert result is not None, "a saved plan runs only under torchrun"
-        return result
-    if plan is None:
-        raise ValueError(f"no plan fits; nothing to run.\n{result.report if result else ''}")
+        if plan is not None:
+            raise ValueError("plan= runs a saved plan, which needs torchrun (a process group); outside it, call without plan=")
+        return plan_model(model, devices=devices, example_inputs=example_inputs, example_kwargs=example_kwargs, **planning)
     from runtime.compile import compile_plan
+    from runtime.groups import agree_on_rank0
 
+    if plan is None:
+
+        def search_on_rank0() -> tuple[str | None, str]:
+            result = plan_model(model, devices=devices, example_inputs=example_inputs, example_kwargs=example_kwargs, **planning)
+            return (result.plan.model_dump_json() if result.plan is not None else None), result.report
+
+        text, report = agree_on_rank0(search_on_rank0)
+        if text is None:
+            raise ValueError(f"no plan fits; nothing to run.\n{report}")
+        plan = Plan.model_validate_json(text)
     return compile_plan(plan, model, tuple(example_inputs or ()), dict(example_kwargs or {}), device=device)

@@ -8,11 +8,15 @@ rank belongs to.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 
 from planner.mesh import Mesh
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -42,6 +46,13 @@ class MeshGroups:
 
     def size(self, axes: tuple[str, ...]) -> int:
         return self.mesh.group_size(axes)
+
+
+def agree_on_rank0(compute: Callable[[], T]) -> T:
+    """``compute()`` on rank 0 only; every rank returns rank 0's (picklable) result."""
+    box: list[Any] = [compute() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]  # type: ignore[no-any-return]
 
 
 def build_groups(mesh: Mesh) -> MeshGroups:
