@@ -27,6 +27,7 @@ one op (its local inputs and output).
 
 from __future__ import annotations
 
+import functools
 import math
 
 from planner.hardware import HardwareProfile
@@ -40,8 +41,15 @@ OPTIMIZER_STATE_BYTES_PER_BYTE = {"adamw": 2.0, "adam": 2.0, "sgd": 1.0, "sgd-mo
 
 def spans_nodes(axes: tuple[str, ...], mesh: Mesh, hw: HardwareProfile) -> bool:
     """Whether the group over ``axes`` containing rank 0 crosses a node boundary."""
-    group = mesh.groups(axes)[0]
-    return len({r // hw.devices_per_node for r in group}) > 1
+    return _spans_nodes(tuple(axes), mesh, hw.devices_per_node)
+
+
+@functools.lru_cache(maxsize=4096)
+def _spans_nodes(axes: tuple[str, ...], mesh: Mesh, devices_per_node: int) -> bool:
+    ranks = [0]
+    for axis in axes:
+        ranks = [r + c * mesh.stride(axis) for r in ranks for c in range(mesh.degree(axis))]
+    return len({r // devices_per_node for r in ranks}) > 1
 
 
 def comm_time(comm: Comm, mesh: Mesh, hw: HardwareProfile) -> float:

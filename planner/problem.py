@@ -339,53 +339,62 @@ def _spec_sets(specs: list[Spec | None]) -> dict[Spec, frozenset[int]]:
 
 
 def _price_edges(problem: Problem) -> None:
+    """Conversion terms of every producer -> consumer edge. Identical edges of the instances of a
+    repeated layer are gathered first and priced once (their producers counted together)."""
     graph, mesh, hw = problem.graph, problem.mesh, problem.hardware
     consumers = graph.consumers()
-    conv_cache: dict[tuple[Spec, Spec, int, bool], tuple[Comm, ...]] = {}
+    # (producer template, output index, consumer template, input position, signature) -> producers
+    pending: dict[tuple[str, int, str, int, tuple[tuple[str, int], ...]], set[str]] = {}
     for v in graph.nodes.values():
         if v.kind == "output":
             continue
-        gv = problem.node_group[v.name]
         for p, ref in enumerate(v.inputs):
             u = graph.nodes[ref.node]
-            gu = problem.node_group[u.name]
-            meta = u.outputs[ref.index]
-            if meta is None:
+            if u.outputs[ref.index] is None:
                 continue
-            su, sv = problem.choices[u.name], problem.choices[v.name]
-            pairs: dict[tuple[Spec, Spec], tuple[frozenset[int], frozenset[int]]] = {}
-            if gu == gv:  # one choice drives both ends: strategy i meets strategy i
-                for i, (s, t) in enumerate(zip(su, sv, strict=True)):
-                    src, dst = s.outputs[ref.index], t.inputs[p] if p < len(t.inputs) else None
-                    if src is not None and dst is not None and src != dst:
-                        a, b = pairs.get((src, dst), (frozenset(), frozenset()))
-                        pairs[(src, dst)] = (a | {i}, b | {i})
-            else:
-                src_sets = _spec_sets([s.outputs[ref.index] for s in su])
-                dst_sets = _spec_sets([t.inputs[p] if p < len(t.inputs) else None for t in sv])
-                edge_key = (gu, gv, tuple(src_sets.items()), tuple(dst_sets.items()))
-                if edge_key not in problem.edges:
-                    problem.edges[edge_key] = EdgeTerm(gu, gv, src_sets, dst_sets, {})
-                edge = problem.edges[edge_key]
-                pairs = {(a, b): (ia, ib) for a, ia in src_sets.items() for b, ib in dst_sets.items() if a != b}
             signature = tuple(sorted({(graph.nodes[c].template, q) for c, q in consumers[u.name]}))
-            for (src, dst), (iu, iv) in pairs.items():
-                key = ("conv", u.template, ref.index, src, dst, signature)
-                term = problem.conversions.get(key)
-                if term is None:
-                    ck = (src, dst, meta.nbytes, u.requires_grad)
-                    if ck not in conv_cache:
-                        conv_cache[ck] = _conversion_comms(src, dst, meta.nbytes, u.requires_grad and meta.is_float, mesh)
-                    term = ConversionTerm(key, 0.0, conv_cache[ck])
-                    problem.conversions[key] = term
-                term.producers.add(u.name)
-                cond = (gu, iu, gv, iv)
-                if cond not in term.conditions:
-                    term.conditions.append(cond)
-                if gu != gv:
-                    edge.conversions.setdefault((src, dst), set()).add(key)
+            # templates stand for their instances: same strategies, same groups
+            pending.setdefault((u.template, ref.index, v.template, p, signature), set()).add(u.name)
             if v.template == v.name:
                 _price_holds(problem, v, p, ref)
+    conv_cache: dict[tuple[Spec, Spec, int, bool], tuple[Comm, ...]] = {}
+    for (ut, index, vt, p, signature), producers in pending.items():
+        u, v = graph.nodes[ut], graph.nodes[vt]
+        gu, gv = problem.node_group[ut], problem.node_group[vt]
+        meta = u.outputs[index]
+        assert meta is not None
+        su, sv = problem.choices[ut], problem.choices[vt]
+        pairs: dict[tuple[Spec, Spec], tuple[frozenset[int], frozenset[int]]] = {}
+        edge: EdgeTerm | None = None
+        if gu == gv:  # one choice drives both ends: strategy i meets strategy i
+            for i, (s, t) in enumerate(zip(su, sv, strict=True)):
+                src, dst = s.outputs[index], t.inputs[p] if p < len(t.inputs) else None
+                if src is not None and dst is not None and src != dst:
+                    a, b = pairs.get((src, dst), (frozenset(), frozenset()))
+                    pairs[(src, dst)] = (a | {i}, b | {i})
+        else:
+            src_sets = _spec_sets([s.outputs[index] for s in su])
+            dst_sets = _spec_sets([t.inputs[p] if p < len(t.inputs) else None for t in sv])
+            edge_key = (gu, gv, tuple(src_sets.items()), tuple(dst_sets.items()))
+            if edge_key not in problem.edges:
+                problem.edges[edge_key] = EdgeTerm(gu, gv, src_sets, dst_sets, {})
+            edge = problem.edges[edge_key]
+            pairs = {(a, b): (ia, ib) for a, ia in src_sets.items() for b, ib in dst_sets.items() if a != b}
+        for (src, dst), (iu, iv) in pairs.items():
+            key = ("conv", ut, index, src, dst, signature)
+            term = problem.conversions.get(key)
+            if term is None:
+                ck = (src, dst, meta.nbytes, u.requires_grad)
+                if ck not in conv_cache:
+                    conv_cache[ck] = _conversion_comms(src, dst, meta.nbytes, u.requires_grad and meta.is_float, mesh)
+                term = ConversionTerm(key, 0.0, conv_cache[ck])
+                problem.conversions[key] = term
+            term.producers |= producers
+            cond = (gu, iu, gv, iv)
+            if cond not in term.conditions:
+                term.conditions.append(cond)
+            if edge is not None:
+                edge.conversions.setdefault((src, dst), set()).add(key)
     for term in problem.conversions.values():
         term.cost = sum(comm_time(c, mesh, hw) for c in term.comms) * term.count
 
