@@ -63,7 +63,7 @@ def regather_variants(
     instead: parameters sharded at rest, gathered before use, freed, gathered again for backward.
 
     ``inputs``: position -> dim that carries the idle axes on arrival (None: the first dim that
-    is already split and divides, else the first that divides)."""
+    is already split, else dim 0; for ZeRO-3 the first such dim that divides)."""
     tp = active_tp(ctx.mesh)
     if axes is None and len(tp) < 2:
         return strategies
@@ -82,7 +82,7 @@ def regather_variants(
             idle = tuple(a for a in pool if ctx.mesh.degree(a) > 1 and a not in compute.layout.shard_axes and a not in compute.layout.partial)
             if not idle:
                 continue
-            arrival_layout = _extended(compute.layout, idle, dim, ctx.in_shape(pos), ctx)
+            arrival_layout = _extended(compute.layout, idle, dim, ctx.in_shape(pos), ctx, any_dim=axes is not None)
             if arrival_layout is None:
                 continue
             arrival = Spec(arrival_layout, compute.grad_partial - set(idle))
@@ -99,9 +99,18 @@ def regather_variants(
     return out
 
 
-def _extended(layout: Layout, idle: tuple[str, ...], dim: int | None, shape: tuple[int, ...], ctx: RuleContext) -> Layout | None:
-    """``layout`` further split over ``idle`` on ``dim`` (or the first dim where that divides)."""
-    order = [dim] if dim is not None else sorted(range(layout.ndim), key=lambda k: not layout.dims[k])
+def _extended(
+    layout: Layout, idle: tuple[str, ...], dim: int | None, shape: tuple[int, ...], ctx: RuleContext, *, any_dim: bool
+) -> Layout | None:
+    """``layout`` further split over ``idle`` on ``dim``; without ``dim``, on its first split dim
+    (else dim 0), or with ``any_dim`` on the first dim where that divides. None if it does not
+    divide: the input then arrives as the kernel computes with it (kept gathered)."""
+    if dim is not None:
+        order = [dim]
+    elif any_dim:
+        order = sorted(range(layout.ndim), key=lambda k: not layout.dims[k])
+    else:
+        order = [next((k for k, axes in enumerate(layout.dims) if axes), 0)]
     for d in order:
         dims = list(layout.dims)
         dims[d] = (*dims[d], *idle)
