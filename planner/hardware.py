@@ -96,7 +96,44 @@ V100_16G = HardwareProfile(
     },
 )
 
-PRESETS: dict[str, HardwareProfile] = {p.name: p for p in (A100_80G, V100_16G)}
+H100_80G = HardwareProfile(
+    name="h100-80g",
+    device_memory=80 * GiB,
+    peak_flops={
+        "torch.bfloat16": 989e12,
+        "torch.float16": 989e12,
+        "torch.float32": 494.7e12,  # TF32 tensor cores
+        "torch.float64": 66.9e12,
+    },
+    memory_bandwidth=3350 * GB,
+    devices_per_node=8,
+    intra_node=LinkTier(name="nvlink4-nvswitch", bandwidth=450 * GB, latency=5e-6),
+    inter_node=LinkTier(name="ib-ndr-400g", bandwidth=50 * GB, latency=10e-6),
+    sources={
+        "peak_flops": "NVIDIA H100 SXM5 datasheet (dense): BF16/FP16 989 TFLOPS, TF32 494.7, FP64 TC 66.9",
+        "memory_bandwidth": "NVIDIA H100 SXM5 80GB datasheet: 3.35 TB/s HBM3",
+        "intra_node": "NVLink 4 via NVSwitch: 900 GB/s bidirectional per GPU = 450 GB/s each way (DGX H100)",
+        "inter_node": "DGX H100: one 400 Gb/s NDR InfiniBand port per GPU = 50 GB/s each way",
+        "latency": "assumed: ~5 us NVLink, ~10 us InfiniBand per ring step",
+        "compute_efficiency": "assumed 0.6 of peak for large matmuls until calibrated",
+        "bandwidth_efficiency": "assumed 0.8 of link bandwidth until calibrated",
+    },
+)
+
+H200_141G = H100_80G.model_copy(
+    update={
+        "name": "h200-141g",
+        "device_memory": 141 * 10**9,
+        "memory_bandwidth": 4800 * GB,
+        "sources": {
+            **H100_80G.sources,
+            "device_memory": "NVIDIA H200 SXM datasheet: 141 GB HBM3e (compute as H100 SXM)",
+            "memory_bandwidth": "NVIDIA H200 SXM datasheet: 4.8 TB/s",
+        },
+    }
+)
+
+PRESETS: dict[str, HardwareProfile] = {p.name: p for p in (A100_80G, V100_16G, H100_80G, H200_141G)}
 
 
 def load_profile(name_or_path: str) -> HardwareProfile:
