@@ -197,7 +197,7 @@ def build_problem(
             )
     problem = Problem(mesh, hardware, graph, groups, node_group, choices, conversions={}, holds={}, instances=dict(instances))
     problem.zero_stage = zero_stage
-    _price_nodes(problem, instances, optimizer)
+    _price_nodes(problem, optimizer)
     _price_edges(problem)
     problem.build_seconds = time.perf_counter() - t0
     return problem
@@ -278,7 +278,7 @@ def _input_spec_bytes(graph: IRGraph, ref: InputRef) -> int:
     return meta.nbytes if meta is not None else 0
 
 
-def _price_nodes(problem: Problem, instances: dict[str, int], optimizer: str) -> None:
+def _price_nodes(problem: Problem, optimizer: str) -> None:
     graph, mesh, hw = problem.graph, problem.mesh, problem.hardware
     consumers_of_output = graph.nodes["output"].inputs[0].node
     opt_factor = OPTIMIZER_STATE_BYTES_PER_BYTE[optimizer]
@@ -286,7 +286,7 @@ def _price_nodes(problem: Problem, instances: dict[str, int], optimizer: str) ->
         if node.kind == "output" or node.template != node.name:
             continue
         group = problem.groups[problem.node_group[node.name]]
-        count = instances[node.name]
+        count = problem.instances[node.name]
         for i, strategy in enumerate(problem.choices[node.name]):
             in_bytes = sum(
                 _input_spec_bytes(graph, ref) // spec.layout.shard_factor(mesh)

@@ -428,7 +428,7 @@ def _same_structure(seqs: list[list[Node]]) -> bool:
     positions = [{n.name: k for k, n in enumerate(s)} for s in seqs]
     ref = seqs[0]
     for seq, pos in zip(seqs[1:], positions[1:], strict=True):
-        for k, (a, b) in enumerate(zip(ref, seq, strict=True)):
+        for a, b in zip(ref, seq, strict=True):
             if a.target != b.target or a.outputs != b.outputs or len(a.inputs) != len(b.inputs):
                 return False
             for ra, rb in zip(a.inputs, b.inputs, strict=True):
@@ -436,5 +436,4 @@ def _same_structure(seqs: list[list[Node]]) -> bool:
                 inside_b = pos.get(rb.node)
                 if (inside_a is None) != (inside_b is None) or inside_a != inside_b or ra.index != rb.index:
                     return False
-            del k
     return True

@@ -67,8 +67,7 @@ def _local(pm: ParallelModule, attr: str, full: torch.Tensor, *, zero_slice: boo
     layout = pm.param_specs[attr].layout
     local = relayout(full, Layout.replicated(layout.ndim), layout, pm.mesh_groups)
     if zero_slice and pm.zero is not None and attr in pm.zero.shards:
-        axes = pm.zero.axes[attr]
-        local = local.chunk(pm.mesh_groups.size(axes), pm.zero.dims[attr])[pm.mesh_groups.index(axes)].clone()
+        local = pm.zero.slice_of(local, attr).clone()
     return local
 
 

@@ -196,7 +196,7 @@ class _Builder:
             module = Convert(conv.forward, conv.backward if node.requires_grad else (), self.mg, self.rec, f"{node.name}: {raw} -> {outs[0]}")
             out = self.fx.call_module(self._add(f"reduce_{node.name}", module), (out,))
             bias = _BIAS_INPUT.get(np.kernel)
-            if bias is not None and bias < len(values) and (np.kernel != "linear" or len(values) > 2):
+            if bias is not None and bias < len(values):
                 out = self.fx.call_module(self._add(f"bias_{node.name}", AddBias()), (out, values[bias]))
         if len(node.outputs) == 1:
             self.env[(node.name, 0)] = out

@@ -36,7 +36,7 @@ class ZeroShards:
                 continue
             self.dims[name] = d
             # a view of this rank's slice of the parameter: updated in place, no extra memory
-            self.shards[name] = torch.nn.Parameter(self._slice(p.data, name))
+            self.shards[name] = torch.nn.Parameter(self.slice_of(p.data, name))
             if stage == 2:
                 p.register_post_accumulate_grad_hook(self._reduce_now(name))
 
@@ -45,7 +45,8 @@ class ZeroShards:
             self._reduce(name, "bwd")
         return hook
 
-    def _slice(self, t: torch.Tensor, name: str) -> torch.Tensor:
+    def slice_of(self, t: torch.Tensor, name: str) -> torch.Tensor:
+        """This rank's data-parallel slice of ``t`` (shaped like parameter ``name``): a view."""
         axes = self.axes[name]
         return t.chunk(self.mg.size(axes), self.dims[name])[self.mg.index(axes)]
 
@@ -58,7 +59,7 @@ class ZeroShards:
             shard.grad = g
             p.grad = None
         else:  # stage 1 keeps the gradient buffer and reduces into its own slice of it
-            view = self._slice(p.grad, name)
+            view = self.slice_of(p.grad, name)
             view.copy_(g)
             shard.grad = view
 

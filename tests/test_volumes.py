@@ -24,11 +24,12 @@ from __future__ import annotations
 import torch
 
 from models.gpt import GPT, GPTConfig
+from planner.cost import ring_volume
 from planner.hardware import A100_80G
 from planner.ir import Node
 from planner.plan import Plan
 from planner.search import SearchSpace, search
-from planner.strategy import Strategy
+from planner.strategy import Comm, Strategy
 from planner.trace import trace
 
 H, HEADS, T, B, V = 64, 8, 16, 8, 256
@@ -48,12 +49,7 @@ def _plan(layers: int, devices: int, family: str, allow, bias: bool = True) -> P
 
 def _volume(plan: Plan) -> float:
     mesh = plan.mesh_obj
-    total = 0.0
-    for c in plan.comms:
-        n = mesh.group_size(c.axes)
-        factor = 2 * (n - 1) / n if c.kind == "all_reduce" else (n - 1) / n
-        total += c.count * factor * c.nbytes
-    return total
+    return sum(c.count * ring_volume(Comm(c.kind, c.axes, c.nbytes, c.phase), mesh) for c in plan.comms)
 
 
 def _per_layer(devices: int, family: str, allow, bias: bool = True) -> float:  # type: ignore[no-untyped-def]
