@@ -1,47 +1,104 @@
 """Checkpoints that move between plans: the full state under the model's own parameter names.
 
 ``save_checkpoint(pm, optimizer, path)`` gathers every parameter and every optimizer state to its
-full shape (undoing tensor-parallel sharding and ZeRO slicing) and rank 0 writes one file with
-``torch.save``: ``{"version", "model": {name: tensor}, "optimizer": {name: {state}}, "plan"}``.
-The write goes to a temporary file in the same folder, is flushed to disk, then renamed over the
-old one (``os.replace`` is atomic on POSIX): a crash mid-write leaves the previous checkpoint
-whole. ``load_checkpoint(pm, optimizer, path)`` reads it on every rank and keeps this rank's
-slices, whatever plan, mesh, ZeRO stage or world size wrote it.
+full shape (undoing tensor-parallel sharding and ZeRO slicing) and writes them with
+torch.distributed.checkpoint (DCP) under flat keys ``model/<name>``,
+``optimizer/<name>/<state>``, plus ``version`` and ``plan`` (the JSON of the plan that wrote it).
+DCP de-duplicates the replicated entries across ranks, so each tensor is written once and the
+writes are spread over the ranks; the folder is DCP's standard format (``.metadata`` plus
+``*.distcp`` files), readable with DCP's own tools (``dcp_to_torch_save``).
 
-Gathering on rank 0 bounds the model by one host's memory; torch.distributed.checkpoint's sharded
-writes are the way past that (noted for a later issue).
+**Atomic.** ``path`` is a symbolic link to a hidden folder ``.<name>.<id>`` beside it. A save
+writes a new folder, fsyncs it (``sync_files``), then rank 0 points a fresh link at it and renames
+that link over ``path`` (``os.replace``, atomic on POSIX) before deleting the previous folder: a
+crash at any moment leaves ``path`` naming a whole checkpoint.
+
+``load_checkpoint(pm, optimizer, path)`` reads the full tensors on every rank (shapes from DCP's
+metadata) and keeps this rank's slices, whatever plan, mesh, ZeRO stage or world size wrote it.
+
+Every rank gathering full tensors bounds the model by one host's memory; writing each rank's own
+shards as DCP chunks (no gather) is the step past that.
 """
 
 from __future__ import annotations
 
 import os
-import tempfile
+import shutil
+import uuid
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 
 from planner.layout import Layout
 from runtime.collectives import CommRecorder, all_gather, relayout
 from runtime.module import ParallelModule
 
-CHECKPOINT_VERSION = 1
+CHECKPOINT_VERSION = 2
 
 
-def atomic_save(obj: Any, path: str | os.PathLike[str]) -> None:
-    """``torch.save`` to a temporary file beside ``path``, fsync, then rename over ``path``."""
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
     try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_state(state: dict[str, Any], path: str | os.PathLike[str]) -> None:
+    """DCP-save ``state`` (flat keys) into a new folder, then swap the link ``path`` to it.
+
+    Every rank of the default process group calls it (or one process, with none initialised)."""
+    target = Path(path)
+    if target.exists() and not target.is_symlink():
+        raise ValueError(f"{target} exists and is not a checkpoint link written by save_checkpoint; choose another path or remove it")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    distributed = dist.is_available() and dist.is_initialized()
+    box: list[Any] = [f".{target.name}.{uuid.uuid4().hex[:12]}"]
+    if distributed:
+        dist.broadcast_object_list(box, src=0)
+    name: str = box[0]
+    folder = target.parent / name
+    leader = not distributed or dist.get_rank() == 0
+    try:
+        with warnings.catch_warnings():  # DCP warns that one process saves alone even when told so
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(folder, sync_files=True), no_dist=not distributed)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        if leader:
+            shutil.rmtree(folder, ignore_errors=True)
         raise
+    if distributed:
+        dist.barrier()
+    if leader:
+        old = os.readlink(target) if target.is_symlink() else None
+        link = target.parent / f"{name}.link"
+        os.symlink(name, link)
+        os.replace(link, target)
+        _fsync_dir(target.parent)
+        if old is not None and old != name:
+            shutil.rmtree(target.parent / old, ignore_errors=True)
+    if distributed:
+        dist.barrier()
+
+
+def read_state(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Every entry of a checkpoint written by ``write_state``, full tensors (no collectives)."""
+    folder = Path(path).resolve()
+    if not (folder / ".metadata").exists():
+        raise ValueError(f"{path} is not a checkpoint (no DCP .metadata in {folder})")
+    metadata = dcp.FileSystemReader(folder).read_metadata()
+    state: dict[str, Any] = {}
+    for key, md in metadata.state_dict_metadata.items():
+        if isinstance(md, dcp.metadata.TensorStorageMetadata):
+            state[key] = torch.empty(md.size, dtype=md.properties.dtype)
+        else:
+            state[key] = None
+    dcp.load(state, storage_reader=dcp.FileSystemReader(folder), no_dist=True)
+    return state
 
 
 def _state_key(pm: ParallelModule, attr: str) -> torch.nn.Parameter:
@@ -84,33 +141,36 @@ def full_optimizer_state(pm: ParallelModule, optimizer: Any) -> dict[str, dict[s
 
 
 def save_checkpoint(pm: ParallelModule, optimizer: Any, path: str | os.PathLike[str]) -> None:
-    """Gather and write (rank 0) a checkpoint every plan can load. Every rank must call it."""
-    import torch.distributed as dist
-
-    model = pm.full_state_dict()
-    opt_state = full_optimizer_state(pm, optimizer)
-    if pm.mesh_groups.rank == 0:
-        atomic_save({"version": CHECKPOINT_VERSION, "model": model, "optimizer": opt_state, "plan": pm.plan.model_dump_json()}, path)
-    dist.barrier()
+    """Gather and write (DCP, atomically) a checkpoint every plan can load. Every rank calls it."""
+    state: dict[str, Any] = {"version": CHECKPOINT_VERSION, "plan": pm.plan.model_dump_json()}
+    state |= {f"model/{name}": t for name, t in pm.full_state_dict().items()}
+    for name, entry in full_optimizer_state(pm, optimizer).items():
+        state |= {f"optimizer/{name}/{k}": v for k, v in entry.items()}
+    write_state(state, path)
 
 
 def load_checkpoint(pm: ParallelModule, optimizer: Any, path: str | os.PathLike[str]) -> None:
     """Load a checkpoint written under any plan into this rank's parameters and optimizer state."""
-    data = torch.load(path, map_location="cpu", weights_only=True)
+    data = read_state(path)
     if data.get("version") != CHECKPOINT_VERSION:
         raise ValueError(f"checkpoint {path} has version {data.get('version')}; this runtime reads version {CHECKPOINT_VERSION}")
+    saved_states: dict[str, dict[str, Any]] = {}
+    for key, value in data.items():
+        if key.startswith("optimizer/"):
+            name, _, k = key[len("optimizer/"):].rpartition("/")
+            saved_states.setdefault(name, {})[k] = value
     state = _inner(optimizer).state
     with torch.no_grad():
         for attr, p in pm.local_parameters().items():
             names = pm.param_names[attr]
-            missing = [n for n in names if n not in data["model"]]
+            missing = [n for n in names if f"model/{n}" not in data]
             if missing:
                 raise ValueError(f"checkpoint {path} has no parameter {missing[0]!r}; it was saved from another model")
-            p.copy_(_local(pm, attr, data["model"][names[0]], zero_slice=False).to(p.dtype))
-            saved = data["optimizer"].get(names[0])
+            p.copy_(_local(pm, attr, data[f"model/{names[0]}"], zero_slice=False).to(p.dtype))
+            saved = saved_states.get(names[0])
             if saved:
                 key = _state_key(pm, attr)
                 state[key] = {
                     k: _local(pm, attr, v, zero_slice=True).to(key.device) if isinstance(v, torch.Tensor) and v.dim() > 0 else (v.clone() if isinstance(v, torch.Tensor) else v)
-                    for k, v in saved.items()
+                    for k, v in sorted(saved.items())
                 }

@@ -1,4 +1,4 @@
-"""Checkpoints: atomic writes, and state that moves between plans and world sizes.
+"""Checkpoints (torch.distributed.checkpoint): atomic writes, and state that moves between plans and world sizes.
 
 Saved under dp=4 ZeRO-3 on 4 ranks after two AdamW steps; resumed under dp=2 x tp=2 ZeRO-1 on the
 same 4 ranks and under dp=2 ZeRO-2 on 2 ranks: parameters and optimizer states equal the saved
@@ -26,20 +26,35 @@ ADAMW = {"lr": 1e-2, "weight_decay": 0.1}
 
 
 def test_a_crash_mid_write_leaves_the_previous_checkpoint_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    path = tmp_path / "ckpt.pt"
-    ckpt.atomic_save({"step": 1, "w": torch.arange(4.0)}, path)
+    path = tmp_path / "ckpt"
+    ckpt.write_state({"step": torch.tensor(1), "w": torch.arange(4.0)}, path)
+    first = path.resolve()
 
-    def broken_save(obj: Any, f: Any) -> None:
-        f.write(b"half a checkpoint")
+    def broken_write(self: Any, *args: Any, **kwargs: Any) -> Any:
         raise OSError("disk full")
 
-    monkeypatch.setattr(ckpt.torch, "save", broken_save)
-    with pytest.raises(OSError, match="disk full"):
-        ckpt.atomic_save({"step": 2, "w": torch.zeros(4)}, path)
+    monkeypatch.setattr(ckpt.dcp.FileSystemWriter, "write_data", broken_write)
+    with pytest.raises(ckpt.dcp.api.CheckpointException):
+        ckpt.write_state({"step": torch.tensor(2), "w": torch.zeros(4)}, path)
     monkeypatch.undo()
-    kept = torch.load(path, weights_only=True)
-    assert kept["step"] == 1 and torch.equal(kept["w"], torch.arange(4.0))
-    assert [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"]
+    kept = ckpt.read_state(path)
+    assert path.resolve() == first
+    assert int(kept["step"]) == 1 and torch.equal(kept["w"], torch.arange(4.0))
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["ckpt", first.name]), "the partial folder is removed"
+
+
+def test_a_new_save_replaces_the_old_folder(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt"
+    ckpt.write_state({"w": torch.zeros(2)}, path)
+    ckpt.write_state({"w": torch.ones(2)}, path)
+    assert torch.equal(ckpt.read_state(path)["w"], torch.ones(2))
+    assert len(list(tmp_path.iterdir())) == 2, "one link and one folder"
+
+
+def test_a_plain_folder_is_never_overwritten(tmp_path: Path) -> None:
+    (tmp_path / "mine").mkdir()
+    with pytest.raises(ValueError, match="not a checkpoint link"):
+        ckpt.write_state({"w": torch.zeros(2)}, tmp_path / "mine")
 
 
 def _plan(devices: int, dp: int, zero: int, family: str, allow: Any) -> str:
@@ -114,19 +129,19 @@ def load_elsewhere(rank: int, world: int, plan_c: str, path: str) -> dict[str, A
     pm = compile_plan(Plan.model_validate_json(plan_c), build_model(MODEL, dtype=torch.float64, seed=2), *batches[0])
     opt = pm.make_optimizer(torch.optim.AdamW, **ADAMW)
     ckpt.load_checkpoint(pm, opt, path)
-    saved = torch.load(path, weights_only=True)
-    params = pm.full_state_dict()
-    states = ckpt.full_optimizer_state(pm, opt)
+    saved = ckpt.read_state(path)
+    params = {f"model/{k}": v for k, v in pm.full_state_dict().items()}
+    states = {f"optimizer/{n}/{k}": v for n, entry in ckpt.full_optimizer_state(pm, opt).items() for k, v in entry.items()}
     return {
-        "params_bitwise": _same(saved["model"], params),
-        "states_bitwise": _same(saved["optimizer"], states),
+        "params_bitwise": _same({k: v for k, v in saved.items() if k.startswith("model/")}, params),
+        "states_bitwise": _same({k: v for k, v in saved.items() if k.startswith("optimizer/")}, states),
         "resumed": _step(pm, opt, batches[2]),
     }
 
 
 @pytest.fixture(scope="module")
 def moved(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], dict[str, Any]]:
-    path = str(tmp_path_factory.mktemp("ckpt") / "gpt.pt")
+    path = str(tmp_path_factory.mktemp("ckpt") / "gpt")
     plan_a = _plan(4, 4, 3, "none", data_parallel)
     plan_b = _plan(4, 2, 1, "1d", megatron_dp)
     plan_c = _plan(2, 2, 2, "none", data_parallel)
