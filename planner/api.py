@@ -58,10 +58,14 @@ def plan_model(
     dp: int | None = None,
     objective: Literal["time", "memory"] = "time",
     optimizer: str = "adamw",
+    master_dtype: str | None = None,
     model_name: str | None = None,
     solver: SolverSettings | None = None,
 ) -> PlanningResult:
-    """Trace ``model`` on the example inputs (a full global batch) and search for the best plan."""
+    """Trace ``model`` on the example inputs (a full global batch) and search for the best plan.
+
+    Mixed precision: hand the model in its compute dtype (``model.to(torch.bfloat16)``) and set
+    ``master_dtype="float32"``; the optimizer then keeps float32 master weights and states."""
     if example_inputs is None and not example_kwargs:
         raise ValueError("example_inputs is required: a full (global) batch such that model(*example_inputs) returns the loss")
     hw = load_profile(hardware) if isinstance(hardware, str) else hardware
@@ -70,7 +74,8 @@ def plan_model(
     graph = trace(model, tuple(example_inputs or ()), dict(example_kwargs or {}))
     trace_s = time.perf_counter() - t0
     name = model_name or type(model).__name__
-    result = search(graph, space, hw, model_name=name, memory_budget=memory_budget, objective=objective, optimizer=optimizer, settings=solver)
+    result = search(graph, space, hw, model_name=name, memory_budget=memory_budget, objective=objective, optimizer=optimizer,
+                    master_dtype=master_dtype, settings=solver)
     report = format_search(result, model_name=name, devices=devices, hardware=hw, trace_seconds=trace_s, graph=graph)
     return PlanningResult(result.best, result, report)
 

@@ -2,6 +2,7 @@
 
     planner report MODEL --devices N [--batch B] [--hardware NAME|FILE] [--memory BYTES]
                    [--tp none,1d] [--zero 0] [--cdp off] [--dp N] [--objective time|memory]
+                   [--precision fp32|bf16-mixed|fp16-mixed] [--optimizer adamw|sgd-momentum]
                    [--json] [--save-plan FILE]
 
 MODEL is a bundled preset (``planner models`` lists them) or ``package.module:factory`` where
@@ -46,8 +47,11 @@ def _list(kind: type, allowed: tuple[Any, ...] | None = None) -> Any:
     return parse
 
 
-def load_model(spec: str, batch: int) -> tuple[torch.nn.Module, tuple[Any, ...], dict[str, Any], str]:
-    """A preset name, or ``package.module:factory``."""
+PRECISIONS = {"fp32": (torch.float32, None), "bf16-mixed": (torch.bfloat16, "float32"), "fp16-mixed": (torch.float16, "float32")}
+
+
+def load_model(spec: str, batch: int, dtype: torch.dtype = torch.float32) -> tuple[torch.nn.Module, tuple[Any, ...], dict[str, Any], str]:
+    """A preset name, or ``package.module:factory``; floating parameters and inputs in ``dtype``."""
     if ":" in spec:
         module_name, _, attr = spec.partition(":")
         try:
@@ -58,13 +62,14 @@ def load_model(spec: str, batch: int) -> tuple[torch.nn.Module, tuple[Any, ...],
         if not (isinstance(out, tuple) and len(out) == 3):
             raise SystemExit(f"{spec}(batch) must return (model, args, kwargs); got {type(out).__name__}")
         model, args, kwargs = out
-        return model, tuple(args), dict(kwargs), spec
+        cast = [a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
+        return model.to(dtype), tuple(cast), dict(kwargs), spec
     from models import available_models, build_model, example_inputs
 
     if spec not in available_models():
         raise SystemExit(f"unknown model {spec!r}: use one of {', '.join(available_models())} or package.module:factory")
-    model = build_model(spec, device="meta")
-    args, kwargs = example_inputs(spec, batch=batch, device="meta")
+    model = build_model(spec, device="meta", dtype=dtype)
+    args, kwargs = example_inputs(spec, batch=batch, device="meta", dtype=dtype)
     return model, args, kwargs, spec
 
 
@@ -82,6 +87,9 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--cdp", type=_list(str, ("off", "v1", "v2")), default=("off",), help="CDP modes to search (comma list)")
     r.add_argument("--dp", type=int, default=None, help="fix the data-parallel degree")
     r.add_argument("--objective", choices=("time", "memory"), default="time")
+    r.add_argument("--precision", choices=tuple(PRECISIONS), default="fp32",
+                   help="fp32, or mixed: compute in bf16/fp16 with float32 master weights and optimizer states (default fp32)")
+    r.add_argument("--optimizer", choices=("adamw", "sgd-momentum"), default="adamw", help="optimizer whose states are priced (default adamw)")
     r.add_argument("--json", action="store_true", help="print one JSON document instead of the text report")
     r.add_argument("--save-plan", metavar="FILE", help="write the best plan as JSON (runtime.compile_plan loads it)")
     r.add_argument("--time-limit", type=float, default=120.0, help="ILP time limit per configuration, seconds")
@@ -100,13 +108,14 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     from planner.solve import SolverSettings
 
-    model, m_args, m_kwargs, name = load_model(args.model, args.batch)
+    dtype, master_dtype = PRECISIONS[args.precision]
+    model, m_args, m_kwargs, name = load_model(args.model, args.batch, dtype)
     hw = load_profile(args.hardware)
     try:
         result = plan_model(
             model, devices=args.devices, example_inputs=m_args, example_kwargs=m_kwargs, hardware=hw,
             memory_budget=args.memory, tp=args.tp, zero=args.zero, cdp=args.cdp, dp=args.dp,
-            objective=args.objective, model_name=name, solver=SolverSettings(time_limit_s=args.time_limit),
+            objective=args.objective, optimizer=args.optimizer, master_dtype=master_dtype, model_name=name, solver=SolverSettings(time_limit_s=args.time_limit),
         )
     except ValueError as exc:
         print(f"planner: error: {exc}", file=sys.stderr)

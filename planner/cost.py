@@ -20,7 +20,9 @@ tier the group spans:
     broadcast, reduce: ceil(log2 n) a + S / b        (pipelined tree, large messages)
 
 Memory per device (bytes): parameters, gradients and optimizer states of the local parameter
-shards (fp32 AdamW: 4 + 4 + 8 bytes per value; SGD with momentum 4 + 4 + 4), tensors saved for
+shards (fp32 AdamW: 4 + 4 + 8 bytes per value; SGD with momentum 4 + 4 + 4; mixed precision
+(Micikevicius et al. 2018), parameters and gradients in the compute dtype and a float32 master copy
+with float32 states in the optimizer: bf16 AdamW 2 + 2 + (4 + 8) = 16, ZeRO's "K = 12"), tensors saved for
 backward (taken from the traced graph, local shares), and the largest transient working set of
 one op (its local inputs and output).
 """
@@ -36,7 +38,25 @@ from planner.layout import Layout, Step, step_bytes
 from planner.mesh import Mesh
 from planner.strategy import Comm, Phase, Strategy
 
-OPTIMIZER_STATE_BYTES_PER_BYTE = {"adamw": 2.0, "adam": 2.0, "sgd": 1.0, "sgd-momentum": 1.0, "none": 0.0}
+STATES_PER_VALUE = {"adamw": 2, "adam": 2, "sgd": 1, "sgd-momentum": 1, "none": 0}  # exp_avg + exp_avg_sq; momentum
+
+
+DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def dtype_itemsize(dtype: str) -> int:
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"unknown dtype {dtype!r}; known: {sorted(DTYPE_BYTES)}")
+    return DTYPE_BYTES[dtype]
+
+
+def optimizer_bytes_per_value(optimizer: str, itemsize: int, master_itemsize: int | None) -> int:
+    """Optimizer bytes per parameter value: its states in the parameter's dtype, or, with master
+    weights (mixed precision), a master copy plus the states in the master dtype."""
+    if optimizer not in STATES_PER_VALUE:
+        raise ValueError(f"unknown optimizer {optimizer!r}; known: {sorted(STATES_PER_VALUE)}")
+    k = STATES_PER_VALUE[optimizer]
+    return master_itemsize * (1 + k) if master_itemsize is not None else itemsize * k
 
 
 def spans_nodes(axes: tuple[str, ...], mesh: Mesh, hw: HardwareProfile) -> bool:

@@ -88,6 +88,7 @@ class Plan(_Frozen):
     zero_stage: int = 0
     cdp: Literal["off", "v1", "v2"] = "off"
     optimizer: str = "adamw"
+    master_dtype: str | None = Field(default=None, description="mixed precision: the optimizer's master weights and states dtype")
     memory_budget_bytes: int
     step_time_s: float
     compute_time_s: float

@@ -24,7 +24,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from planner.cost import OPTIMIZER_STATE_BYTES_PER_BYTE, comm_time, compute_time, ring_volume, steps_comms
+from planner.cost import comm_time, compute_time, dtype_itemsize, optimizer_bytes_per_value, ring_volume, steps_comms
 from planner.hardware import HardwareProfile
 from planner.ir import InputRef, IRGraph, Node
 from planner.layout import Layout, Spec, spec_conversion
@@ -96,6 +96,7 @@ class Problem:
     holds: dict[tuple[object, ...], HoldTerm]
     edges: dict[tuple[object, ...], EdgeTerm] = field(default_factory=dict)
     zero_stage: int = 0
+    master_dtype: str | None = None
     instances: dict[str, int] = field(default_factory=dict)  # template -> number of instances
     build_seconds: float = 0.0
 
@@ -114,6 +115,7 @@ def build_problem(
     *,
     optimizer: str = "adamw",
     zero_stage: int = 0,
+    master_dtype: str | None = None,
     allow: StrategyFilter | None = None,
 ) -> Problem:
     """``allow(node, strategy)``, when given, pins choices: an anchor keeps only the strategies it
@@ -127,7 +129,11 @@ def build_problem(
     3 holds b/D + b/D + 2b/D: parameters are stored split over the data-parallel axes, gathered
     before use (kept for backward, or, ``+zero3`` strategies, freed and gathered again), and their
     gradients reduce-scattered in backward: 3(D-1)/D b when re-gathered. A parameter whose dims
-    cannot be split D ways stays as in stage 0."""
+    cannot be split D ways stays as in stage 0.
+
+    ``master_dtype`` (e.g. ``"float32"``, mixed precision): parameters and gradients stay in the
+    traced dtype, the optimizer adds a master copy and keeps its states in ``master_dtype``
+    (:func:`planner.cost.optimizer_bytes_per_value`); everything else is priced in the traced dtype."""
     t0 = time.perf_counter()
     choices: dict[str, list[Strategy]] = {}
     node_group: dict[str, str] = {}
@@ -197,7 +203,9 @@ def build_problem(
             )
     problem = Problem(mesh, hardware, graph, groups, node_group, choices, conversions={}, holds={}, instances=dict(instances))
     problem.zero_stage = zero_stage
-    _price_nodes(problem, optimizer)
+    problem.master_dtype = master_dtype
+    master_itemsize = dtype_itemsize(master_dtype) if master_dtype else None
+    _price_nodes(problem, optimizer, master_itemsize)
     _price_edges(problem)
     problem.build_seconds = time.perf_counter() - t0
     return problem
@@ -278,10 +286,9 @@ def _input_spec_bytes(graph: IRGraph, ref: InputRef) -> int:
     return meta.nbytes if meta is not None else 0
 
 
-def _price_nodes(problem: Problem, optimizer: str) -> None:
+def _price_nodes(problem: Problem, optimizer: str, master_itemsize: int | None) -> None:
     graph, mesh, hw = problem.graph, problem.mesh, problem.hardware
     consumers_of_output = graph.nodes["output"].inputs[0].node
-    opt_factor = OPTIMIZER_STATE_BYTES_PER_BYTE[optimizer]
     for node in graph.nodes.values():
         if node.kind == "output" or node.template != node.name:
             continue
@@ -297,6 +304,7 @@ def _price_nodes(problem: Problem, optimizer: str) -> None:
             if node.kind == "param":
                 spec = strategy.outputs[0]
                 assert spec is not None
+                opt_factor = optimizer_bytes_per_value(optimizer, node.out.itemsize, master_itemsize) / node.out.itemsize
                 params, grads, states, step = zero_param_terms(node.out.shape, node.out.itemsize, spec, mesh, problem.zero_stage, opt_factor)
                 comms += step
                 p, g, o = group.param_memory[i]

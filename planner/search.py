@@ -123,9 +123,14 @@ def search(
     memory_budget: float | None = None,
     objective: Literal["time", "memory"] = "time",
     optimizer: str = "adamw",
+    master_dtype: str | None = None,
     settings: SolverSettings | None = None,
     allow: StrategyFilter | None = None,
 ) -> SearchResult:
+    """Plan every candidate configuration of ``space`` and keep the best feasible plan.
+
+    ``master_dtype`` (mixed precision): the graph is priced in its traced dtype (trace the model in
+    bfloat16 for bf16 training) and the optimizer keeps master weights and states in this dtype."""
     t0 = time.perf_counter()
     budget = float(memory_budget if memory_budget is not None else hardware.device_memory)
     batch = graph.nodes[graph.input_names[0]].out.shape[0] if graph.input_names else 1
@@ -134,7 +139,7 @@ def search(
         if cand.reason:
             result.candidates.append(cand)
             continue
-        problem = build_problem(graph, cand.mesh, hardware, optimizer=optimizer, zero_stage=cand.zero, allow=allow)
+        problem = build_problem(graph, cand.mesh, hardware, optimizer=optimizer, zero_stage=cand.zero, master_dtype=master_dtype, allow=allow)
         try:
             sol = solve(problem, memory_budget=budget, objective=objective, settings=settings)
         except InfeasibleBudget as exc:
@@ -205,6 +210,7 @@ def make_plan(
         tp=tp_family(problem, solution.assignment),
         zero_stage=problem.zero_stage,
         optimizer=optimizer,
+        master_dtype=problem.master_dtype,
         memory_budget_bytes=int(memory_budget) if memory_budget != float("inf") else 0,
         step_time_s=ev.step_time,
         compute_time_s=ev.compute_time,

@@ -36,6 +36,7 @@ import torch.distributed.checkpoint as dcp
 from planner.layout import Layout
 from runtime.collectives import CommRecorder, all_gather, relayout
 from runtime.module import ParallelModule
+from runtime.precision import MasterWeights
 
 CHECKPOINT_VERSION = 2
 
@@ -101,14 +102,27 @@ def read_state(path: str | os.PathLike[str]) -> dict[str, Any]:
     return state
 
 
-def _state_key(pm: ParallelModule, attr: str) -> torch.nn.Parameter:
-    if pm.zero is not None and attr in pm.zero.shards:
-        return pm.zero.shards[attr]
-    return pm.graph_module.get_parameter(attr)
+def _master_weights(optimizer: Any) -> MasterWeights | None:
+    while optimizer is not None:
+        if isinstance(optimizer, MasterWeights):
+            return optimizer
+        optimizer = getattr(optimizer, "inner", None)
+    return None
 
 
 def _inner(optimizer: Any) -> torch.optim.Optimizer:
-    return getattr(optimizer, "inner", optimizer)
+    """The torch optimizer under the ZeRO and master-weight wrappers."""
+    while hasattr(optimizer, "inner"):
+        optimizer = optimizer.inner
+    return optimizer  # type: ignore[no-any-return]
+
+
+def _state_key(pm: ParallelModule, optimizer: Any, attr: str) -> torch.nn.Parameter:
+    """The tensor the torch optimizer keys ``attr``'s state by: the parameter, its ZeRO slice, or
+    the master copy of either."""
+    key = pm.zero.shards[attr] if pm.zero is not None and attr in pm.zero.shards else pm.graph_module.get_parameter(attr)
+    masters = _master_weights(optimizer)
+    return masters.master_of(key) if masters is not None else key
 
 
 def _full(pm: ParallelModule, attr: str, t: torch.Tensor) -> torch.Tensor:
@@ -131,9 +145,13 @@ def _local(pm: ParallelModule, attr: str, full: torch.Tensor, *, zero_slice: boo
 def full_optimizer_state(pm: ParallelModule, optimizer: Any) -> dict[str, dict[str, Any]]:
     """Every parameter's optimizer state at full shape, keyed by its first name (all ranks call)."""
     state = _inner(optimizer).state
+    with_master = _master_weights(optimizer) is not None
     out: dict[str, dict[str, Any]] = {}
     for attr in pm.param_specs:
-        entry = state.get(_state_key(pm, attr), {})
+        key = _state_key(pm, optimizer, attr)
+        entry = dict(state.get(key, {}))
+        if with_master:
+            entry["master"] = key.detach()  # mixed precision: the master weights are optimizer state
         out[pm.param_names[attr][0]] = {
             k: (_full(pm, attr, v) if v.dim() > 0 else v.clone()) if isinstance(v, torch.Tensor) else v for k, v in sorted(entry.items())
         }
@@ -160,6 +178,7 @@ def load_checkpoint(pm: ParallelModule, optimizer: Any, path: str | os.PathLike[
             name, _, k = key[len("optimizer/"):].rpartition("/")
             saved_states.setdefault(name, {})[k] = value
     state = _inner(optimizer).state
+    with_master = _master_weights(optimizer) is not None
     with torch.no_grad():
         for attr, p in pm.local_parameters().items():
             names = pm.param_names[attr]
@@ -167,9 +186,13 @@ def load_checkpoint(pm: ParallelModule, optimizer: Any, path: str | os.PathLike[
             if missing:
                 raise ValueError(f"checkpoint {path} has no parameter {missing[0]!r}; it was saved from another model")
             p.copy_(_local(pm, attr, data[f"model/{names[0]}"], zero_slice=False).to(p.dtype))
-            saved = saved_states.get(names[0])
+            saved = dict(saved_states.get(names[0], {}))
+            key = _state_key(pm, optimizer, attr)
+            master = saved.pop("master", None)
+            if with_master:  # saved without master weights: start them from the parameters
+                source = master if master is not None else data[f"model/{names[0]}"]
+                key.copy_(_local(pm, attr, source, zero_slice=True).to(key.dtype))
             if saved:
-                key = _state_key(pm, attr)
                 state[key] = {
                     k: _local(pm, attr, v, zero_slice=True).to(key.device) if isinstance(v, torch.Tensor) and v.dim() > 0 else (v.clone() if isinstance(v, torch.Tensor) else v)
                     for k, v in sorted(saved.items())

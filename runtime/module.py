@@ -26,6 +26,7 @@ from planner.layout import Layout, Spec
 from planner.plan import Plan
 from runtime.collectives import CommRecorder, all_reduce, relayout
 from runtime.groups import MeshGroups
+from runtime.precision import MasterWeights
 from runtime.zero import ZeroOptimizer, ZeroShards
 
 
@@ -69,10 +70,15 @@ class ParallelModule(torch.nn.Module):
 
     def make_optimizer(self, optimizer_class: type[torch.optim.Optimizer], **kwargs: Any) -> Any:
         """A torch optimizer over this rank's parameters; with ZeRO-1/2 over its data-parallel slices
-        (states only for the slice; ``step`` all-gathers the updated parameters)."""
-        if self.zero is not None:
-            return ZeroOptimizer(self.zero, optimizer_class, **kwargs)
-        return optimizer_class(self.parameters(), **kwargs)
+        (states only for the slice; ``step`` all-gathers the updated parameters); with the plan's
+        ``master_dtype`` (mixed precision) over master copies in that dtype."""
+        params = self.zero.optimizer_params() if self.zero is not None else list(self.parameters())
+        inner: Any
+        if self.plan.master_dtype:
+            inner = MasterWeights(params, optimizer_class, getattr(torch, self.plan.master_dtype), **kwargs)
+        else:
+            inner = optimizer_class(params, **kwargs)
+        return ZeroOptimizer(self.zero, inner) if self.zero is not None else inner
 
     # ----------------------------------------------------------------- data
 
@@ -178,6 +184,8 @@ class ParallelModule(torch.nn.Module):
         if self.zero is not None:
             grads += [s.grad for s in self.zero.shards.values() if s.grad is not None]
         states = [t for st in optimizer.state.values() for t in st.values() if isinstance(t, torch.Tensor) and t.dim() > 0]
+        masters = optimizer.inner if hasattr(optimizer, "shards") else optimizer
+        states += getattr(masters, "masters", [])
         return {"params": size(params), "grads": size(grads), "optimizer": size(states)}
 
     def executed_comms(self) -> Counter[tuple[str, tuple[str, ...], int, str]]:

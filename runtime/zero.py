@@ -95,11 +95,12 @@ class ZeroShards:
 
 
 class ZeroOptimizer:
-    """A torch optimizer over this rank's slices; ``step`` updates them and gathers the parameters."""
+    """An optimizer over this rank's slices (``inner``, built on ``shards.optimizer_params()``);
+    ``step`` updates them and gathers the parameters."""
 
-    def __init__(self, shards: ZeroShards, optimizer_class: type[torch.optim.Optimizer], **kwargs: Any) -> None:
+    def __init__(self, shards: ZeroShards, inner: Any) -> None:
         self.shards = shards
-        self.inner = optimizer_class(shards.optimizer_params(), **kwargs)
+        self.inner = inner
 
     def step(self) -> None:
         self.inner.step()
@@ -113,3 +114,7 @@ class ZeroOptimizer:
     @property
     def state(self) -> Any:
         return self.inner.state
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.inner.param_groups  # type: ignore[no-any-return]

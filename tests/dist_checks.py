@@ -22,12 +22,35 @@ import torch
 
 BATCH = 4
 STEPS = 3
+# precision name -> (compute dtype, master dtype or None); see tests/test_mixed_precision.py
+PRECISIONS = {"fp64": (torch.float64, None), "fp32+master64": (torch.float32, torch.float64), "bf16+master32": (torch.bfloat16, torch.float32)}
 
 
-def _batches(model: str, n: int) -> list[tuple[tuple[Any, ...], dict[str, Any]]]:
+def _batches(model: str, n: int, dtype: torch.dtype = torch.float64) -> list[tuple[tuple[Any, ...], dict[str, Any]]]:
     from models import example_inputs
 
-    return [example_inputs(model, batch=BATCH, dtype=torch.float64, seed=100 + i) for i in range(n)]
+    return [example_inputs(model, batch=BATCH, dtype=dtype, seed=100 + i) for i in range(n)]
+
+
+class _ReferenceMasters:
+    """Single-device mixed precision written out plainly: ``master_dtype`` copies stepped by the
+    optimizer, gradients cast up, parameters cast back down (the runtime's MasterWeights is not used)."""
+
+    def __init__(self, ref: torch.nn.Module, opt_class: type[torch.optim.Optimizer], master_dtype: torch.dtype, **kwargs: Any) -> None:
+        self.pairs = [(p, p.detach().to(master_dtype).clone().requires_grad_(True)) for p in ref.parameters()]
+        self.opt = opt_class([m for _, m in self.pairs], **kwargs)
+
+    def step(self) -> None:
+        for p, m in self.pairs:
+            m.grad = p.grad.to(m.dtype) if p.grad is not None else None
+        self.opt.step()
+        with torch.no_grad():
+            for p, m in self.pairs:
+                p.copy_(m.to(p.dtype))
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p, m in self.pairs:
+            p.grad = m.grad = None
 
 
 def _relative_error(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
@@ -56,16 +79,17 @@ def train_and_compare(rank: int, world: int, plans_json: list[tuple[str, ...]]) 
     reports = []
     for name, text, *rest in plans_json:
         opt_class, opt_kwargs = OPTIMIZERS[rest[0] if rest else "sgd"]
+        dtype, master_dtype = PRECISIONS[rest[1] if len(rest) > 1 else "fp64"]
         plan = Plan.model_validate_json(text)
-        batches = _batches(name, STEPS)
-        model = build_model(name, dtype=torch.float64, seed=0)
-        ref = build_model(name, dtype=torch.float64, seed=0)
+        batches = _batches(name, STEPS, dtype)
+        model = build_model(name, dtype=dtype, seed=0)
+        ref = build_model(name, dtype=dtype, seed=0)
         args, kwargs = batches[0]
         pm = compile_plan(plan, model, args, kwargs)
         state = pm.full_state_dict()
         exact_state = all(torch.equal(state[n], t) for n, t in model.state_dict().items())
         opt = pm.make_optimizer(opt_class, **opt_kwargs)
-        ref_opt = opt_class(ref.parameters(), **opt_kwargs)
+        ref_opt: Any = _ReferenceMasters(ref, opt_class, master_dtype, **opt_kwargs) if master_dtype else opt_class(ref.parameters(), **opt_kwargs)
         steps = []
         for args, kwargs in batches:
             local_args, local_kwargs = pm.shard_batch(*args, **kwargs)

@@ -57,11 +57,12 @@ def test_a_plain_folder_is_never_overwritten(tmp_path: Path) -> None:
         ckpt.write_state({"w": torch.zeros(2)}, tmp_path / "mine")
 
 
-def _plan(devices: int, dp: int, zero: int, family: str, allow: Any) -> str:
-    model = build_model(MODEL, dtype=torch.float64)
-    args, kwargs = example_inputs(MODEL, batch=4, dtype=torch.float64)
+def _plan(devices: int, dp: int, zero: int, family: str, allow: Any, dtype: torch.dtype = torch.float64) -> str:
+    model = build_model(MODEL, dtype=dtype)
+    args, kwargs = example_inputs(MODEL, batch=4, dtype=dtype)
+    master = "float32" if dtype == torch.bfloat16 else None
     result = search(trace(model, args, kwargs), SearchSpace(devices=devices, dp=dp, zero=(zero,), tp=(family,)), A100_80G,
-                    model_name=MODEL, allow=allow)
+                    model_name=MODEL, allow=allow, master_dtype=master)
     assert result.best is not None and result.best.zero_stage == zero
     return result.best.model_dump_json()
 
@@ -95,19 +96,19 @@ def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
     return True
 
 
-def save_then_move(rank: int, world: int, plan_a: str, plan_b: str, path: str) -> dict[str, Any]:
+def save_then_move(rank: int, world: int, plan_a: str, plan_b: str, path: str, dtype: torch.dtype = torch.float64) -> dict[str, Any]:
     from planner.plan import Plan
     from runtime.compile import compile_plan
 
     batches = _batches()
-    pm_a = compile_plan(Plan.model_validate_json(plan_a), build_model(MODEL, dtype=torch.float64, seed=0), *batches[0])
+    pm_a = compile_plan(Plan.model_validate_json(plan_a), build_model(MODEL, dtype=dtype, seed=0), *batches[0])
     opt_a = pm_a.make_optimizer(torch.optim.AdamW, **ADAMW)
     for batch in batches[:2]:
         _step(pm_a, opt_a, batch)
     ckpt.save_checkpoint(pm_a, opt_a, path)
     params, states = pm_a.full_state_dict(), ckpt.full_optimizer_state(pm_a, opt_a)
     uninterrupted = _step(pm_a, opt_a, batches[2])
-    pm_b = compile_plan(Plan.model_validate_json(plan_b), build_model(MODEL, dtype=torch.float64, seed=1), *batches[0])
+    pm_b = compile_plan(Plan.model_validate_json(plan_b), build_model(MODEL, dtype=dtype, seed=1), *batches[0])
     opt_b = pm_b.make_optimizer(torch.optim.AdamW, **ADAMW)
     ckpt.load_checkpoint(pm_b, opt_b, path)
     moved_params, moved_states = pm_b.full_state_dict(), ckpt.full_optimizer_state(pm_b, opt_b)
@@ -116,6 +117,7 @@ def save_then_move(rank: int, world: int, plan_a: str, plan_b: str, path: str) -
         "params_bitwise": _same(params, moved_params),
         "states_bitwise": _same(states, moved_states),
         "has_states": all(len(s) >= 3 for s in states.values()),
+        "has_masters": all("master" in s and s["master"].dtype == torch.float32 for s in states.values()),
         "uninterrupted": uninterrupted,
         "resumed": resumed,
     }
@@ -148,6 +150,21 @@ def moved(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], dic
     four = run_world(4, save_then_move, plan_a, plan_b, path, timeout=600)[0]
     two = run_world(2, load_elsewhere, plan_c, path, timeout=600)[0]
     return four, two
+
+
+@pytest.fixture(scope="module")
+def moved_mixed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """bfloat16 compute with float32 master weights: dp=4 ZeRO-2 saved, dp=2 x tp=2 ZeRO-3 resumed."""
+    path = str(tmp_path_factory.mktemp("ckpt") / "gpt-bf16")
+    plan_a = _plan(4, 4, 2, "none", data_parallel, torch.bfloat16)
+    plan_b = _plan(4, 2, 3, "1d", megatron_dp, torch.bfloat16)
+    return run_world(4, save_then_move, plan_a, plan_b, path, torch.bfloat16, timeout=600)[0]  # type: ignore[no-any-return]
+
+
+def test_float32_master_weights_move_bitwise_with_bf16_parameters(moved_mixed) -> None:  # type: ignore[no-untyped-def]
+    assert moved_mixed["has_masters"]
+    assert moved_mixed["params_bitwise"] and moved_mixed["states_bitwise"]
+    assert abs(moved_mixed["resumed"] - moved_mixed["uninterrupted"]) <= 1e-2 * abs(moved_mixed["uninterrupted"])
 
 
 def test_parameters_and_optimizer_states_move_bitwise_between_plans(moved) -> None:  # type: ignore[no-untyped-def]
