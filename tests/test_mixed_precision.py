@@ -18,7 +18,6 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-import torch
 
 from models import build_model, example_inputs
 from planner.hardware import A100_80G
@@ -110,10 +109,10 @@ def test_per_value_bytes_follow_design_md_for_bf16_adamw_with_float32_masters(st
 
 
 def test_the_cli_prices_bf16_mixed_precision() -> None:
-    from planner.cli import main
-
     import contextlib
     import io
+
+    from planner.cli import main
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
