@@ -59,6 +59,7 @@ def plan_model(
     objective: Literal["time", "memory"] = "time",
     optimizer: str = "adamw",
     master_dtype: str | None = None,
+    prefetch: bool = True,
     model_name: str | None = None,
     solver: SolverSettings | None = None,
 ) -> PlanningResult:
@@ -75,7 +76,7 @@ def plan_model(
     trace_s = time.perf_counter() - t0
     name = model_name or type(model).__name__
     result = search(graph, space, hw, model_name=name, memory_budget=memory_budget, objective=objective, optimizer=optimizer,
-                    master_dtype=master_dtype, settings=solver)
+                    master_dtype=master_dtype, prefetch=prefetch, settings=solver)
     report = format_search(result, model_name=name, devices=devices, hardware=hw, trace_seconds=trace_s, graph=graph)
     return PlanningResult(result.best, result, report)
 

@@ -89,6 +89,7 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--objective", choices=("time", "memory"), default="time")
     r.add_argument("--precision", choices=tuple(PRECISIONS), default="fp32",
                    help="fp32, or mixed: compute in bf16/fp16 with float32 master weights and optimizer states (default fp32)")
+    r.add_argument("--no-prefetch", action="store_true", help="ZeRO-3: gather each parameter when used, not one ahead")
     r.add_argument("--optimizer", choices=("adamw", "sgd-momentum"), default="adamw", help="optimizer whose states are priced (default adamw)")
     r.add_argument("--json", action="store_true", help="print one JSON document instead of the text report")
     r.add_argument("--save-plan", metavar="FILE", help="write the best plan as JSON (runtime.compile_plan loads it)")
@@ -115,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         result = plan_model(
             model, devices=args.devices, example_inputs=m_args, example_kwargs=m_kwargs, hardware=hw,
             memory_budget=args.memory, tp=args.tp, zero=args.zero, cdp=args.cdp, dp=args.dp,
-            objective=args.objective, optimizer=args.optimizer, master_dtype=master_dtype, model_name=name, solver=SolverSettings(time_limit_s=args.time_limit),
+            objective=args.objective, optimizer=args.optimizer, master_dtype=master_dtype, prefetch=not args.no_prefetch, model_name=name, solver=SolverSettings(time_limit_s=args.time_limit),
         )
     except ValueError as exc:
         print(f"planner: error: {exc}", file=sys.stderr)

@@ -90,9 +90,11 @@ class Plan(_Frozen):
     optimizer: str = "adamw"
     master_dtype: str | None = Field(default=None, description="mixed precision: the optimizer's master weights and states dtype")
     memory_budget_bytes: int
+    zero_prefetch: bool = Field(default=False, description="ZeRO-3 parameter gathers started one ahead, overlapping compute")
     step_time_s: float
     compute_time_s: float
     comm_time_s: float
+    overlap_time_s: float = Field(default=0.0, description="communication hidden behind compute (prefetch); step = compute + comm - overlap")
     peak_memory_bytes: int
     memory_breakdown: MemoryBreakdown
     nodes: tuple[NodePlan, ...]

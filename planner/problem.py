@@ -29,6 +29,7 @@ from planner.hardware import HardwareProfile
 from planner.ir import InputRef, IRGraph, Node
 from planner.layout import Layout, Spec, spec_conversion
 from planner.mesh import Mesh
+from planner.overlap import prefetch_terms
 from planner.rules import RuleContext, anchor_strategies, follow, is_follower
 from planner.rules.variants import regather_variants
 from planner.strategy import Comm, Strategy, dedupe
@@ -97,6 +98,7 @@ class Problem:
     edges: dict[tuple[object, ...], EdgeTerm] = field(default_factory=dict)
     zero_stage: int = 0
     master_dtype: str | None = None
+    prefetch: bool = False  # ZeRO-3 parameter gathers started one ahead (planner.overlap)
     instances: dict[str, int] = field(default_factory=dict)  # template -> number of instances
     build_seconds: float = 0.0
 
@@ -116,6 +118,7 @@ def build_problem(
     optimizer: str = "adamw",
     zero_stage: int = 0,
     master_dtype: str | None = None,
+    prefetch: bool = True,
     allow: StrategyFilter | None = None,
 ) -> Problem:
     """``allow(node, strategy)``, when given, pins choices: an anchor keeps only the strategies it
@@ -204,6 +207,7 @@ def build_problem(
     problem = Problem(mesh, hardware, graph, groups, node_group, choices, conversions={}, holds={}, instances=dict(instances))
     problem.zero_stage = zero_stage
     problem.master_dtype = master_dtype
+    problem.prefetch = prefetch and zero_stage == 3 and bool(dp_axes)
     master_itemsize = dtype_itemsize(master_dtype) if master_dtype else None
     _price_nodes(problem, optimizer, master_itemsize)
     _price_edges(problem)
@@ -286,6 +290,14 @@ def _input_spec_bytes(graph: IRGraph, ref: InputRef) -> int:
     return meta.nbytes if meta is not None else 0
 
 
+def input_bytes(graph: IRGraph, node: Node, strategy: Strategy, mesh: Mesh) -> int:
+    """Local bytes of ``node``'s inputs in the layouts ``strategy`` computes on."""
+    return sum(
+        _input_spec_bytes(graph, ref) // spec.layout.shard_factor(mesh)
+        for ref, spec in zip(node.inputs, strategy.inputs, strict=False)
+    )
+
+
 def _price_nodes(problem: Problem, optimizer: str, master_itemsize: int | None) -> None:
     graph, mesh, hw = problem.graph, problem.mesh, problem.hardware
     consumers_of_output = graph.nodes["output"].inputs[0].node
@@ -295,10 +307,7 @@ def _price_nodes(problem: Problem, optimizer: str, master_itemsize: int | None) 
         group = problem.groups[problem.node_group[node.name]]
         count = problem.instances[node.name]
         for i, strategy in enumerate(problem.choices[node.name]):
-            in_bytes = sum(
-                _input_spec_bytes(graph, ref) // spec.layout.shard_factor(mesh)
-                for ref, spec in zip(node.inputs, strategy.inputs, strict=False)
-            )
+            in_bytes = input_bytes(graph, node, strategy, mesh)
             t = compute_time(node, strategy, mesh, hw, in_bytes) if node.kind == "op" else 0.0
             comms = list(strategy.comms)
             if node.kind == "param":
@@ -466,6 +475,7 @@ class Evaluation:
     comm_time: float
     memory: dict[str, float]  # params, grads, optimizer, activations, transient
     comms: tuple[tuple[Comm, int], ...]
+    overlap_time: float = 0.0  # communication hidden behind compute (ZeRO-3 prefetch), already out of step_time
 
     @property
     def peak_memory(self) -> float:
@@ -516,5 +526,9 @@ def evaluate(problem: Problem, assignment: dict[str, int]) -> Evaluation:
     for hold in problem.holds.values():
         if any(assignment[gu] in iu and (gv is None or assignment[gv] in iv) for gu, iu, gv, iv in hold.conditions):
             act += hold.nbytes
+    hidden = 0.0
+    if problem.prefetch:
+        hidden, in_flight = prefetch_terms(problem, assignment)
+        transient = max(transient, in_flight)
     memory = {"params": params, "grads": grads, "optimizer": opt, "activations": act, "transient": transient}
-    return Evaluation(total, total - comm_t, comm_t, memory, tuple(comms))
+    return Evaluation(total - hidden, total - comm_t, comm_t, memory, tuple(comms), hidden)

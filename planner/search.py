@@ -124,13 +124,15 @@ def search(
     objective: Literal["time", "memory"] = "time",
     optimizer: str = "adamw",
     master_dtype: str | None = None,
+    prefetch: bool = True,
     settings: SolverSettings | None = None,
     allow: StrategyFilter | None = None,
 ) -> SearchResult:
     """Plan every candidate configuration of ``space`` and keep the best feasible plan.
 
     ``master_dtype`` (mixed precision): the graph is priced in its traced dtype (trace the model in
-    bfloat16 for bf16 training) and the optimizer keeps master weights and states in this dtype."""
+    bfloat16 for bf16 training) and the optimizer keeps master weights and states in this dtype.
+    ``prefetch``: ZeRO-3 plans start parameter gathers one ahead (:mod:`planner.overlap`)."""
     t0 = time.perf_counter()
     budget = float(memory_budget if memory_budget is not None else hardware.device_memory)
     batch = graph.nodes[graph.input_names[0]].out.shape[0] if graph.input_names else 1
@@ -139,7 +141,8 @@ def search(
         if cand.reason:
             result.candidates.append(cand)
             continue
-        problem = build_problem(graph, cand.mesh, hardware, optimizer=optimizer, zero_stage=cand.zero, master_dtype=master_dtype, allow=allow)
+        problem = build_problem(graph, cand.mesh, hardware, optimizer=optimizer, zero_stage=cand.zero, master_dtype=master_dtype,
+                                prefetch=prefetch, allow=allow)
         try:
             sol = solve(problem, memory_budget=budget, objective=objective, settings=settings)
         except InfeasibleBudget as exc:
@@ -211,10 +214,12 @@ def make_plan(
         zero_stage=problem.zero_stage,
         optimizer=optimizer,
         master_dtype=problem.master_dtype,
+        zero_prefetch=problem.prefetch,
         memory_budget_bytes=int(memory_budget) if memory_budget != float("inf") else 0,
         step_time_s=ev.step_time,
         compute_time_s=ev.compute_time,
         comm_time_s=ev.comm_time,
+        overlap_time_s=ev.overlap_time,
         peak_memory_bytes=int(ev.peak_memory),
         memory_breakdown=_breakdown(ev),
         nodes=tuple(nodes),

@@ -173,9 +173,9 @@ def load_checkpoint(pm: ParallelModule, optimizer: Any, path: str | os.PathLike[
     if data.get("version") != CHECKPOINT_VERSION:
         raise ValueError(f"checkpoint {path} has version {data.get('version')}; this runtime reads version {CHECKPOINT_VERSION}")
     saved_states: dict[str, dict[str, Any]] = {}
-    for key, value in data.items():
-        if key.startswith("optimizer/"):
-            name, _, k = key[len("optimizer/"):].rpartition("/")
+    for entry, value in data.items():
+        if entry.startswith("optimizer/"):
+            name, _, k = entry[len("optimizer/"):].rpartition("/")
             saved_states.setdefault(name, {})[k] = value
     state = _inner(optimizer).state
     with_master = _master_weights(optimizer) is not None

@@ -1,7 +1,9 @@
 """Layout conversions executed: the steps of :mod:`planner.layout`, autograd-aware and recorded.
 
 :class:`Convert` runs a conversion's forward steps in forward and its backward steps on the
-gradient in backward, exactly the lists the planner priced. Every collective issued goes
+gradient in backward, exactly the lists the planner priced. A conversion that is one all-gather
+(a ZeRO-3 parameter gather) can be started early (``start``, asynchronous) and waited for when
+used: the runtime's prefetch (:func:`runtime.compile.prefetch_parameter_gathers`). Every collective issued goes
 through :func:`run_steps`, which appends ``(kind, axes, bytes, phase)`` to the recorder when one
 is active, so tests compare what ran with what was priced.
 """
@@ -125,7 +127,7 @@ class _ConvertFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, conv: Convert) -> torch.Tensor:  # type: ignore[override]
         ctx.conv = conv
-        out = run_steps(x, conv.forward_steps, conv.mesh_groups, conv.recorder, "fwd")
+        out = conv.run_forward(x)
         return out.view_as(out) if out is x else out
 
     @staticmethod
@@ -146,11 +148,36 @@ class Convert(torch.nn.Module):
         self.mesh_groups = mesh_groups
         self.recorder = recorder
         self.label = label
+        self._pending: tuple[int, Any, list[torch.Tensor]] | None = None
+
+    @property
+    def prefetchable(self) -> bool:
+        """A single all-gather (a ZeRO-3 parameter gather): it can be started ahead of use."""
+        return len(self.forward_steps) == 1 and self.forward_steps[0].kind == "all_gather" and self.mesh_groups.size(self.forward_steps[0].axes) > 1
+
+    def start(self, x: torch.Tensor) -> None:
+        """Issue the all-gather of ``x`` now (asynchronously); the next ``forward(x)`` waits for it."""
+        step = self.forward_steps[0]
+        src = x.detach().contiguous()
+        parts = [torch.empty_like(src) for _ in range(self.mesh_groups.size(step.axes))]
+        self.recorder.add("all_gather", self.mesh_groups.mesh.sort_axes(step.axes), _nbytes(src) * len(parts), "fwd")
+        work = dist.all_gather(parts, src, group=self.mesh_groups.group(step.axes), async_op=True)
+        self._pending = (id(x), work, parts)
+
+    def run_forward(self, x: torch.Tensor) -> torch.Tensor:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            key, work, parts = pending
+            work.wait()
+            if key == id(x):
+                assert self.forward_steps[0].dim is not None
+                return torch.cat(parts, dim=self.forward_steps[0].dim)
+        return run_steps(x, self.forward_steps, self.mesh_groups, self.recorder, "fwd")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.requires_grad and torch.is_grad_enabled():
             return _ConvertFn.apply(x, self)  # type: ignore[no-any-return]
-        return run_steps(x, self.forward_steps, self.mesh_groups, self.recorder, "fwd")
+        return self.run_forward(x)
 
     def extra_repr(self) -> str:
         fwd = " ".join(str(s) for s in self.forward_steps) or "-"

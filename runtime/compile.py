@@ -16,6 +16,7 @@ data-parallel axes are all-reduced when backward finishes (``step`` phase collec
 
 from __future__ import annotations
 
+import itertools
 import operator
 import re
 from typing import Any
@@ -72,7 +73,51 @@ def compile_plan(
     recorder = CommRecorder()
     builder = _Builder(plan, graph, model, mg, recorder, dev)
     gm = builder.build()
+    if plan.zero_prefetch:
+        prefetch_parameter_gathers(gm)
     return ParallelModule(plan, graph, gm, mg, recorder, builder.param_specs, builder.param_names, builder.input_specs)
+
+
+def prefetch_parameter_gathers(gm: torch.fx.GraphModule) -> int:
+    """ZeRO-3 prefetch: start each parameter's all-gather one gather ahead.
+
+    The parameter gathers (edge conversions of a parameter, and the gathers a re-gathering kernel
+    runs on its parameter inputs) are listed in graph order g_1, g_2, ...; g_k is started
+    asynchronously just before the node that consumes g_{k-1}, so it travels while that node and
+    the ones up to g_k's consumer compute. At most one gathered parameter is in flight beyond those
+    in use. Returns the number of gathers prefetched."""
+    gathers: list[tuple[torch.fx.Node, Convert, torch.fx.Node]] = []
+    for node in gm.graph.nodes:
+        if node.op != "call_module":
+            continue
+        module = gm.get_submodule(node.target)
+        if isinstance(module, Convert):
+            candidates = [(module, node.args[0])]
+        elif isinstance(module, RegatherKernel):
+            candidates = [(conv, node.args[int(key)]) for key, conv in module.gathers.items()]  # type: ignore[misc]
+        else:
+            continue
+        for conv, arg in candidates:
+            if isinstance(arg, torch.fx.Node) and arg.op == "get_attr" and conv.prefetchable:
+                gathers.append((node, conv, arg))
+    for (before, _, _), (_, conv, param) in itertools.pairwise(gathers):
+        name = f"prefetch_{len(list(gm.named_children()))}"
+        gm.add_submodule(name, _Start(conv))
+        with gm.graph.inserting_before(before):
+            attr = gm.graph.get_attr(str(param.target))
+            gm.graph.call_module(name, (attr,))
+    gm.graph.lint()
+    gm.recompile()
+    return max(len(gathers) - 1, 0)
+
+
+class _Start(torch.nn.Module):
+    def __init__(self, conv: Convert) -> None:
+        super().__init__()
+        self.conv = [conv]  # not a submodule: the Convert lives where the graph uses it
+
+    def forward(self, x: torch.Tensor) -> None:
+        self.conv[0].start(x)
 
 
 def _default_device() -> torch.device:
