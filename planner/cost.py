@@ -33,7 +33,7 @@ import functools
 import math
 
 from planner.hardware import HardwareProfile
-from planner.ir import Node
+from planner.ir import DTYPE_BYTES, Node
 from planner.layout import Layout, Step, step_bytes
 from planner.mesh import Mesh
 from planner.strategy import Comm, Phase, Strategy
@@ -41,13 +41,12 @@ from planner.strategy import Comm, Phase, Strategy
 STATES_PER_VALUE = {"adamw": 2, "adam": 2, "sgd": 1, "sgd-momentum": 1, "none": 0}  # exp_avg + exp_avg_sq; momentum
 
 
-DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
-
-
 def dtype_itemsize(dtype: str) -> int:
-    if dtype not in DTYPE_BYTES:
-        raise ValueError(f"unknown dtype {dtype!r}; known: {sorted(DTYPE_BYTES)}")
-    return DTYPE_BYTES[dtype]
+    """Bytes per value of a floating dtype named as torch names it (``"float32"``)."""
+    key = f"torch.{dtype}"
+    if key not in DTYPE_BYTES or "float" not in key:
+        raise ValueError(f"unknown floating dtype {dtype!r}; known: {sorted(k.removeprefix('torch.') for k in DTYPE_BYTES if 'float' in k)}")
+    return DTYPE_BYTES[key]
 
 
 def optimizer_bytes_per_value(optimizer: str, itemsize: int, master_itemsize: int | None) -> int:

@@ -59,8 +59,12 @@ def compile_plan(
     *,
     device: torch.device | str | None = None,
     mesh_groups: MeshGroups | None = None,
+    loss_partial_over: frozenset[str] = frozenset(),
 ) -> ParallelModule:
-    """This rank's runnable module for ``plan``. ``example_*``: a full (global) batch, as planned."""
+    """This rank's runnable module for ``plan``. ``example_*``: a full (global) batch, as planned.
+
+    ``loss_partial_over``: mesh axes over which the returned loss stays a partial sum (this rank's
+    contribution) instead of being all-reduced; CDP sums over the data-parallel axis itself."""
     example_kwargs = dict(example_kwargs or {})
     graph = trace(model, example_args, example_kwargs)
     if fingerprint(graph) != plan.model_fingerprint:
@@ -72,10 +76,13 @@ def compile_plan(
     dev = torch.device(device) if device is not None else _default_device()
     recorder = CommRecorder()
     builder = _Builder(plan, graph, model, mg, recorder, dev)
+    builder.loss_partial_over = loss_partial_over
     gm = builder.build()
     if plan.zero_prefetch:
         prefetch_parameter_gathers(gm)
-    return ParallelModule(plan, graph, gm, mg, recorder, builder.param_specs, builder.param_names, builder.input_specs)
+    pm = ParallelModule(plan, graph, gm, mg, recorder, builder.param_specs, builder.param_names, builder.input_specs)
+    pm.node_origin = builder.origin
+    return pm
 
 
 def prefetch_parameter_gathers(gm: torch.fx.GraphModule) -> int:
@@ -148,6 +155,8 @@ class _Builder:
         self.param_names: dict[str, tuple[str, ...]] = {}
         self.input_specs: list[Spec] = []
         self.count = 0
+        self.loss_partial_over: frozenset[str] = frozenset()
+        self.origin: dict[str, str] = {}  # rank-local fx node -> the traced node it computes
 
     def build(self) -> torch.fx.GraphModule:
         for node in self.graph.nodes.values():
@@ -164,6 +173,10 @@ class _Builder:
                 self._op(node)
             elif node.kind == "output":
                 self._output(node)
+            for new in reversed(self.fx.nodes):  # the fx nodes this traced node added, newest first
+                if new.name in self.origin:
+                    break
+                self.origin[new.name] = node.name
         return torch.fx.GraphModule(self.root, self.fx, class_name="RankLocalModule")
 
     # ----------------------------------------------------------------- sources
@@ -310,8 +323,8 @@ class _Builder:
         ref = node.inputs[0]
         have = self.nodes[ref.node].output_specs()[ref.index]
         value = self.env[(ref.node, ref.index)]
-        if have is not None and have.layout.partial:
-            want = Spec(Layout(have.layout.dims))
+        if have is not None and have.layout.partial - self.loss_partial_over:
+            want = Spec(Layout(have.layout.dims, have.layout.partial & self.loss_partial_over))
             module = Convert(spec_conversion(have, want, self.mg.mesh).forward, (), self.mg, self.rec, f"loss: {have} -> {want}")
             value = self.fx.call_module(self._add("loss", module), (value,))
         self.fx.output(value)

@@ -64,6 +64,7 @@ class ParallelModule(torch.nn.Module):
         self.param_names = param_names
         self.input_specs = input_specs
         self.zero: ZeroShards | None = None
+        self.node_origin: dict[str, str] = {}  # rank-local fx node name -> traced node name (set by compile)
         if plan.zero_stage in (1, 2):
             dp_axes = {attr: mesh_groups.mesh.sort_axes(spec.grad_partial) for attr, spec in param_specs.items()}
             self.zero = ZeroShards(self.local_parameters(), dp_axes, plan.zero_stage, mesh_groups, recorder)

@@ -1,0 +1,63 @@
+"""What a plan must satisfy to run under cyclic data parallelism (runtime/cdp.py).
+
+CDP staggers the data-parallel workers, and under update rule v2 they even compute with different
+parameter versions: so no worker may depend on another inside forward or backward. A plan for
+CDP therefore (a) issues no collective over the data-parallel axes in forward or backward except
+the loss normaliser (the cross-entropy's global target count, which no parameter changes), and
+(b) splits tensors over the data-parallel axes only along the batch (dim 0 of a tensor that
+depends on the input), so what does not depend on the batch (position ids, their embedding) is
+computed whole by every worker.
+
+Known gap: the strategy set has no "replicated, gradient partial over dp" variant for such ops, so
+the gradient of a batch-independent activation (GPT's position embedding output) is all-reduced
+over dp in backward (one collective a step; the chain then carries zeros for it on all but one
+worker). The sums stay right under every rule; the variant is what removes that collective. Gradients are summed by CDP's
+point-to-point chain, not by the step-phase collectives DP would price.
+"""
+
+from __future__ import annotations
+
+from planner.ir import IRGraph, Node
+from planner.layout import Spec
+from planner.problem import StrategyFilter
+from planner.strategy import Strategy
+
+LOSS_TARGETS = ("aten.cross_entropy_loss.default",)
+
+
+def batch_independent(graph: IRGraph) -> set[str]:
+    """Ops whose value does not depend on any user input."""
+    dependent = set(graph.input_names)
+    for node in graph.nodes.values():
+        if any(ref.node in dependent for ref in node.inputs):
+            dependent.add(node.name)
+    return {n.name for n in graph.nodes.values() if n.kind == "op" and n.name not in dependent}
+
+
+def cdp_filter(graph: IRGraph, dp_axes: tuple[str, ...] = ("dp",), base: StrategyFilter | None = None) -> StrategyFilter:
+    """A strategy filter keeping only what CDP workers can run independently (module docstring)."""
+    independent = batch_independent(graph)
+    dp = set(dp_axes)
+
+    def batch_split_only(spec: Spec | None, depends: bool) -> bool:
+        if spec is None:
+            return True
+        for d, axes in enumerate(spec.layout.dims):
+            if dp & set(axes) and (d != 0 or not depends):
+                return False
+        return True
+
+    def allow(node: Node, s: Strategy) -> bool:
+        if node.name in independent and dp & set(s.split_axes):
+            return False
+        if node.kind == "op":
+            ins = [batch_split_only(spec, ref.node not in independent and graph.nodes[ref.node].kind in ("op", "input"))
+                   for ref, spec in zip(node.inputs, s.inputs, strict=False)]
+            outs = [batch_split_only(spec, node.name not in independent) for spec in s.outputs]
+            if not all(ins) or not all(outs):
+                return False
+        if node.target not in LOSS_TARGETS and any(dp & set(c.axes) and c.phase != "step" for c in s.comms):
+            return False
+        return base(node, s) if base is not None else True
+
+    return allow

@@ -1,0 +1,413 @@
+"""Cyclic data parallelism (Fournier & Oyallon 2024; design.md section 6) over the data-parallel axis.
+
+The compiled rank-local graph is cut into L stages (:func:`planner.stages.cut_stages`) and run stage
+by stage (:class:`StagedRunner`): each stage's forward builds its own autograd graph (values
+crossing a cut enter the next stage as detached leaves; parameters are shared), and each stage's
+backward runs alone, handing the gradients of its inputs to the stages that produced them.
+
+Worker n of N (its coordinate on the data-parallel axis) runs forward stages 0..L-1 then backward
+L-1..0 on its micro-batch. When stage l's backward ends, its parameter gradients (one flat buffer)
+join a point-to-point chain: worker n receives the partial sum of workers 0..n-1 from n-1, adds its
+own and sends it to n+1; worker N-1 then holds the sum and passes it back around the ring
+(N-1 -> 0 -> 1 -> ... -> N-2). That is 2(N-1) messages per stage per step and no collective; the
+chain makes worker n wait for n-1 at each stage, which staggers the workers as CDP's uniform delay
+does, and the ring messages travel while later stages compute. Tensor-parallel collectives inside
+a worker are unchanged (the TP ranks of a worker share its coordinate n).
+
+Update rules (theta(t) the parameters step t computes with, g(.) the gradient summed over workers):
+
+* ``sync``:  theta(t+1) = theta(t) - lr g(theta(t))       (delta = 0: plain DP, through the chain)
+* ``v1``:    theta(t+1) = theta(t) - lr g(theta(t-1))     (g(theta(-1)) = 0: step 0 does not update)
+* ``v2``:    worker n computes stage l with theta_l(t) if l >= (N-1-n) L / N (fresh) and with
+             theta_l(t-1) otherwise (two versions kept per stage); theta(t+1) = theta(t) - lr g(t).
+
+"lr g" stands for the torch optimizer's step given that gradient (SGD, momentum, AdamW...).
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+import torch.fx
+from torch.utils._pytree import tree_flatten, tree_map
+
+from planner.stages import StageCut, cut_stages
+from runtime.module import ParallelModule
+
+UpdateRule = Literal["sync", "v1", "v2"]
+
+
+@dataclass
+class MicroBatch:
+    """One worker's (or one simulated micro-batch's) values while its stages run."""
+
+    inputs: tuple[torch.Tensor, ...]
+    values: dict[str, Any] = field(default_factory=dict)
+    leaves: dict[tuple[str, int], Any] = field(default_factory=dict)  # (producer, consuming stage) -> detached copy
+    loss: torch.Tensor | None = None
+
+
+class StagedRunner:
+    """Runs a ParallelModule's rank-local graph one stage at a time (forward and backward)."""
+
+    def __init__(self, pm: ParallelModule, cut: StageCut) -> None:
+        self.pm, self.cut = pm, cut
+        gm = pm.graph_module
+        traced_stage = cut.stage_of()
+        self.num_stages = cut.num_stages
+        self.stage_nodes: list[list[torch.fx.Node]] = [[] for _ in range(self.num_stages)]
+        self.stage_of: dict[str, int] = {}
+        self.sources: list[torch.fx.Node] = []
+        last = 0
+        for node in gm.graph.nodes:
+            if node.op in ("placeholder", "get_attr"):
+                self.sources.append(node)
+                continue
+            if node.op == "output":
+                self.output = node
+                continue
+            origin = pm.node_origin.get(node.name)
+            # an fx node follows its traced node's stage; helper nodes stay with the stage before
+            last = traced_stage.get(origin, last) if origin is not None else last
+            last = max(last, max((self.stage_of.get(a.name, 0) for a in node.all_input_nodes), default=0))
+            self.stage_of[node.name] = last
+            self.stage_nodes[last].append(node)
+        # parameters belong to the earliest stage using them (their gradient completes there)
+        self.param_stage: dict[str, int] = {}
+        for node in self.sources:
+            if node.op == "get_attr" and node.target in pm.param_specs:
+                users = [self.stage_of[u.name] for u in node.users if u.name in self.stage_of]
+                self.param_stage[str(node.target)] = min(users, default=0)
+        self.stage_params: list[list[str]] = [[a for a, s in self.param_stage.items() if s == stage] for stage in range(self.num_stages)]
+        self._consumers: dict[str, set[int]] = {}
+        for node in gm.graph.nodes:
+            for a in node.all_input_nodes:
+                if a.name in self.stage_of:
+                    stage = self.stage_of.get(node.name, self.num_stages - 1)
+                    if stage != self.stage_of[a.name]:
+                        self._consumers.setdefault(a.name, set()).add(stage)
+
+    # ----------------------------------------------------------------- forward
+
+    def start(self, *inputs: torch.Tensor) -> MicroBatch:
+        return MicroBatch(tuple(inputs))
+
+    def _source(self, node: torch.fx.Node, mb: MicroBatch) -> Any:
+        if node.op == "placeholder":
+            index = [n for n in self.sources if n.op == "placeholder"].index(node)
+            return mb.inputs[index]
+        return self.pm.graph_module.get_parameter(str(node.target)) if str(node.target) in self.pm.param_specs else getattr_path(self.pm.graph_module, str(node.target))
+
+    def _value(self, node: torch.fx.Node, stage: int, mb: MicroBatch) -> Any:
+        if node.name not in self.stage_of:
+            return self._source(node, mb)
+        if self.stage_of[node.name] == stage:
+            return mb.values[node.name]
+        key = (node.name, stage)
+        if key not in mb.leaves:
+            mb.leaves[key] = tree_map(_leaf, mb.values[node.name])
+        return mb.leaves[key]
+
+    def forward(self, mb: MicroBatch, stage: int) -> None:
+        gm = self.pm.graph_module
+        for node in self.stage_nodes[stage]:
+            args = torch.fx.node.map_arg(node.args, lambda n: self._value(n, stage, mb))
+            kwargs = torch.fx.node.map_arg(node.kwargs, lambda n: self._value(n, stage, mb))
+            if node.op == "call_module":
+                out = gm.get_submodule(str(node.target))(*args, **kwargs)
+            elif node.op == "call_function":
+                out = node.target(*args, **kwargs)  # type: ignore[operator]
+            elif node.op == "call_method":
+                out = getattr(args[0], str(node.target))(*args[1:], **kwargs)
+            else:
+                raise NotImplementedError(f"fx node {node.op} {node.target} in a stage")
+            mb.values[node.name] = out
+        if stage == self.num_stages - 1:
+            mb.loss = self._value(self.output.args[0], stage, mb)  # type: ignore[arg-type]
+
+    def crossing(self, mb: MicroBatch, stage: int) -> list[torch.Tensor]:
+        """The tensors ``stage`` produced that later stages read (held until its backward)."""
+        return [t for node in self.stage_nodes[stage] if node.name in self._consumers for t in _tensors(mb.values[node.name])]
+
+    # ----------------------------------------------------------------- backward
+
+    def backward(self, mb: MicroBatch, stage: int) -> None:
+        """Backward of ``stage``: its outputs' gradients are those its later-stage leaves received."""
+        tensors: list[torch.Tensor] = []
+        grads: list[torch.Tensor | None] = []
+        if stage == self.num_stages - 1 and mb.loss is not None:
+            tensors.append(mb.loss)
+            grads.append(None)
+        for node in self.stage_nodes[stage]:
+            for consumer in self._consumers.get(node.name, ()):
+                produced, leaf = mb.values[node.name], mb.leaves.get((node.name, consumer))
+                if leaf is None:
+                    continue
+                for t, lt in zip(_tensors(produced), _tensors(leaf), strict=True):
+                    if t.requires_grad and lt.grad is not None:
+                        tensors.append(t)
+                        grads.append(lt.grad)
+        if tensors:
+            torch.autograd.backward(tensors, grads)
+        for node in self.stage_nodes[stage]:  # release the stage: its saved tensors go with its graph
+            mb.values.pop(node.name, None)
+            for consumer in self._consumers.get(node.name, ()):
+                mb.leaves.pop((node.name, consumer), None)  # and the gradients its outputs received
+
+
+def getattr_path(module: torch.nn.Module, target: str) -> Any:
+    out: Any = module
+    for part in target.split("."):
+        out = getattr(out, part)
+    return out
+
+
+def _leaf(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.detach().requires_grad_(x.requires_grad)
+    return x
+
+
+def _tensors(x: Any) -> list[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (tuple, list)):
+        return [t for item in x for t in _tensors(item)]
+    return []
+
+
+# --------------------------------------------------------------------------- the distributed worker
+
+
+class CDPTrainer:
+    """CDP training on this rank: ``loss = trainer.step(*local_inputs)`` runs one step (forward,
+    backward, chain and ring messages, the update rule) and returns this worker's loss contribution
+    (the global loss is their sum over the data-parallel axis)."""
+
+    def __init__(self, pm: ParallelModule, *, num_stages: int, rule: UpdateRule, optimizer_class: type[torch.optim.Optimizer], **optimizer_kwargs: Any) -> None:
+        mesh, mg = pm.mesh_groups.mesh, pm.mesh_groups
+        axes = [a for a in mesh.dp_axes if mesh.degree(a) > 1]
+        if len(axes) != 1:
+            raise ValueError(f"CDP runs over one data-parallel axis; mesh {mesh} has {len(axes)} with degree > 1")
+        if pm.plan.zero_stage:
+            raise ValueError(f"CDP with ZeRO-{pm.plan.zero_stage} is not supported by the runtime yet; plan with zero_stage 0")
+        if rule not in ("sync", "v1", "v2"):
+            raise ValueError(f"unknown CDP update rule {rule!r}; use sync, v1 or v2")
+        self.pm, self.rule = pm, rule
+        self.axis = axes[0]
+        self.num_workers = mesh.degree(self.axis)
+        self.worker = mg.coords[self.axis]
+        self.runner = StagedRunner(pm, cut_stages(pm.graph, num_stages))
+        self.num_stages = self.runner.num_stages
+        self.params = pm.local_parameters()
+        self.optimizer = optimizer_class(list(self.params.values()), **optimizer_kwargs)
+        self.step_index = 0
+        self._totals: dict[tuple[int, int], torch.Tensor] = {}  # (step, stage) -> summed gradient
+        self._ring: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}  # pending ring receives
+        self._sends: list[Any] = []
+        self._old: dict[str, torch.Tensor] = {}
+        self.messages: list[tuple[int, int, str]] = []  # (step, stage, "chain"|"ring") sent by this rank
+
+    # ---------------------------------------------------------------- messages
+
+    def _peer(self, worker: int) -> int:
+        return self.pm.mesh_groups.peer(self.axis, worker)
+
+    def _tag(self, step: int, stage: int, kind: int) -> int:
+        return 4 * stage + 2 * (step % 2) + kind
+
+    def _send(self, buf: torch.Tensor, worker: int, step: int, stage: int, kind: int) -> None:
+        self.pm.recorder.add("send", (self.axis,), buf.numel() * buf.element_size(), "bwd")
+        self.messages.append((step, stage, "ring" if kind else "chain"))
+        self._sends.append((dist.isend(buf, self._peer(worker), tag=self._tag(step, stage, kind)), buf))
+
+    def _stage_grad(self, stage: int) -> torch.Tensor:
+        parts = []
+        for attr in self.runner.stage_params[stage]:
+            p = self.params[attr]
+            parts.append((p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1))
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float32)
+
+    def _reduce_stage(self, stage: int) -> None:
+        """Chain-sum stage ``stage``'s gradient; the last worker starts the ring back."""
+        n, big_n, t = self.worker, self.num_workers, self.step_index
+        buf = self._stage_grad(stage)
+        if n > 0:
+            partial = torch.empty_like(buf)
+            dist.recv(partial, self._peer(n - 1), tag=self._tag(t, stage, 0))
+            buf = partial + buf
+        if n < big_n - 1:
+            self._send(buf, n + 1, t, stage, 0)
+            source = big_n - 1 if n == 0 else n - 1
+            total = torch.empty_like(buf)
+            work = dist.irecv(total, self._peer(source), tag=self._tag(t, stage, 1))
+            self._ring[(t, stage)] = (work, total)
+        else:
+            self._totals[(t, stage)] = buf
+            if big_n > 1:
+                self._send(buf, 0, t, stage, 1)
+
+    def _finish_ring(self, key: tuple[int, int], wait: bool) -> None:
+        work, total = self._ring[key]
+        if not wait and not work.is_completed():
+            return
+        work.wait()
+        del self._ring[key]
+        self._totals[key] = total
+        nxt = self.worker + 1
+        if nxt < self.num_workers - 1:  # pass the sum on (the last worker already has it)
+            self._send(total, nxt, key[0], key[1], 1)
+
+    def _progress(self) -> None:
+        for key in sorted(self._ring):
+            self._finish_ring(key, wait=False)
+
+    def _wait_totals(self, step: int) -> None:
+        for stage in range(self.num_stages):
+            if (step, stage) in self._ring:
+                self._finish_ring((step, stage), wait=True)
+
+    def _apply(self, step: int) -> None:
+        """Give every parameter the summed gradient of ``step`` and run the optimizer."""
+        self._wait_totals(step)
+        for stage in range(self.num_stages):
+            total = self._totals.pop((step, stage))
+            offset = 0
+            for attr in self.runner.stage_params[stage]:
+                p = self.params[attr]
+                p.grad = total[offset : offset + p.numel()].view_as(p).clone()
+                offset += p.numel()
+        self.optimizer.step()
+
+    # ---------------------------------------------------------------- v2 versions
+
+    def uses_fresh(self, stage: int) -> bool:
+        """v2: worker n computes stage l with the newest parameters iff l >= (N-1-n) L / N."""
+        return stage * self.num_workers >= (self.num_workers - 1 - self.worker) * self.num_stages
+
+    def _swap_in_old(self) -> dict[str, torch.Tensor]:
+        fresh = {}
+        with torch.no_grad():
+            for stage in range(self.num_stages):
+                if self.uses_fresh(stage):
+                    continue
+                for attr in self.runner.stage_params[stage]:
+                    if attr in self._old:
+                        fresh[attr] = self.params[attr].detach().clone()
+                        self.params[attr].copy_(self._old[attr])
+        return fresh
+
+    # ---------------------------------------------------------------- the step
+
+    def step(self, *args: Any, **kwargs: Any) -> float:
+        flat, _ = tree_flatten((args, kwargs))
+        inputs = [a for a in flat if isinstance(a, torch.Tensor)]
+        t = self.step_index
+        fresh = self._swap_in_old() if self.rule == "v2" else {}
+        mb = self.runner.start(*inputs)
+        for stage in range(self.num_stages):
+            self.runner.forward(mb, stage)
+            self._progress()
+        assert mb.loss is not None
+        loss = float(mb.loss.detach())
+        for p in self.params.values():
+            p.grad = None
+        for stage in reversed(range(self.num_stages)):
+            self.runner.backward(mb, stage)
+            self._reduce_stage(stage)
+            self._progress()
+        with torch.no_grad():
+            for attr, value in fresh.items():
+                self.params[attr].copy_(value)
+        if self.rule == "sync":
+            self._apply(t)
+        elif self.rule == "v1":
+            if t > 0:
+                self._apply(t - 1)
+        else:
+            self._old = {a: p.detach().clone() for a, p in self.params.items()}
+            self._apply(t)
+        for p in self.params.values():
+            p.grad = None
+        self._sends = [(w, b) for w, b in self._sends if not w.is_completed()]
+        self.step_index += 1
+        return loss
+
+    def finish(self) -> None:
+        """Complete outstanding messages (call once after the last step)."""
+        for key in sorted(self._ring):
+            self._finish_ring(key, wait=True)
+        for work, _ in self._sends:
+            work.wait()
+        self._sends.clear()
+        self._totals.clear()
+
+
+# --------------------------------------------------------------------------- memory, in one process
+
+
+class SavedTensorMeter:
+    """Live bytes of the tensors autograd saved for backward (parameters and the micro-batches'
+    own input tensors excluded, ``exclude``): a pack hook
+    keeps a weak reference to each saved tensor; a storage counts while any of them is alive."""
+
+    def __init__(self, exclude: list[torch.Tensor]) -> None:
+        self.param_storages = {t.untyped_storage().data_ptr() for t in exclude}
+        self.saved: list[tuple[weakref.ref[torch.Tensor], int, int]] = []
+
+    def track_all(self, tensors: list[torch.Tensor]) -> None:
+        """Count ``tensors`` as held too (a stage's outputs kept for the stages after it)."""
+        for t in tensors:
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in self.param_storages:
+                self.saved.append((weakref.ref(t), storage.data_ptr(), storage.nbytes()))
+
+    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in self.param_storages:
+                self.saved.append((weakref.ref(t), storage.data_ptr(), storage.nbytes()))
+            return t
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+
+    def live_bytes(self) -> int:
+        self.saved = [entry for entry in self.saved if entry[0]() is not None]
+        return sum({ptr: nbytes for _, ptr, nbytes in self.saved}.values())
+
+
+def simulate_schedule(runner: StagedRunner, micro_batches: list[tuple[torch.Tensor, ...]], *, delta: int, steps: int) -> list[int]:
+    """Run N micro-batches through the stages in one process on CDP's clock and return, per time
+    unit, the live saved-for-backward bytes after that unit's forwards (before its backwards).
+
+    Worker n runs forward stage l at 2Lk + n*delta + l and backward stage l at
+    2Lk + n*delta + 2L-1-l (design.md section 6); delta = 0 is DP, delta = 2L/N is CDP."""
+    num_stages, n_workers = runner.num_stages, len(micro_batches)
+    meter = SavedTensorMeter([*runner.pm.local_parameters().values(), *(t for mb in micro_batches for t in mb)])
+    state: list[MicroBatch | None] = [None] * n_workers
+    period = 2 * num_stages
+    timeline = []
+    for tau in range(period * steps + delta * (n_workers - 1)):
+        phases = []
+        for n in range(n_workers):
+            phi = tau - n * delta
+            if 0 <= phi < period * steps:
+                phases.append((n, phi % period))
+        for n, r in phases:
+            if r < num_stages:
+                if r == 0:
+                    state[n] = runner.start(*micro_batches[n])
+                mb = state[n]
+                assert mb is not None
+                with meter.hooks():
+                    runner.forward(mb, r)
+                meter.track_all(runner.crossing(mb, r))
+        timeline.append(meter.live_bytes())
+        for n, r in phases:
+            if r >= num_stages:
+                runner.backward(state[n], period - 1 - r)  # type: ignore[arg-type]
+    return timeline

@@ -1,0 +1,177 @@
+"""CDP checks that run inside gloo worker processes (see tests/test_cdp.py)."""
+
+from __future__ import annotations
+
+import gc
+from collections import Counter
+from typing import Any
+
+import torch
+
+STEPS = 5
+BATCH = 8
+SGD = {"lr": 0.1, "momentum": 0.9}
+
+
+def _batches(name: str) -> list[tuple[tuple[Any, ...], dict[str, Any]]]:
+    from models import example_inputs
+
+    return [example_inputs(name, batch=BATCH, dtype=torch.float64, seed=300 + i) for i in range(STEPS)]
+
+
+def _micro(batch: tuple[tuple[Any, ...], dict[str, Any]], n: int, workers: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    args, kwargs = batch
+    return tuple(a.chunk(workers)[n] for a in args), {k: v.chunk(workers)[n] for k, v in kwargs.items()}
+
+
+def reference(name: str, rule: str, workers: int, num_stages: int, stage_of: dict[str, int]) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The update rule run serially in one process on the unsharded model: the N micro-batches one
+    after another, gradients summed in worker order, the rule applied as runtime/cdp.py states it."""
+    from models import build_model
+
+    model = build_model(name, dtype=torch.float64, seed=0)
+    params = dict(model.named_parameters())
+    opt = torch.optim.SGD(params.values(), **SGD)
+    old: dict[str, torch.Tensor] | None = None
+    previous: dict[str, torch.Tensor] | None = None
+    losses = []
+    for batch in _batches(name):
+        total: dict[str, torch.Tensor] = {}
+        loss_sum = 0.0
+        for n in range(workers):
+            fresh = {}
+            if rule == "v2" and old is not None:
+                with torch.no_grad():
+                    for pname, p in params.items():
+                        if stage_of[pname] * workers < (workers - 1 - n) * num_stages:
+                            fresh[pname] = p.detach().clone()
+                            p.copy_(old[pname])
+            args, kwargs = _micro(batch, n, workers)
+            loss = model(*args, **kwargs) / workers
+            grads = torch.autograd.grad(loss, list(params.values()), allow_unused=True)
+            for (pname, p), g in zip(params.items(), grads, strict=True):
+                g = g if g is not None else torch.zeros_like(p)
+                total[pname] = g if pname not in total else total[pname] + g
+            loss_sum += loss.item()
+            with torch.no_grad():
+                for pname, value in fresh.items():
+                    params[pname].copy_(value)
+        losses.append(loss_sum)
+        if rule == "v2":
+            old = {k: p.detach().clone() for k, p in params.items()}
+        use = previous if rule == "v1" else total
+        if use is not None:
+            for pname, p in params.items():
+                p.grad = use[pname].clone()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        previous = total
+    return losses, {k: p.detach().clone() for k, p in params.items()}
+
+
+def cdp_train(rank: int, world: int, cases: list[tuple[str, str, str, int]]) -> list[dict[str, Any]]:
+    """For each (model, plan JSON, rule, L): 5 CDP steps; reports losses, final parameters' error
+    against the serial reference (rank 0 computes it), the messages this rank sent, and the
+    collectives it issued. ``rule == "dp"`` trains the plan as ordinary DP (the baseline)."""
+    import torch.distributed as dist
+
+    from models import build_model
+    from planner.plan import Plan
+    from runtime.cdp import CDPTrainer
+    from runtime.compile import compile_plan
+
+    out = []
+    for name, text, rule, num_stages in cases:
+        plan = Plan.model_validate_json(text)
+        batches = _batches(name)
+        model = build_model(name, dtype=torch.float64, seed=0)
+        dp_axes = frozenset(a for a in plan.mesh_obj.dp_axes if plan.mesh[a] > 1)
+        report: dict[str, Any] = {"rule": rule}
+        if rule == "dp":
+            pm = compile_plan(plan, model, *batches[0])
+            opt = torch.optim.SGD(pm.parameters(), **SGD)
+            losses = []
+            for args, kwargs in batches:
+                a, k = pm.shard_batch(*args, **kwargs)
+                loss = pm(*a, **k)
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                losses.append(loss.item())
+            report |= {"losses": losses, "params": {k: v.tolist() for k, v in pm.full_state_dict().items()}}
+            out.append(report)
+            continue
+        pm = compile_plan(plan, model, *batches[0], loss_partial_over=dp_axes)
+        trainer = CDPTrainer(pm, num_stages=num_stages, rule=rule, optimizer_class=torch.optim.SGD, **SGD)  # type: ignore[arg-type]
+        pm.recorder.records.clear()
+        pm.recorder.enabled = True
+        local_losses = [trainer.step(*pm.shard_batch(*args, **kwargs)[0], **pm.shard_batch(*args, **kwargs)[1]) for args, kwargs in batches]
+        trainer.finish()
+        pm.recorder.enabled = False
+        executed = Counter((kind, axes) for kind, axes, _, _ in pm.recorder.records)
+        summed = torch.tensor(local_losses, dtype=torch.float64)
+        dist.all_reduce(summed, group=pm.mesh_groups.group(tuple(dp_axes)))
+        stage_of = {n: trainer.runner.param_stage[attr] for attr, names in pm.param_names.items() for n in names}
+        final = pm.full_state_dict()
+        report |= {
+            "losses": summed.tolist(),
+            "params": {k: v.tolist() for k, v in final.items()},
+            "messages": trainer.messages,
+            "dp_collectives": sum(c for (kind, axes), c in executed.items() if kind != "send" and set(axes) & dp_axes),
+            "dp_collective_bytes": sorted({nbytes for kind, axes, nbytes, _ in pm.recorder.records if kind != "send" and set(axes) & dp_axes}),
+            "sends_recorded": executed[("send", tuple(sorted(dp_axes)))],
+            "stages": trainer.num_stages,
+            "workers": trainer.num_workers,
+        }
+        if rank == 0:
+            ref_losses, ref_params = reference(name, rule, trainer.num_workers, trainer.num_stages, stage_of)
+            scale = max(v.abs().max().item() for v in ref_params.values())
+            report["ref_losses"] = ref_losses
+            report["param_error"] = max((final[k] - v).abs().max().item() for k, v in ref_params.items()) / scale
+        out.append(report)
+    return out
+
+
+def cdp_memory(rank: int, world: int, name: str, text: str, num_stages: int) -> dict[str, Any]:
+    """Runs N = 4 micro-batches through the stages in one process on CDP's clock (delta =
+    2L/N) and on DP's (delta = 0) (every rank does the same, alone), measuring live saved-for-backward bytes per time unit, and each
+    stage's A_l for one micro-batch."""
+    from models import build_model
+    from planner.plan import Plan
+    from planner.stages import cut_stages
+    from runtime.cdp import SavedTensorMeter, StagedRunner, simulate_schedule
+    from runtime.compile import compile_plan
+
+    plan = Plan.model_validate_json(text)
+    batch = _batches(name)[0]
+    dp_axes = frozenset(a for a in plan.mesh_obj.dp_axes if plan.mesh[a] > 1)
+    pm = compile_plan(plan, build_model(name, dtype=torch.float64, seed=0), *batch, loss_partial_over=dp_axes)
+    runner = StagedRunner(pm, cut_stages(pm.graph, num_stages))
+    workers = 4
+    micro = []
+    for n in range(workers):
+        args, kwargs = _micro(batch, n, workers)
+        micro.append(tuple(t for t in (*args, *kwargs.values())))
+    meter = SavedTensorMeter([*pm.local_parameters().values(), *(t for mb in micro for t in mb)])
+    mb = runner.start(*micro[0])
+    per_stage, before = [], 0
+    for stage in range(num_stages):
+        with meter.hooks():
+            runner.forward(mb, stage)
+        meter.track_all(runner.crossing(mb, stage))
+        now = meter.live_bytes()
+        per_stage.append(now - before)
+        before = now
+    for stage in reversed(range(num_stages)):
+        runner.backward(mb, stage)
+    del mb
+    gc.collect()
+    delta = 2 * num_stages // workers
+    return {
+        "A": per_stage,
+        "after_release": meter.live_bytes(),
+        "alive": [(tuple(r().shape), str(r().dtype)) for r, _, _ in meter.saved if r() is not None],
+        "cdp": simulate_schedule(runner, micro, delta=delta, steps=3),
+        "dp": simulate_schedule(runner, micro, delta=0, steps=3),
+        "delta": delta,
+    }

@@ -1,0 +1,127 @@
+"""Cyclic data parallelism (runtime/cdp.py): the update rules, the point-to-point traffic, and the
+memory CDP saves, on 4 gloo ranks in float64 with SGD-momentum over 5 steps.
+
+* ``sync`` (delta = 0: gradients summed along the chain, applied at once) equals ordinary DP
+  (the compiled module with its all-reduce) to 1e-12;
+* ``v1`` and ``v2`` equal serial single-process loops of their update rules (tests/cdp_checks.py
+  ``reference``) to 1e-10, with dp=4 (mlp-tiny, gpt-tiny with its tied embedding) and with
+  tensor parallelism inside each worker (dp=2 x Megatron tp=2);
+* per stage per step: 2(N-1) point-to-point messages over all ranks and no gradient collective
+  over the data-parallel axis (what is left: the loss normaliser inside the cross-entropy, scalar
+  all-reduces of the global target count, 8 bytes, and for GPT one all-reduce of the position-
+  embedding gradient, a known gap described in planner/cdp.py);
+* with N = 4 micro-batches sharing one process, the live saved-for-backward bytes are constant in
+  time under CDP and equal (N/L) sum_l (L-l) A_l, against DP's peak N sum_l A_l.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from models import build_model, example_inputs
+from planner.cdp import cdp_filter
+from planner.hardware import A100_80G
+from planner.search import SearchSpace, search
+from planner.trace import trace
+from tests.cdp_checks import BATCH, cdp_memory, cdp_train
+from tests.harness import run_world
+from tests.test_same_math import data_parallel, megatron_dp
+
+
+def _plan(name: str, dp: int, allow: Any) -> str:
+    model = build_model(name, dtype=torch.float64)
+    args, kwargs = example_inputs(name, batch=BATCH, dtype=torch.float64)
+    space = SearchSpace(devices=4, dp=dp, zero=(0,), tp=("none",) if dp == 4 else ("1d",))
+    graph = trace(model, args, kwargs)
+    result = search(graph, space, A100_80G, model_name=name, optimizer="sgd", allow=cdp_filter(graph, base=allow))
+    assert result.best is not None
+    return result.best.model_dump_json()
+
+
+CASES = {
+    "mlp dp": ("mlp-tiny", 4, "dp", 2),
+    "mlp sync": ("mlp-tiny", 4, "sync", 2),
+    "mlp v1": ("mlp-tiny", 4, "v1", 2),
+    "mlp v2": ("mlp-tiny", 4, "v2", 4),
+    "gpt dp": ("gpt-tiny", 4, "dp", 4),
+    "gpt sync": ("gpt-tiny", 4, "sync", 4),
+    "gpt v1": ("gpt-tiny", 4, "v1", 4),
+    "gpt v2": ("gpt-tiny", 4, "v2", 4),
+    "gpt v2 dp=2 x tp=2": ("gpt-tiny", 2, "v2", 4),
+    "gpt v1 dp=2 x tp=2": ("gpt-tiny", 2, "v1", 2),
+}
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict[str, list[dict[str, Any]]]:
+    plans: dict[tuple[str, int], str] = {}
+    cases = []
+    for name, dp, rule, stages in CASES.values():
+        if (name, dp) not in plans:
+            plans[(name, dp)] = _plan(name, dp, data_parallel if dp == 4 else megatron_dp)
+        cases.append((name, plans[(name, dp)], rule, stages))
+    per_rank = run_world(4, cdp_train, cases, timeout=900)
+    return {label: [r[i] for r in per_rank] for i, label in enumerate(CASES)}
+
+
+def test_sync_chain_equals_ordinary_data_parallelism(runs) -> None:  # type: ignore[no-untyped-def]
+    for model in ("mlp", "gpt"):
+        dp, sync = runs[f"{model} dp"][0], runs[f"{model} sync"][0]
+        assert sync["losses"] == pytest.approx(dp["losses"], rel=1e-12)
+        for k, v in dp["params"].items():
+            assert torch.allclose(torch.tensor(sync["params"][k]), torch.tensor(v), rtol=0, atol=1e-12 * max(1.0, torch.tensor(v).abs().max().item())), k
+
+
+def test_v1_and_v2_equal_serial_loops_of_their_update_rules(runs) -> None:  # type: ignore[no-untyped-def]
+    for label, ranks in runs.items():
+        rep = ranks[0]
+        if rep["rule"] == "dp":
+            continue
+        assert rep["param_error"] <= 1e-10, (label, rep["param_error"])
+        assert rep["losses"] == pytest.approx(rep["ref_losses"], rel=1e-10), label
+
+
+def test_the_delayed_rules_really_differ_from_dp(runs) -> None:  # type: ignore[no-untyped-def]
+    """v1 and v2 are not DP in disguise: their parameters after 5 steps differ from sync's."""
+    for model in ("mlp", "gpt"):
+        sync = runs[f"{model} sync"][0]["params"]
+        for rule in ("v1", "v2"):
+            other = runs[f"{model} {rule}"][0]["params"]
+            assert max((torch.tensor(other[k]) - torch.tensor(v)).abs().max().item() for k, v in sync.items()) > 1e-6, (model, rule)
+
+
+def test_each_stage_sends_2_n_minus_1_messages_a_step_and_no_collective(runs) -> None:  # type: ignore[no-untyped-def]
+    for label, ranks in runs.items():
+        if ranks[0]["rule"] == "dp":
+            continue
+        n, stages = ranks[0]["workers"], ranks[0]["stages"]
+        tp = 4 // n  # the tensor-parallel ranks of a worker each pass their own shard
+        for step in range(5):
+            for stage in range(stages):
+                sent = sum(1 for r in ranks for (t, s, _) in r["messages"] if (t, s) == (step, stage))
+                assert sent == 2 * (n - 1) * tp, (label, step, stage, sent)
+        for r in ranks:
+            # the loss normaliser (scalar all-reduces inside the cross-entropy, at most 2 a step) and,
+            # for GPT, the position-embedding gradient (planner/cdp.py, known gap): nothing else
+            allowed = {8} if label.startswith("mlp") else {8, 8192}
+            assert r["dp_collectives"] <= 3 * 5 and set(r["dp_collective_bytes"]) <= allowed, (label, r["dp_collectives"], r["dp_collective_bytes"])
+            assert r["sends_recorded"] == len(r["messages"]), label
+
+
+@pytest.mark.parametrize("model, stages, slack", [("mlp-tiny", 2, 0.0), ("gpt-tiny", 4, 0.05)])
+def test_cdp_holds_constant_saved_bytes_equal_to_the_formula(model: str, stages: int, slack: float) -> None:
+    """mlp-tiny: exactly the formula. gpt-tiny: constant in time, 64 KiB (4.3%) above the formula
+    built from per-stage A_l measured on one micro-batch alone; the extra tensor is not found yet
+    (an open point of the CDP issue note), hence the slack."""
+    rep = run_world(4, cdp_memory, model, _plan(model, 4, data_parallel), stages, timeout=600)[0]
+    a, n, big_l = rep["A"], 4, stages
+    assert rep["after_release"] == 0 and all(x > 0 for x in a), rep
+    formula = n / big_l * sum((big_l - stage) * a[stage] for stage in range(big_l))
+    steady = rep["cdp"][(n - 1) * rep["delta"] : 2 * big_l * 3]
+    assert len(set(steady)) == 1, steady
+    assert formula <= steady[0] <= formula * (1 + slack), (steady[0], formula)
+    assert max(rep["dp"]) == n * sum(a)
+    assert max(rep["cdp"]) < max(rep["dp"])
