@@ -55,6 +55,7 @@ def plan_model(
     tp: tuple[str, ...] = ALL_TP,
     zero: tuple[int, ...] = (0,),
     cdp: tuple[str, ...] = ("off",),
+    cdp_stages: int = 4,
     dp: int | None = None,
     objective: Literal["time", "memory"] = "time",
     optimizer: str = "adamw",
@@ -70,7 +71,7 @@ def plan_model(
     if example_inputs is None and not example_kwargs:
         raise ValueError("example_inputs is required: a full (global) batch such that model(*example_inputs) returns the loss")
     hw = load_profile(hardware) if isinstance(hardware, str) else hardware
-    space = SearchSpace(devices=devices, tp=tuple(tp), zero=tuple(zero), cdp=tuple(cdp), dp=dp)
+    space = SearchSpace(devices=devices, tp=tuple(tp), zero=tuple(zero), cdp=tuple(cdp), cdp_stages=cdp_stages, dp=dp)
     t0 = time.perf_counter()
     graph = trace(model, tuple(example_inputs or ()), dict(example_kwargs or {}))
     trace_s = time.perf_counter() - t0

@@ -17,10 +17,17 @@ point-to-point chain, not by the step-phase collectives DP would price.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
 from planner.ir import IRGraph, Node
 from planner.layout import Spec
-from planner.problem import StrategyFilter
-from planner.strategy import Strategy
+from planner.strategy import Comm, Strategy
+
+if TYPE_CHECKING:
+    from planner.problem import Problem
+
+StrategyFilter = Callable[[Node, Strategy], bool]
 
 LOSS_TARGETS = ("aten.cross_entropy_loss.default",)
 
@@ -61,3 +68,30 @@ def cdp_filter(graph: IRGraph, dp_axes: tuple[str, ...] = ("dp",), base: Strateg
         return base(node, s) if base is not None else True
 
     return allow
+
+
+def parameter_stages(graph: IRGraph, num_stages: int) -> dict[str, int]:
+    """Each parameter's stage: the earliest stage that reads it (its gradient is complete when that
+    stage's backward ends), as runtime/cdp.py assigns them."""
+    from planner.stages import cut_stages
+
+    stage_of = cut_stages(graph, num_stages).stage_of()
+    consumers = graph.consumers()
+    return {
+        p.name: min((stage_of[c] for c, _ in consumers[p.name] if c in stage_of), default=0)
+        for p in graph.params
+    }
+
+
+def cdp_messages(problem: Problem, assignment: dict[str, int]) -> list[Comm]:
+    """The point-to-point messages of one step on a rank that sends the most: for each stage, its
+    gradient buffer (the local shards of its parameters) once down the chain and once around the
+    ring. Every rank but the last two sends exactly these; those send one per stage."""
+    graph, mesh = problem.graph, problem.mesh
+    axes = tuple(a for a in mesh.dp_axes if mesh.degree(a) > 1)
+    sizes = [0] * problem.cdp_stages
+    for node in graph.params:
+        spec = problem.choices[node.name][assignment[problem.node_group[node.name]]].outputs[0]
+        assert spec is not None
+        sizes[problem.param_stage[node.name]] += node.out.nbytes // spec.layout.shard_factor(mesh)
+    return [Comm("send", axes, size, "bwd") for size in sizes for _ in range(2) if size]

@@ -1,7 +1,7 @@
 """The ``planner`` command line.
 
     planner report MODEL --devices N [--batch B] [--hardware NAME|FILE] [--memory BYTES]
-                   [--tp none,1d] [--zero 0] [--cdp off] [--dp N] [--objective time|memory]
+                   [--tp none,1d] [--zero 0] [--cdp off,v1,v2] [--cdp-stages L] [--dp N] [--objective time|memory]
                    [--precision fp32|bf16-mixed|fp16-mixed] [--optimizer adamw|sgd-momentum]
                    [--json] [--save-plan FILE]
 
@@ -85,6 +85,7 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--tp", type=_list(str, ALL_TP), default=ALL_TP, help="tensor-parallel families to search (comma list of none,1d,2d,3d)")
     r.add_argument("--zero", type=_list(int, (0, 1, 2, 3)), default=(0,), help="ZeRO stages to search (comma list)")
     r.add_argument("--cdp", type=_list(str, ("off", "v1", "v2")), default=("off",), help="CDP modes to search (comma list)")
+    r.add_argument("--cdp-stages", type=int, default=4, help="CDP: stages the model is cut into (default 4)")
     r.add_argument("--dp", type=int, default=None, help="fix the data-parallel degree")
     r.add_argument("--objective", choices=("time", "memory"), default="time")
     r.add_argument("--precision", choices=tuple(PRECISIONS), default="fp32",
@@ -115,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = plan_model(
             model, devices=args.devices, example_inputs=m_args, example_kwargs=m_kwargs, hardware=hw,
-            memory_budget=args.memory, tp=args.tp, zero=args.zero, cdp=args.cdp, dp=args.dp,
+            memory_budget=args.memory, tp=args.tp, zero=args.zero, cdp=args.cdp, cdp_stages=args.cdp_stages, dp=args.dp,
             objective=args.objective, optimizer=args.optimizer, master_dtype=master_dtype, prefetch=not args.no_prefetch, model_name=name, solver=SolverSettings(time_limit_s=args.time_limit),
         )
     except ValueError as exc:

@@ -18,6 +18,7 @@ tier the group spans:
     all_gather:       (n-1) a +   (n-1)/n * S / b
     reduce_scatter:   (n-1) a +   (n-1)/n * S / b
     broadcast, reduce: ceil(log2 n) a + S / b        (pipelined tree, large messages)
+    send:                        a + S / b        (one point-to-point message, CDP's chain)
 
 Memory per device (bytes): parameters, gradients and optimizer states of the local parameter
 shards (fp32 AdamW: 4 + 4 + 8 bytes per value; SGD with momentum 4 + 4 + 4; mixed precision
@@ -83,6 +84,8 @@ def comm_time(comm: Comm, mesh: Mesh, hw: HardwareProfile) -> float:
         return (n - 1) * tier.latency + (n - 1) / n * comm.nbytes / bw
     if comm.kind in ("broadcast", "reduce"):  # pipelined binomial tree: log2(n) steps, S/b stream
         return math.ceil(math.log2(n)) * tier.latency + comm.nbytes / bw
+    if comm.kind == "send":  # one point-to-point message between two ranks of the group
+        return tier.latency + comm.nbytes / bw
     raise ValueError(f"no cost formula for collective {comm.kind}")
 
 
@@ -90,7 +93,7 @@ def ring_volume(comm: Comm, mesh: Mesh) -> float:
     """Bytes a rank sends (and receives) in ``comm`` under ring algorithms: all-reduce
     2(n-1)/n * S, all-gather and reduce-scatter (n-1)/n * S."""
     n = mesh.group_size(comm.axes)
-    if comm.kind in ("broadcast", "reduce"):
+    if comm.kind in ("broadcast", "reduce", "send"):
         return float(comm.nbytes) if n > 1 else 0.0
     factor = 2 * (n - 1) / n if comm.kind == "all_reduce" else (n - 1) / n
     return factor * comm.nbytes

@@ -87,6 +87,7 @@ class Plan(_Frozen):
     tp: TPFamily
     zero_stage: int = 0
     cdp: Literal["off", "v1", "v2"] = "off"
+    cdp_stages: int = Field(default=0, description="CDP: stages the graph is cut into (planner.stages)")
     optimizer: str = "adamw"
     master_dtype: str | None = Field(default=None, description="mixed precision: the optimizer's master weights and states dtype")
     memory_budget_bytes: int

@@ -99,6 +99,9 @@ class Problem:
     zero_stage: int = 0
     master_dtype: str | None = None
     prefetch: bool = False  # ZeRO-3 parameter gathers started one ahead (planner.overlap)
+    cdp: str = "off"  # cyclic data parallelism over the dp axis: off, v1, v2 (planner.cdp)
+    cdp_stages: int = 0
+    param_stage: dict[str, int] = field(default_factory=dict)  # CDP: parameter node -> stage
     instances: dict[str, int] = field(default_factory=dict)  # template -> number of instances
     build_seconds: float = 0.0
 
@@ -119,6 +122,8 @@ def build_problem(
     zero_stage: int = 0,
     master_dtype: str | None = None,
     prefetch: bool = True,
+    cdp: str = "off",
+    cdp_stages: int = 4,
     allow: StrategyFilter | None = None,
 ) -> Problem:
     """``allow(node, strategy)``, when given, pins choices: an anchor keeps only the strategies it
@@ -150,6 +155,14 @@ def build_problem(
         if node.kind == "op" and node.template == node.name and not is_follower(node, graph)
     }
     dp_axes = tuple(a for a in mesh.dp_axes if mesh.degree(a) > 1)
+    param_stage: dict[str, int] = {}
+    if cdp != "off":
+        from planner.cdp import cdp_filter, parameter_stages
+
+        if len(dp_axes) != 1 or zero_stage != 0:
+            raise ValueError(f"CDP needs one data-parallel axis of degree > 1 and ZeRO 0; mesh {mesh}, ZeRO {zero_stage}")
+        allow = cdp_filter(graph, dp_axes, base=allow)
+        param_stage = parameter_stages(graph, cdp_stages)
     if zero_stage == 3 and dp_axes:
         for name, strategies in op_anchors.items():
             node = graph.nodes[name]
@@ -208,6 +221,7 @@ def build_problem(
     problem.zero_stage = zero_stage
     problem.master_dtype = master_dtype
     problem.prefetch = prefetch and zero_stage == 3 and bool(dp_axes)
+    problem.cdp, problem.cdp_stages, problem.param_stage = cdp, (cdp_stages if cdp != "off" else 0), param_stage
     master_itemsize = dtype_itemsize(master_dtype) if master_dtype else None
     _price_nodes(problem, optimizer, master_itemsize)
     _price_edges(problem)
@@ -315,6 +329,12 @@ def _price_nodes(problem: Problem, optimizer: str, master_itemsize: int | None) 
                 assert spec is not None
                 opt_factor = optimizer_bytes_per_value(optimizer, node.out.itemsize, master_itemsize) / node.out.itemsize
                 params, grads, states, step = zero_param_terms(node.out.shape, node.out.itemsize, spec, mesh, problem.zero_stage, opt_factor)
+                if problem.cdp != "off":  # the chain and the ring instead of the all-reduce
+                    step = [Comm("send", c.axes, c.nbytes, "bwd") for c in step for _ in range(2)]
+                    if problem.cdp == "v1":
+                        grads += params  # the previous step's summed gradient, applied one step late
+                    else:
+                        params += params  # the previous parameter version
                 comms += step
                 p, g, o = group.param_memory[i]
                 group.param_memory[i] = (p + params * count, g + grads * count, o + states * count)
@@ -530,5 +550,19 @@ def evaluate(problem: Problem, assignment: dict[str, int]) -> Evaluation:
     if problem.prefetch:
         hidden, in_flight = prefetch_terms(problem, assignment)
         transient = max(transient, in_flight)
+    if problem.cdp != "off":
+        # the ILP priced a message pair per parameter; the runtime sends one pair per stage, and
+        # they travel while the workers compute (the chain runs during backward, the ring into the
+        # next step): only what exceeds the step's compute is exposed
+        from planner.cdp import cdp_messages
+
+        per_param = sum(comm_time(c, mesh, hw) * n for c, n in comms if c.kind == "send")
+        comms = [(c, n) for c, n in comms if c.kind != "send"]
+        messages = cdp_messages(problem, assignment)
+        p2p = sum(comm_time(c, mesh, hw) for c in messages)
+        comms += [(c, 1) for c in messages]
+        total += p2p - per_param
+        comm_t += p2p - per_param
+        hidden = min(p2p, total - comm_t)
     memory = {"params": params, "grads": grads, "optimizer": opt, "activations": act, "transient": transient}
     return Evaluation(total - hidden, total - comm_t, comm_t, memory, tuple(comms), hidden)

@@ -59,13 +59,13 @@ def format_search(
         else:
             need = f"needs {format_bytes(c.least_memory)}" if c.least_memory is not None else "-"
             reason = "infeasible" if c.least_memory is not None else "pruned"
-            rows.append([str(c.mesh), c.family, str(c.zero), "off", "-", need, reason, ""])
+            rows.append([str(c.mesh), c.family, str(c.zero), c.cdp, "-", need, reason, ""])
     out.append("")
     out.append(_table(rows, ["mesh", "tp", "zero", "cdp", "step time", "memory/device", "status", ""]))
     pruned = [c for c in result.candidates if c.plan is None]
     if pruned:
         out.append("")
-        out += [f"  {c.mesh}: {c.reason}" for c in pruned]
+        out += [f"  {c.mesh}" + (f" CDP {c.cdp}" if c.cdp != "off" else "") + f": {c.reason}" for c in pruned]
     out.append("")
     if result.best is None:
         out.append("No configuration fits the memory budget (see above for the least memory each needs).")
@@ -77,13 +77,25 @@ def format_search(
 def format_plan(plan: Plan, *, graph: IRGraph | None = None) -> str:
     mesh = " x ".join(f"{a}={d}" for a, d in plan.mesh.items())
     m = plan.memory_breakdown
+    cdp = []
+    if plan.cdp != "off":
+        cdp = [
+            f"  CDP {plan.cdp}, {plan.cdp_stages} stages: the data-parallel workers run staggered and sum each stage's gradient "
+            "along a point-to-point chain (2(N-1) messages per stage, overlapping compute) instead of an all-reduce; "
+            + ("the update uses the previous step's gradient" if plan.cdp == "v1" else "workers use the newest parameters on the stages already updated, the previous version elsewhere")
+            + " (a one-step gradient delay), and holds "
+            + ("the delayed gradient" if plan.cdp == "v1" else "a second parameter version")
+            + ". Run it with runtime.cdp.CDPTrainer.",
+        ]
     lines = [
         f"Plan: mesh {mesh}, tensor parallelism {plan.tp}, ZeRO {plan.zero_stage}, CDP {plan.cdp}, optimizer {plan.optimizer}"
         + (f" (master weights {plan.master_dtype})" if plan.master_dtype else ""),
         f"  predicted step time {format_seconds(plan.step_time_s)}: compute {format_seconds(plan.compute_time_s)}, communication {format_seconds(plan.comm_time_s)} "
-        + (f"({format_seconds(plan.overlap_time_s)} of it hidden by ZeRO-3 prefetch)" if plan.overlap_time_s else "(not overlapped)"),
+        + (f"({format_seconds(plan.overlap_time_s)} of it hidden behind compute by {'CDP' if plan.cdp != 'off' else 'ZeRO-3 prefetch'})"
+           if plan.overlap_time_s else "(not overlapped)"),
         f"  memory per device {format_bytes(plan.peak_memory_bytes)} of {format_bytes(plan.memory_budget_bytes) if plan.memory_budget_bytes else 'no budget'}: "
         f"params {format_bytes(m.params)}, grads {format_bytes(m.grads)}, optimizer {format_bytes(m.optimizer)}, activations {format_bytes(m.activations)}, transient {format_bytes(m.transient)}",
+        *cdp,
         f"  solver: {plan.solver.status} ({plan.solver.backend}, {plan.solver.num_variables} variables, {plan.solver.num_constraints} constraints, "
         f"build {plan.solver.build_s:.2f} s, solve {plan.solver.solve_s:.2f} s)",
         "",
@@ -151,7 +163,7 @@ def search_json(result: SearchResult, *, model_name: str, devices: int, hardware
         "search_seconds": result.seconds,
         "pareto": [entry(p) for p in pareto(result.feasible)],
         "candidates": [
-            {"mesh": c.mesh.as_dict(), "tp": c.family, "zero_stage": c.zero, "feasible": c.plan is not None, "reason": c.reason,
+            {"mesh": c.mesh.as_dict(), "tp": c.family, "zero_stage": c.zero, "cdp": c.cdp, "feasible": c.plan is not None, "reason": c.reason,
              "least_memory_bytes": c.least_memory}
             for c in result.candidates
         ],

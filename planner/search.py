@@ -5,7 +5,7 @@ devices is a configuration (``none``: dp only; ``1d``: dp x tp; ``2d``: dp x row
 q x q; ``3d``: dp x i x j x k with q x q x q), with every requested ZeRO stage when dp > 1.
 Configurations that cannot run are pruned with a reason (the batch does not split ``dp`` ways).
 Each remaining one is solved (fastest plan within the memory budget); the best feasible plan
-wins. CDP, which a later issue builds, is refused with a message.
+wins. CDP modes v1/v2 are configurations too (meshes with dp > 1, ZeRO 0; planner.cdp).
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ class SearchSpace:
     tp: tuple[str, ...] = ALL_TP
     zero: tuple[int, ...] = (0,)
     cdp: tuple[str, ...] = ("off",)
+    cdp_stages: int = 4
     dp: int | None = None
 
     def __post_init__(self) -> None:
@@ -49,8 +50,8 @@ class SearchSpace:
             raise ValueError(f"ZeRO stages are 0-3, got {self.zero}")
         if any(c not in ("off", "v1", "v2") for c in self.cdp):
             raise ValueError(f"CDP modes are off, v1, v2; got {self.cdp}")
-        if any(c != "off" for c in self.cdp):
-            raise ValueError("cyclic data parallelism (CDP v1/v2) is not implemented yet; only --cdp off is available")
+        if self.cdp_stages < 1:
+            raise ValueError(f"cdp_stages must be >= 1, got {self.cdp_stages}")
         if self.dp is not None and (self.dp < 1 or self.devices % self.dp):
             raise ValueError(f"--dp {self.dp} does not divide the device count {self.devices}")
 
@@ -60,6 +61,7 @@ class Candidate:
     mesh: Mesh
     family: str
     zero: int = 0
+    cdp: str = "off"
     plan: Plan | None = None
     reason: str = ""  # why pruned or infeasible
     least_memory: float | None = None
@@ -110,7 +112,14 @@ def candidate_meshes(space: SearchSpace, batch: int) -> list[Candidate]:
             stages = [z for z in space.zero if z == 0 or dp > 1]
             if not stages:  # ZeRO shards over data-parallel axes: with dp = 1 every stage is stage 0
                 stages = [0]
-            out += [Candidate(mesh, family, zero) for zero in stages]
+            for cdp in space.cdp:
+                for zero in stages:
+                    if cdp != "off" and dp == 1:
+                        out.append(Candidate(mesh, family, zero, cdp, reason="CDP runs over the data-parallel axis: needs dp > 1"))
+                    elif cdp != "off" and zero:
+                        out.append(Candidate(mesh, family, zero, cdp, reason=f"CDP with ZeRO-{zero} is not built in the runtime; CDP runs with ZeRO 0"))
+                    else:
+                        out.append(Candidate(mesh, family, zero, cdp))
     return out
 
 
@@ -142,15 +151,15 @@ def search(
             result.candidates.append(cand)
             continue
         problem = build_problem(graph, cand.mesh, hardware, optimizer=optimizer, zero_stage=cand.zero, master_dtype=master_dtype,
-                                prefetch=prefetch, allow=allow)
+                                prefetch=prefetch, cdp=cand.cdp, cdp_stages=space.cdp_stages, allow=allow)
         try:
             sol = solve(problem, memory_budget=budget, objective=objective, settings=settings)
         except InfeasibleBudget as exc:
             least = exc.least.peak_memory if exc.least else None
-            result.candidates.append(Candidate(cand.mesh, cand.family, cand.zero, reason=str(exc), least_memory=least))
+            result.candidates.append(Candidate(cand.mesh, cand.family, cand.zero, cand.cdp, reason=str(exc), least_memory=least))
             continue
         plan = make_plan(graph, problem, sol, model_name=model_name, memory_budget=budget, optimizer=optimizer)
-        result.candidates.append(Candidate(cand.mesh, plan.tp, cand.zero, plan))
+        result.candidates.append(Candidate(cand.mesh, plan.tp, cand.zero, cand.cdp, plan))
         log.info("mesh %s: %.4f s/step, %.2f GiB", cand.mesh, plan.step_time_s, plan.peak_memory_bytes / 2**30)
     feasible = result.feasible
     if feasible:
@@ -215,6 +224,8 @@ def make_plan(
         optimizer=optimizer,
         master_dtype=problem.master_dtype,
         zero_prefetch=problem.prefetch,
+        cdp=problem.cdp,  # type: ignore[arg-type]
+        cdp_stages=problem.cdp_stages,
         memory_budget_bytes=int(memory_budget) if memory_budget != float("inf") else 0,
         step_time_s=ev.step_time,
         compute_time_s=ev.compute_time,

@@ -188,7 +188,20 @@ class CDPTrainer:
     backward, chain and ring messages, the update rule) and returns this worker's loss contribution
     (the global loss is their sum over the data-parallel axis)."""
 
-    def __init__(self, pm: ParallelModule, *, num_stages: int, rule: UpdateRule, optimizer_class: type[torch.optim.Optimizer], **optimizer_kwargs: Any) -> None:
+    def __init__(
+        self,
+        pm: ParallelModule,
+        optimizer_class: type[torch.optim.Optimizer],
+        *,
+        num_stages: int | None = None,
+        rule: UpdateRule | None = None,
+        **optimizer_kwargs: Any,
+    ) -> None:
+        """``rule`` and ``num_stages`` default to the plan's (``plan.cdp``, ``plan.cdp_stages``)."""
+        rule = rule or (pm.plan.cdp if pm.plan.cdp != "off" else None)  # type: ignore[assignment]
+        num_stages = num_stages or pm.plan.cdp_stages or None
+        if rule is None or num_stages is None:
+            raise ValueError("the plan has no CDP mode: pass rule= (sync, v1, v2) and num_stages=, or plan with cdp=('v1',) / ('v2',)")
         mesh, mg = pm.mesh_groups.mesh, pm.mesh_groups
         axes = [a for a in mesh.dp_axes if mesh.degree(a) > 1]
         if len(axes) != 1:
@@ -235,6 +248,8 @@ class CDPTrainer:
     def _reduce_stage(self, stage: int) -> None:
         """Chain-sum stage ``stage``'s gradient; the last worker starts the ring back."""
         n, big_n, t = self.worker, self.num_workers, self.step_index
+        if not self.runner.stage_params[stage]:
+            return  # a stage without parameters sends nothing
         buf = self._stage_grad(stage)
         if n > 0:
             partial = torch.empty_like(buf)
@@ -275,6 +290,8 @@ class CDPTrainer:
         """Give every parameter the summed gradient of ``step`` and run the optimizer."""
         self._wait_totals(step)
         for stage in range(self.num_stages):
+            if not self.runner.stage_params[stage]:
+                continue
             total = self._totals.pop((step, stage))
             offset = 0
             for attr in self.runner.stage_params[stage]:

@@ -76,6 +76,8 @@ def compile_plan(
     dev = torch.device(device) if device is not None else _default_device()
     recorder = CommRecorder()
     builder = _Builder(plan, graph, model, mg, recorder, dev)
+    if plan.cdp != "off":  # CDP sums over the data-parallel axis itself (runtime.cdp)
+        loss_partial_over = loss_partial_over | {a for a in plan.mesh_obj.dp_axes if plan.mesh[a] > 1}
     builder.loss_partial_over = loss_partial_over
     gm = builder.build()
     if plan.zero_prefetch:

@@ -81,7 +81,7 @@ def cdp_train(rank: int, world: int, cases: list[tuple[str, str, str, int]]) -> 
     from runtime.compile import compile_plan
 
     out = []
-    for name, text, rule, num_stages in cases:
+    for name, text, rule, num_stages in cases:  # rule "plan": the CDP mode the plan was made with
         plan = Plan.model_validate_json(text)
         batches = _batches(name)
         model = build_model(name, dtype=torch.float64, seed=0)
@@ -102,7 +102,10 @@ def cdp_train(rank: int, world: int, cases: list[tuple[str, str, str, int]]) -> 
             out.append(report)
             continue
         pm = compile_plan(plan, model, *batches[0], loss_partial_over=dp_axes)
-        trainer = CDPTrainer(pm, num_stages=num_stages, rule=rule, optimizer_class=torch.optim.SGD, **SGD)  # type: ignore[arg-type]
+        if rule == "plan":  # the plan's own CDP mode and stage count
+            trainer = CDPTrainer(pm, torch.optim.SGD, **SGD)
+        else:
+            trainer = CDPTrainer(pm, torch.optim.SGD, num_stages=num_stages, rule=rule, **SGD)  # type: ignore[arg-type]
         pm.recorder.records.clear()
         pm.recorder.enabled = True
         local_losses = [trainer.step(*pm.shard_batch(*args, **kwargs)[0], **pm.shard_batch(*args, **kwargs)[1]) for args, kwargs in batches]
@@ -113,7 +116,12 @@ def cdp_train(rank: int, world: int, cases: list[tuple[str, str, str, int]]) -> 
         dist.all_reduce(summed, group=pm.mesh_groups.group(tuple(dp_axes)))
         stage_of = {n: trainer.runner.param_stage[attr] for attr, names in pm.param_names.items() for n in names}
         final = pm.full_state_dict()
+        sends = Counter((kind, axes, nbytes) for kind, axes, nbytes, _ in pm.recorder.records if kind == "send")
+        priced = Counter({(k, a, b): c * STEPS for (k, a, b, _), c in plan.priced_comms().items() if k == "send"})
         report |= {
+            "sends_equal_priced": sends == priced,
+            "sends": sorted([*k, c] for k, c in sends.items()),
+            "priced_sends": sorted([*k, c] for k, c in priced.items()),
             "losses": summed.tolist(),
             "params": {k: v.tolist() for k, v in final.items()},
             "messages": trainer.messages,
@@ -124,7 +132,7 @@ def cdp_train(rank: int, world: int, cases: list[tuple[str, str, str, int]]) -> 
             "workers": trainer.num_workers,
         }
         if rank == 0:
-            ref_losses, ref_params = reference(name, rule, trainer.num_workers, trainer.num_stages, stage_of)
+            ref_losses, ref_params = reference(name, trainer.rule, trainer.num_workers, trainer.num_stages, stage_of)
             scale = max(v.abs().max().item() for v in ref_params.values())
             report["ref_losses"] = ref_losses
             report["param_error"] = max((final[k] - v).abs().max().item() for k, v in ref_params.items()) / scale

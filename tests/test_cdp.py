@@ -31,10 +31,11 @@ from tests.harness import run_world
 from tests.test_same_math import data_parallel, megatron_dp
 
 
-def _plan(name: str, dp: int, allow: Any) -> str:
+def _plan(name: str, dp: int, allow: Any, cdp: str = "off", stages: int = 4) -> str:
+    """A plan whose workers are independent (planner/cdp.py); ``cdp`` != off plans CDP itself."""
     model = build_model(name, dtype=torch.float64)
     args, kwargs = example_inputs(name, batch=BATCH, dtype=torch.float64)
-    space = SearchSpace(devices=4, dp=dp, zero=(0,), tp=("none",) if dp == 4 else ("1d",))
+    space = SearchSpace(devices=4, dp=dp, zero=(0,), tp=("none",) if dp == 4 else ("1d",), cdp=(cdp,), cdp_stages=stages)
     graph = trace(model, args, kwargs)
     result = search(graph, space, A100_80G, model_name=name, optimizer="sgd", allow=cdp_filter(graph, base=allow))
     assert result.best is not None
@@ -52,16 +53,23 @@ CASES = {
     "gpt v2": ("gpt-tiny", 4, "v2", 4),
     "gpt v2 dp=2 x tp=2": ("gpt-tiny", 2, "v2", 4),
     "gpt v1 dp=2 x tp=2": ("gpt-tiny", 2, "v1", 2),
+    "mlp planned v1": ("mlp-tiny", 4, "plan", 2),
+    "gpt planned v2": ("gpt-tiny", 4, "plan", 4),
 }
+PLANNED = {"mlp planned v1": "v1", "gpt planned v2": "v2"}
 
 
 @pytest.fixture(scope="module")
 def runs() -> dict[str, list[dict[str, Any]]]:
     plans: dict[tuple[str, int], str] = {}
     cases = []
-    for name, dp, rule, stages in CASES.values():
+    for label, (name, dp, rule, stages) in CASES.items():
+        allow = data_parallel if dp == 4 else megatron_dp
+        if rule == "plan":
+            cases.append((name, _plan(name, dp, allow, PLANNED[label], stages), rule, stages))
+            continue
         if (name, dp) not in plans:
-            plans[(name, dp)] = _plan(name, dp, data_parallel if dp == 4 else megatron_dp)
+            plans[(name, dp)] = _plan(name, dp, allow)
         cases.append((name, plans[(name, dp)], rule, stages))
     per_rank = run_world(4, cdp_train, cases, timeout=900)
     return {label: [r[i] for r in per_rank] for i, label in enumerate(CASES)}
@@ -111,6 +119,16 @@ def test_each_stage_sends_2_n_minus_1_messages_a_step_and_no_collective(runs) ->
             assert r["sends_recorded"] == len(r["messages"]), label
 
 
+def test_a_cdp_plan_prices_the_messages_the_busiest_rank_sends(runs) -> None:  # type: ignore[no-untyped-def]
+    """Plans made with cdp=v1/v2 run with the plan's own rule and stages; rank 0, which sends on
+    the chain and on the ring at every stage, sends exactly the messages the plan priced (bytes
+    per stage buffer, two per stage per step); the last two ranks of the chain send fewer."""
+    for label in PLANNED:
+        ranks = runs[label]
+        assert ranks[0]["sends_equal_priced"], (label, ranks[0]["sends"], ranks[0]["priced_sends"])
+        assert sum(c for *_, c in ranks[-1]["sends"]) < sum(c for *_, c in ranks[0]["sends"])
+
+
 @pytest.mark.parametrize("model, stages, slack", [("mlp-tiny", 2, 0.0), ("gpt-tiny", 4, 0.05)])
 def test_cdp_holds_constant_saved_bytes_equal_to_the_formula(model: str, stages: int, slack: float) -> None:
     """mlp-tiny: exactly the formula. gpt-tiny: constant in time, 64 KiB (4.3%) above the formula
@@ -125,3 +143,32 @@ def test_cdp_holds_constant_saved_bytes_equal_to_the_formula(model: str, stages:
     assert formula <= steady[0] <= formula * (1 + slack), (steady[0], formula)
     assert max(rep["dp"]) == n * sum(a)
     assert max(rep["cdp"]) < max(rep["dp"])
+
+
+def test_the_planner_prices_cdp_as_a_search_dimension() -> None:
+    """gpt2-small on 8 devices, dp only: CDP's messages carry the DP gradient bytes (two per stage,
+    on the busiest rank), are hidden behind compute, and v1 / v2 hold one more gradient / parameter
+    copy; dp = 1 and ZeRO > 0 are pruned with a reason; the report states the one-step delay."""
+    from planner.report import format_plan
+
+    model = build_model("gpt2-small", device="meta")
+    args, kwargs = example_inputs("gpt2-small", batch=8, device="meta")
+    graph = trace(model, args, kwargs)
+    space = SearchSpace(devices=8, tp=("none", "1d"), zero=(0, 1), cdp=("off", "v1", "v2"), cdp_stages=4)
+    result = search(graph, space, A100_80G, model_name="gpt2-small")
+    plans = {(str(c.mesh), c.zero, c.cdp): c.plan for c in result.candidates}
+    reasons = {(str(c.mesh), c.zero, c.cdp): c.reason for c in result.candidates if c.plan is None}
+    assert "needs dp > 1" in reasons[("dp=1 x tp=8", 0, "v1")]
+    assert "ZeRO-1" in reasons[("dp=8 x tp=1", 1, "v2")]
+    off, v1, v2 = (plans[("dp=8 x tp=1", 0, mode)] for mode in ("off", "v1", "v2"))
+    assert off is not None and v1 is not None and v2 is not None
+    all_reduced = sum(c.nbytes * c.count for c in off.comms if c.kind == "all_reduce" and c.phase == "step")
+    sends = [c for c in v1.comms if c.kind == "send"]
+    assert sum(c.count for c in sends) == 2 * 3  # 4 stages; one reads only parameters an earlier stage reads first
+    assert sum(c.nbytes * c.count for c in sends) == 2 * all_reduced
+    assert not any(c.kind == "all_reduce" and c.phase == "step" for c in v1.comms)
+    assert v1.overlap_time_s > 0 and v1.step_time_s < off.step_time_s
+    assert v1.memory_breakdown.grads == 2 * off.memory_breakdown.grads
+    assert v2.memory_breakdown.params == 2 * off.memory_breakdown.params
+    text = format_plan(v1)
+    assert "one-step gradient delay" in text and "CDPTrainer" in text

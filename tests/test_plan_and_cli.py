@@ -72,9 +72,12 @@ def test_cli_text_report_names_the_best_mesh(capsys: pytest.CaptureFixture[str])
     assert "best" in out and "Plan: mesh dp=" in out and "Collectives per device per step" in out
 
 
-def test_cli_refuses_options_not_built_yet(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["report", "gpt-tiny", "--devices", "8", "--cdp", "v1"]) == 2
-    assert "not implemented yet" in capsys.readouterr().err
+def test_cli_searches_cdp_and_prunes_what_it_cannot_run(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["report", "gpt-tiny", "--devices", "8", "--tp", "none,1d", "--zero", "0,1", "--cdp", "off,v1", "--cdp-stages", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "dp=1 x tp=8 CDP v1: CDP runs over the data-parallel axis: needs dp > 1" in out
+    assert "CDP with ZeRO-1 is not built in the runtime" in out
+    assert " v1 " in out
 
 
 def test_zero_3_makes_gpt3_175b_fit_on_64_devices(capsys: pytest.CaptureFixture[str]) -> None:
