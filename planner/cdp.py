@@ -95,3 +95,14 @@ def cdp_messages(problem: Problem, assignment: dict[str, int]) -> list[Comm]:
         assert spec is not None
         sizes[problem.param_stage[node.name]] += node.out.nbytes // spec.layout.shard_factor(mesh)
     return [Comm("send", axes, size, "bwd") for size in sizes for _ in range(2) if size]
+
+
+def cdp_owner_bytes(problem: Problem, assignment: dict[str, int]) -> tuple[float, float]:
+    """CDP with ZeRO: stage l's optimizer states and master copy live on worker l mod N.
+    Returns (their average per worker, as the ILP priced them; the busiest worker's share)."""
+    n = problem.mesh.group_size(tuple(a for a in problem.mesh.dp_axes if problem.mesh.degree(a) > 1))
+    per_worker = [0.0] * n
+    for node in problem.graph.params:
+        owned = problem.cdp_owned[node.template][assignment[problem.node_group[node.name]]]
+        per_worker[problem.param_stage[node.name] % n] += owned
+    return sum(per_worker) / n, max(per_worker)

@@ -102,6 +102,7 @@ class Problem:
     cdp: str = "off"  # cyclic data parallelism over the dp axis: off, v1, v2 (planner.cdp)
     cdp_stages: int = 0
     param_stage: dict[str, int] = field(default_factory=dict)  # CDP: parameter node -> stage
+    cdp_owned: dict[str, list[float]] = field(default_factory=dict)  # CDP + ZeRO: owner bytes per strategy
     instances: dict[str, int] = field(default_factory=dict)  # template -> number of instances
     build_seconds: float = 0.0
 
@@ -159,8 +160,8 @@ def build_problem(
     if cdp != "off":
         from planner.cdp import cdp_filter, parameter_stages
 
-        if len(dp_axes) != 1 or zero_stage != 0:
-            raise ValueError(f"CDP needs one data-parallel axis of degree > 1 and ZeRO 0; mesh {mesh}, ZeRO {zero_stage}")
+        if len(dp_axes) != 1 or zero_stage not in (0, 1):
+            raise ValueError(f"CDP needs one data-parallel axis of degree > 1 and ZeRO 0 or 1; mesh {mesh}, ZeRO {zero_stage}")
         allow = cdp_filter(graph, dp_axes, base=allow)
         param_stage = parameter_stages(graph, cdp_stages)
     if zero_stage == 3 and dp_axes:
@@ -330,8 +331,17 @@ def _price_nodes(problem: Problem, optimizer: str, master_itemsize: int | None) 
                 opt_factor = optimizer_bytes_per_value(optimizer, node.out.itemsize, master_itemsize) / node.out.itemsize
                 params, grads, states, step = zero_param_terms(node.out.shape, node.out.itemsize, spec, mesh, problem.zero_stage, opt_factor)
                 if problem.cdp != "off":  # the chain and the ring instead of the all-reduce
+                    params, grads, states, step = zero_param_terms(node.out.shape, node.out.itemsize, spec, mesh, 0, opt_factor)
                     step = [Comm("send", c.axes, c.nbytes, "bwd") for c in step for _ in range(2)]
-                    if problem.cdp == "v1":
+                    if problem.zero_stage == 1:
+                        # states and a master copy live on the stage's owner only: 1/N on average
+                        # here (linear); evaluate() puts the busiest owner's exact share back
+                        owned = states + params
+                        problem.cdp_owned.setdefault(node.name, [0.0] * len(problem.choices[node.name]))[i] = owned
+                        states = owned / mesh.group_size(spec.grad_partial)
+                        if problem.cdp == "v2":
+                            params += params  # the previous parameter version
+                    elif problem.cdp == "v1":
                         grads += params  # the previous step's summed gradient, applied one step late
                     else:
                         params += params  # the previous parameter version
@@ -554,7 +564,7 @@ def evaluate(problem: Problem, assignment: dict[str, int]) -> Evaluation:
         # the ILP priced a message pair per parameter; the runtime sends one pair per stage, and
         # they travel while the workers compute (the chain runs during backward, the ring into the
         # next step): only what exceeds the step's compute is exposed
-        from planner.cdp import cdp_messages
+        from planner.cdp import cdp_messages, cdp_owner_bytes
 
         per_param = sum(comm_time(c, mesh, hw) * n for c, n in comms if c.kind == "send")
         comms = [(c, n) for c, n in comms if c.kind != "send"]
@@ -564,5 +574,8 @@ def evaluate(problem: Problem, assignment: dict[str, int]) -> Evaluation:
         total += p2p - per_param
         comm_t += p2p - per_param
         hidden = min(p2p, total - comm_t)
+        if problem.zero_stage == 1:
+            average, busiest = cdp_owner_bytes(problem, assignment)
+            opt += busiest - average
     memory = {"params": params, "grads": grads, "optimizer": opt, "activations": act, "transient": transient}
     return Evaluation(total - hidden, total - comm_t, comm_t, memory, tuple(comms), hidden)

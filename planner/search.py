@@ -116,8 +116,8 @@ def candidate_meshes(space: SearchSpace, batch: int) -> list[Candidate]:
                 for zero in stages:
                     if cdp != "off" and dp == 1:
                         out.append(Candidate(mesh, family, zero, cdp, reason="CDP runs over the data-parallel axis: needs dp > 1"))
-                    elif cdp != "off" and zero:
-                        out.append(Candidate(mesh, family, zero, cdp, reason=f"CDP with ZeRO-{zero} is not built in the runtime; CDP runs with ZeRO 0"))
+                    elif cdp != "off" and zero > 1:
+                        out.append(Candidate(mesh, family, zero, cdp, reason=f"CDP with ZeRO-{zero} is not built in the runtime; CDP runs with ZeRO 0 or 1"))
                     else:
                         out.append(Candidate(mesh, family, zero, cdp))
     return out

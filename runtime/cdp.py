@@ -186,7 +186,13 @@ def _tensors(x: Any) -> list[torch.Tensor]:
 class CDPTrainer:
     """CDP training on this rank: ``loss = trainer.step(*local_inputs)`` runs one step (forward,
     backward, chain and ring messages, the update rule) and returns this worker's loss contribution
-    (the global loss is their sum over the data-parallel axis)."""
+    (the global loss is their sum over the data-parallel axis).
+
+    With the plan's ``zero_stage == 1`` (CDP with ZeRO), stage l is owned by worker l mod N: only
+    the owner keeps its optimizer state (and a master copy of its parameters), the chain for stage
+    l ends at the owner, and what travels back around the ring is the owner's updated parameters,
+    not the summed gradient: the same 2(N-1) messages, optimizer states held 1/N on average.
+    Without ZeRO every worker updates every stage and the chain ends at worker N-1."""
 
     def __init__(
         self,
@@ -206,24 +212,47 @@ class CDPTrainer:
         axes = [a for a in mesh.dp_axes if mesh.degree(a) > 1]
         if len(axes) != 1:
             raise ValueError(f"CDP runs over one data-parallel axis; mesh {mesh} has {len(axes)} with degree > 1")
-        if pm.plan.zero_stage:
-            raise ValueError(f"CDP with ZeRO-{pm.plan.zero_stage} is not supported by the runtime yet; plan with zero_stage 0")
+        if pm.plan.zero_stage not in (0, 1):
+            raise ValueError(f"CDP runs with ZeRO 0 or 1 (optimizer states owned by stage); the plan has ZeRO-{pm.plan.zero_stage}")
         if rule not in ("sync", "v1", "v2"):
             raise ValueError(f"unknown CDP update rule {rule!r}; use sync, v1 or v2")
         self.pm, self.rule = pm, rule
+        self.zero = pm.plan.zero_stage == 1
         self.axis = axes[0]
         self.num_workers = mesh.degree(self.axis)
         self.worker = mg.coords[self.axis]
         self.runner = StagedRunner(pm, cut_stages(pm.graph, num_stages))
         self.num_stages = self.runner.num_stages
         self.params = pm.local_parameters()
-        self.optimizer = optimizer_class(list(self.params.values()), **optimizer_kwargs)
+        if self.zero:  # master copies of the owned stages' parameters, stepped by the optimizer
+            self.masters = {a: torch.nn.Parameter(self.params[a].detach().clone()) for s in self.owned() for a in self.runner.stage_params[s]}
+            self.optimizer = optimizer_class(list(self.masters.values()), **optimizer_kwargs) if self.masters else None
+        else:
+            self.masters = {}
+            self.optimizer = optimizer_class(list(self.params.values()), **optimizer_kwargs)
         self.step_index = 0
-        self._totals: dict[tuple[int, int], torch.Tensor] = {}  # (step, stage) -> summed gradient
+        self._totals: dict[tuple[int, int], torch.Tensor] = {}  # (step, stage) -> summed gradient (or, ZeRO, new parameters)
         self._ring: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}  # pending ring receives
         self._sends: list[Any] = []
         self._old: dict[str, torch.Tensor] = {}
         self.messages: list[tuple[int, int, str]] = []  # (step, stage, "chain"|"ring") sent by this rank
+
+    # ---------------------------------------------------------------- roles
+
+    def owner(self, stage: int) -> int:
+        """The worker where stage ``stage``'s chain ends (and, with ZeRO, whose optimizer updates it)."""
+        return stage % self.num_workers if self.zero else self.num_workers - 1
+
+    def owned(self) -> list[int]:
+        return [s for s in range(self.num_stages) if self.runner.stage_params[s] and self.owner(s) == self.worker]
+
+    def _position(self, stage: int) -> int:
+        """This worker's place in stage ``stage``'s chain (0 first, N-1 the owner); the ring runs
+        from the owner (place N-1) through places 0, 1, ..., N-2."""
+        return (self.worker - self.owner(stage) - 1) % self.num_workers
+
+    def _worker_at(self, stage: int, position: int) -> int:
+        return (self.owner(stage) + 1 + position) % self.num_workers
 
     # ---------------------------------------------------------------- messages
 
@@ -238,67 +267,103 @@ class CDPTrainer:
         self.messages.append((step, stage, "ring" if kind else "chain"))
         self._sends.append((dist.isend(buf, self._peer(worker), tag=self._tag(step, stage, kind)), buf))
 
-    def _stage_grad(self, stage: int) -> torch.Tensor:
+    def _flat(self, stage: int, grads: bool) -> torch.Tensor:
         parts = []
         for attr in self.runner.stage_params[stage]:
             p = self.params[attr]
-            parts.append((p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1))
-        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float32)
+            t = (p.grad if p.grad is not None else torch.zeros_like(p)) if grads else p.detach()
+            parts.append(t.reshape(-1))
+        return torch.cat(parts)
+
+    def _unflat(self, stage: int, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        out, offset = {}, 0
+        for attr in self.runner.stage_params[stage]:
+            p = self.params[attr]
+            out[attr] = flat[offset : offset + p.numel()].view_as(p)
+            offset += p.numel()
+        return out
 
     def _reduce_stage(self, stage: int) -> None:
-        """Chain-sum stage ``stage``'s gradient; the last worker starts the ring back."""
+        """Chain-sum stage ``stage``'s gradient toward its owner; post the ring receive."""
         n, big_n, t = self.worker, self.num_workers, self.step_index
         if not self.runner.stage_params[stage]:
             return  # a stage without parameters sends nothing
-        buf = self._stage_grad(stage)
-        if n > 0:
+        buf = self._flat(stage, grads=True)
+        position = self._position(stage)
+        if position > 0:
             partial = torch.empty_like(buf)
-            dist.recv(partial, self._peer(n - 1), tag=self._tag(t, stage, 0))
+            dist.recv(partial, self._peer(self._worker_at(stage, position - 1)), tag=self._tag(t, stage, 0))
             buf = partial + buf
-        if n < big_n - 1:
-            self._send(buf, n + 1, t, stage, 0)
-            source = big_n - 1 if n == 0 else n - 1
-            total = torch.empty_like(buf)
-            work = dist.irecv(total, self._peer(source), tag=self._tag(t, stage, 1))
-            self._ring[(t, stage)] = (work, total)
+        if position < big_n - 1:
+            self._send(buf, self._worker_at(stage, position + 1), t, stage, 0)
+            source = self.owner(stage) if position == 0 else self._worker_at(stage, position - 1)
+            incoming = torch.empty_like(buf)
+            self._ring[(t, stage)] = (dist.irecv(incoming, self._peer(source), tag=self._tag(t, stage, 1)), incoming)
         else:
             self._totals[(t, stage)] = buf
-            if big_n > 1:
-                self._send(buf, 0, t, stage, 1)
+            if big_n > 1 and not self.zero:  # the sum itself goes around the ring
+                self._send(buf, self._worker_at(stage, 0), t, stage, 1)
+        del n
 
     def _finish_ring(self, key: tuple[int, int], wait: bool) -> None:
-        work, total = self._ring[key]
+        work, incoming = self._ring[key]
         if not wait and not work.is_completed():
             return
         work.wait()
         del self._ring[key]
-        self._totals[key] = total
-        nxt = self.worker + 1
-        if nxt < self.num_workers - 1:  # pass the sum on (the last worker already has it)
-            self._send(total, nxt, key[0], key[1], 1)
+        self._totals[key] = incoming
+        position = self._position(key[1])
+        if position < self.num_workers - 2:  # pass it on (the place before the owner is the last)
+            self._send(incoming, self._worker_at(key[1], position + 1), key[0], key[1], 1)
 
     def _progress(self) -> None:
         for key in sorted(self._ring):
             self._finish_ring(key, wait=False)
 
-    def _wait_totals(self, step: int) -> None:
+    def _wait_ring(self, step: int) -> None:
         for stage in range(self.num_stages):
             if (step, stage) in self._ring:
                 self._finish_ring((step, stage), wait=True)
 
+    # ---------------------------------------------------------------- updates
+
     def _apply(self, step: int) -> None:
-        """Give every parameter the summed gradient of ``step`` and run the optimizer."""
-        self._wait_totals(step)
+        """Without ZeRO: give every parameter the summed gradient of ``step`` and step."""
+        self._wait_ring(step)
         for stage in range(self.num_stages):
             if not self.runner.stage_params[stage]:
                 continue
-            total = self._totals.pop((step, stage))
-            offset = 0
-            for attr in self.runner.stage_params[stage]:
-                p = self.params[attr]
-                p.grad = total[offset : offset + p.numel()].view_as(p).clone()
-                offset += p.numel()
+            for attr, g in self._unflat(stage, self._totals.pop((step, stage))).items():
+                self.params[attr].grad = g.clone()
+        assert self.optimizer is not None
         self.optimizer.step()
+
+    def _owner_update(self, step: int) -> None:
+        """ZeRO: the owner steps its masters with the summed gradient of ``step`` and sends the new
+        parameters around the ring (tagged with ``step``)."""
+        for stage in self.owned():
+            for attr, g in self._unflat(stage, self._totals.pop((step, stage))).items():
+                self.masters[attr].grad = g.clone()
+        if self.optimizer is not None:
+            self.optimizer.step()
+        for stage in self.owned():
+            flat = torch.cat([self.masters[a].detach().reshape(-1) for a in self.runner.stage_params[stage]])
+            if self.num_workers > 1:
+                self._send(flat, self._worker_at(stage, 0), step, stage, 1)
+            self._totals[(step, stage)] = flat
+            for m in self.masters.values():
+                m.grad = None
+
+    def _install(self, step: int) -> None:
+        """ZeRO: put the parameters sent around the ring after ``step`` (and the owned ones) in place."""
+        self._wait_ring(step)
+        with torch.no_grad():
+            for stage in range(self.num_stages):
+                flat = self._totals.pop((step, stage), None)
+                if flat is None:
+                    continue
+                for attr, value in self._unflat(stage, flat).items():
+                    self.params[attr].copy_(value)
 
     # ---------------------------------------------------------------- v2 versions
 
@@ -340,19 +405,38 @@ class CDPTrainer:
         with torch.no_grad():
             for attr, value in fresh.items():
                 self.params[attr].copy_(value)
-        if self.rule == "sync":
-            self._apply(t)
-        elif self.rule == "v1":
-            if t > 0:
-                self._apply(t - 1)
-        else:
+        if self.rule == "v2":
             self._old = {a: p.detach().clone() for a, p in self.params.items()}
-            self._apply(t)
+        if not self.zero:
+            if self.rule != "v1":
+                self._apply(t)
+            elif t > 0:
+                self._apply(t - 1)
+        elif self.rule == "v1":  # theta(t+1) was sent after step t-1; theta(t+2) leaves now
+            if t > 0:
+                self._install(t - 1)
+            self._owner_update(t)
+        else:
+            self._owner_update(t)
+            self._install(t)
         for p in self.params.values():
             p.grad = None
         self._sends = [(w, b) for w, b in self._sends if not w.is_completed()]
         self.step_index += 1
         return loss
+
+    def held_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds between steps: parameters (with v2's previous version) and the
+        optimizer (its states and, with ZeRO, the masters of the stages it owns)."""
+        def size(tensors: Any) -> int:
+            return sum(t.numel() * t.element_size() for t in tensors)
+
+        states = [t for st in (self.optimizer.state.values() if self.optimizer is not None else ()) for t in st.values()
+                  if isinstance(t, torch.Tensor) and t.dim() > 0]
+        return {
+            "params": size(self.params.values()) + size(self._old.values()),
+            "optimizer": size(states) + size(self.masters.values()),
+        }
 
     def finish(self) -> None:
         """Complete outstanding messages (call once after the last step)."""

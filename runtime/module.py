@@ -65,7 +65,7 @@ class ParallelModule(torch.nn.Module):
         self.input_specs = input_specs
         self.zero: ZeroShards | None = None
         self.node_origin: dict[str, str] = {}  # rank-local fx node name -> traced node name (set by compile)
-        if plan.zero_stage in (1, 2):
+        if plan.zero_stage in (1, 2) and plan.cdp == "off":  # CDP shards optimizer states its own way (runtime.cdp)
             dp_axes = {attr: mesh_groups.mesh.sort_axes(spec.grad_partial) for attr, spec in param_specs.items()}
             self.zero = ZeroShards(self.local_parameters(), dp_axes, plan.zero_stage, mesh_groups, recorder)
 

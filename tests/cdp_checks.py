@@ -111,6 +111,8 @@ def cdp_train(rank: int, world: int, cases: list[tuple[str, str, str, int]]) -> 
         local_losses = [trainer.step(*pm.shard_batch(*args, **kwargs)[0], **pm.shard_batch(*args, **kwargs)[1]) for args, kwargs in batches]
         trainer.finish()
         pm.recorder.enabled = False
+        report["held"] = trainer.held_bytes()
+        report["predicted"] = {"params": plan.memory_breakdown.params, "optimizer": plan.memory_breakdown.optimizer}
         executed = Counter((kind, axes) for kind, axes, _, _ in pm.recorder.records)
         summed = torch.tensor(local_losses, dtype=torch.float64)
         dist.all_reduce(summed, group=pm.mesh_groups.group(tuple(dp_axes)))
@@ -129,6 +131,7 @@ def cdp_train(rank: int, world: int, cases: list[tuple[str, str, str, int]]) -> 
             "dp_collective_bytes": sorted({nbytes for kind, axes, nbytes, _ in pm.recorder.records if kind != "send" and set(axes) & dp_axes}),
             "sends_recorded": executed[("send", tuple(sorted(dp_axes)))],
             "stages": trainer.num_stages,
+            "param_stages": [st for st in range(trainer.num_stages) if trainer.runner.stage_params[st]],
             "workers": trainer.num_workers,
         }
         if rank == 0:
