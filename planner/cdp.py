@@ -18,8 +18,10 @@ point-to-point chain, not by the step-phase collectives DP would price.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from planner.hardware import HardwareProfile
 from planner.ir import IRGraph, Node
 from planner.layout import Spec
 from planner.strategy import Comm, Strategy
@@ -106,3 +108,69 @@ def cdp_owner_bytes(problem: Problem, assignment: dict[str, int]) -> tuple[float
         owned = problem.cdp_owned[node.template][assignment[problem.node_group[node.name]]]
         per_worker[problem.param_stage[node.name] % n] += owned
     return sum(per_worker) / n, max(per_worker)
+
+
+@dataclass(frozen=True)
+class PipelineEstimate:
+    """CDP with stages on different devices (runtime.cdp.CDPPipeline), priced analytically.
+
+    N workers (micro-batches of the traced batch / N), L stages (planner.stages), D = ceil(N/L)
+    devices per stage: L*D devices where data parallelism times L-way model parallelism needs N*L.
+    A device of stage l holds the parameters of stage l (two versions in use plus the optimizer's
+    master: 3 P_l), one gradient accumulator P_l, the optimizer states, and the saved activations
+    of the (L - l) of its workers that are between their forward and backward of stage l:
+    (L - l) A_l, A_l for one micro-batch; summed over the devices that is CDP's
+    (N/L) sum_l (L - l) A_l. Every device runs one stage-step per time unit; a step is 2L units of
+    the slowest stage-step (roofline, 1/N of the stage's FLOPs) plus the message carrying the
+    values that cross its cut (1/N of their traced bytes, on the inter-node link: a bound); the
+    gradient chain over the D devices of a stage overlaps the next step's compute."""
+
+    workers: int
+    stages: int
+    per_stage: int
+    stage_memory: tuple[float, ...]
+    stage_activations: tuple[float, ...]  # bytes of saved activations per device of each stage
+    step_time: float
+
+    @property
+    def devices(self) -> int:
+        return self.stages * self.per_stage
+
+    @property
+    def dp_mp_devices(self) -> int:
+        return self.workers * self.stages
+
+    @property
+    def peak_memory(self) -> float:
+        return max(self.stage_memory)
+
+
+def pipeline_estimate(graph: IRGraph, hardware: HardwareProfile, *, workers: int, stages: int, optimizer: str = "adamw") -> PipelineEstimate:
+    from planner.cost import STATES_PER_VALUE
+    from planner.stages import cut_stages
+
+    cut = cut_stages(graph, stages)
+    owner = parameter_stages(graph, stages)
+    param_bytes = [0.0] * stages
+    for p in graph.params:
+        param_bytes[owner[p.name]] += p.out.nbytes
+    per_stage = -(-workers // stages)
+    memory, acts, slot = [], [], 0.0
+    bw = hardware.tier(True).bandwidth * hardware.bandwidth_efficiency
+    stage_of = cut.stage_of()
+    consumers = graph.consumers()
+    crossing = [0.0] * stages  # bytes leaving stage l's cut (values read by a later stage)
+    for name, produced in stage_of.items():
+        later = [stage_of[c] for c, _ in consumers[name] if c in stage_of and stage_of[c] > produced]
+        for cut_at in range(produced, max(later, default=produced)):
+            crossing[cut_at] += sum(m.nbytes for m in graph.nodes[name].outputs if m is not None)
+    for st in range(stages):
+        activations = (stages - st) * cut.saved_bytes[st] / workers
+        acts.append(activations)
+        memory.append(3 * param_bytes[st] + param_bytes[st] * (1 + STATES_PER_VALUE[optimizer]) + activations)
+        ops = [graph.nodes[name] for name in cut.stages[st]]
+        dtype = next((o.out.dtype for o in ops if o.outputs and o.outputs[0] is not None), "torch.float32")
+        fwd = sum(o.flops_fwd for o in ops) / workers / (hardware.compute_efficiency * hardware.flops(dtype))
+        bwd = sum(o.flops_bwd for o in ops) / workers / (hardware.compute_efficiency * hardware.flops(dtype))
+        slot = max(slot, max(fwd, bwd) + hardware.tier(True).latency + crossing[st] / workers / bw)
+    return PipelineEstimate(workers, stages, per_stage, tuple(memory), tuple(acts), 2 * stages * slot)

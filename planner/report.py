@@ -66,6 +66,12 @@ def format_search(
     if pruned:
         out.append("")
         out += [f"  {c.mesh}" + (f" CDP {c.cdp}" if c.cdp != "off" else "") + f": {c.reason}" for c in pruned]
+    if result.pipelines:
+        out.append("")
+        out.append(f"CDP with stages on different devices (analytic estimate, not searched by the ILP; runtime.cdp.CDPPipeline runs it), "
+                   f"N = {result.pipelines[0].workers} micro-batches:")
+        prow = [[str(e.stages), str(e.devices), str(e.dp_mp_devices), format_bytes(e.peak_memory), format_seconds(e.step_time)] for e in result.pipelines]
+        out.append(_table(prow, ["stages", "devices", "DP x MP would need", "memory/device", "step time"]))
     out.append("")
     if result.best is None:
         out.append("No configuration fits the memory budget (see above for the least memory each needs).")

@@ -16,6 +16,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Literal
 
+from planner.cdp import PipelineEstimate, pipeline_estimate
 from planner.hardware import HardwareProfile
 from planner.ir import IRGraph
 from planner.mesh import Mesh
@@ -72,6 +73,7 @@ class SearchResult:
     best: Plan | None
     candidates: list[Candidate] = field(default_factory=list)
     seconds: float = 0.0
+    pipelines: list[PipelineEstimate] = field(default_factory=list)  # CDP with stages on different devices
 
     @property
     def feasible(self) -> list[Plan]:
@@ -161,6 +163,13 @@ def search(
         plan = make_plan(graph, problem, sol, model_name=model_name, memory_budget=budget, optimizer=optimizer)
         result.candidates.append(Candidate(cand.mesh, plan.tp, cand.zero, cand.cdp, plan))
         log.info("mesh %s: %.4f s/step, %.2f GiB", cand.mesh, plan.step_time_s, plan.peak_memory_bytes / 2**30)
+    if any(c != "off" for c in space.cdp) and batch % space.devices == 0:
+        ops = sum(1 for n in graph.nodes.values() if n.kind == "op")
+        result.pipelines = [
+            pipeline_estimate(graph, hardware, workers=space.devices, stages=stages, optimizer=optimizer)
+            for stages in (2, 4, 8)
+            if stages <= ops and space.devices % stages == 0  # runtime.cdp.CDPPipeline needs L | N
+        ]
     feasible = result.feasible
     if feasible:
         key = (lambda p: (p.step_time_s, p.peak_memory_bytes)) if objective == "time" else (lambda p: (p.peak_memory_bytes, p.step_time_s))

@@ -186,3 +186,37 @@ def cdp_memory(rank: int, world: int, name: str, text: str, num_stages: int) -> 
         "dp": simulate_schedule(runner, micro, delta=0, steps=3),
         "delta": delta,
     }
+
+
+def cdp_pipeline(rank: int, world: int, name: str, plan_json: str, rule: str, num_stages: int) -> dict[str, Any]:
+    """CDP with model parallelism: N = 4 workers, L stages on L*ceil(N/L) = 4 ranks, 5 steps;
+    rank 0 also runs the serial reference of the rule."""
+    import torch.distributed as dist
+
+    from models import build_model
+    from planner.mesh import Mesh
+    from planner.plan import Plan
+    from runtime.cdp import CDPPipeline
+    from runtime.compile import compile_plan
+    from runtime.groups import MeshGroups
+
+    plan = Plan.model_validate_json(plan_json)
+    mesh = Mesh.from_dict(plan.mesh)
+    one = MeshGroups(mesh, 0, mesh.coords(0))  # the single-device plan runs on this rank alone
+    batches = _batches(name)
+    pm = compile_plan(plan, build_model(name, dtype=torch.float64, seed=0), *_micro(batches[0], 0, 4), mesh_groups=one)
+    pipe = CDPPipeline(pm, num_workers=4, num_stages=num_stages, rule=rule, optimizer_class=torch.optim.SGD, **SGD)  # type: ignore[arg-type]
+    losses = torch.tensor(pipe.run(batches), dtype=torch.float64)
+    dist.all_reduce(losses)
+    parts: list[Any] = [None] * world
+    dist.all_gather_object(parts, {k: v.tolist() for k, v in pipe.stage_state().items()})
+    report: dict[str, Any] = {"losses": losses.tolist(), "messages": pipe.messages, "stage": pipe.stage}
+    if rank == 0:
+        final = {k: torch.tensor(v, dtype=torch.float64) for part in parts for k, v in part.items()}
+        stage_of = {n: pipe.runner.param_stage[attr] for attr, names in pm.param_names.items() for n in names}
+        ref_losses, ref_params = reference(name, rule, 4, num_stages, stage_of)
+        scale = max(v.abs().max().item() for v in ref_params.values())
+        report["ref_losses"] = ref_losses
+        report["param_error"] = max((final[k] - v).abs().max().item() for k, v in ref_params.items() if k in final) / scale
+        report["covered"] = sorted(final) == sorted(k for k in ref_params if k in final) and len(final) == len(ref_params)
+    return report

@@ -26,7 +26,7 @@ from planner.cdp import cdp_filter
 from planner.hardware import A100_80G
 from planner.search import SearchSpace, search
 from planner.trace import trace
-from tests.cdp_checks import BATCH, cdp_memory, cdp_train
+from tests.cdp_checks import BATCH, cdp_memory, cdp_pipeline, cdp_train
 from tests.harness import run_world
 from tests.test_same_math import data_parallel, megatron_dp
 
@@ -198,3 +198,66 @@ def test_the_planner_prices_cdp_as_a_search_dimension() -> None:
     assert zero is not None and zero.memory_breakdown.optimizer < off.memory_breakdown.optimizer
     text = format_plan(v1)
     assert "one-step gradient delay" in text and "CDPTrainer" in text
+
+
+def _one_device_plan(name: str) -> str:
+    model = build_model(name, dtype=torch.float64)
+    args, kwargs = example_inputs(name, batch=BATCH // 4, dtype=torch.float64)
+    result = search(trace(model, args, kwargs), SearchSpace(devices=1, tp=("none",)), A100_80G, model_name=name, optimizer="sgd")
+    assert result.best is not None
+    return result.best.model_dump_json()
+
+
+@pytest.fixture(scope="module")
+def pipelines() -> dict[str, list[dict[str, Any]]]:
+    cases = {"mlp v1": ("mlp-tiny", "v1", 2), "mlp v2": ("mlp-tiny", "v2", 2), "vit v1": ("vit-tiny", "v1", 2), "vit v2": ("vit-tiny", "v2", 2),
+             "mlp v2 L=4": ("mlp-tiny", "v2", 4)}
+    out = {}
+    for label, (name, rule, stages) in cases.items():
+        out[label] = run_world(4, cdp_pipeline, name, _one_device_plan(name), rule, stages, timeout=600)
+    return out
+
+
+def test_cdp_with_model_parallelism_equals_the_serial_update_rules(pipelines) -> None:  # type: ignore[no-untyped-def]
+    """N = 4 micro-batches on L * N/L = 4 ranks: L = 2 (each stage on D = 2 devices, each device
+    serving 2 workers in alternating forward and backward slots) and L = 4 (D = 1): losses and
+    parameters after 5 steps equal the serial loops of v1 and v2 (1e-10), and each stage's
+    gradient is summed over its D devices with 2(D-1) messages per step."""
+    for label, ranks in pipelines.items():
+        rep = ranks[0]
+        assert rep["covered"], label
+        assert rep["param_error"] <= 1e-10, (label, rep["param_error"])
+        assert rep["losses"] == pytest.approx(rep["ref_losses"], rel=1e-10), label
+        per_stage = 4 // len({r["stage"] for r in ranks})  # D
+        for step in range(5):
+            for stage in {r["stage"] for r in ranks}:
+                sums = sum(1 for r in ranks if r["stage"] == stage for (k, kind) in r["messages"] if k == step and kind in ("chain", "ring"))
+                assert sums == 2 * (per_stage - 1), (label, step, stage, sums)
+
+
+def test_cdp_with_model_parallelism_refuses_a_weight_tied_across_stages() -> None:
+    """gpt-tiny ties its LM head to the token embedding: stage 0 and the last stage both read it."""
+    with pytest.raises(RuntimeError, match="read by stages \\[0, 1\\] \\(a tied weight\\?\\)"):
+        run_world(4, cdp_pipeline, "gpt-tiny", _one_device_plan("gpt-tiny"), "v1", 2, timeout=300)
+
+
+def test_the_pipeline_estimate_follows_the_cdp_memory_formula() -> None:
+    """planner.cdp.pipeline_estimate: L * N/L devices for N workers (DP x MP needs N * L); a device of
+    stage l holds (L - l) micro-batches of A_l, which summed over the D devices of every stage is
+    (N/L) sum_l (L - l) A_l; the report lists it when CDP is searched."""
+    from planner.cdp import pipeline_estimate
+    from planner.stages import cut_stages
+
+    model = build_model("gpt2-small", device="meta")
+    args, kwargs = example_inputs("gpt2-small", batch=16, device="meta")
+    graph = trace(model, args, kwargs)
+    n, big_l = 16, 4
+    est = pipeline_estimate(graph, A100_80G, workers=n, stages=big_l)
+    assert (est.devices, est.dp_mp_devices, est.per_stage) == (16, 64, 4)
+    a_micro = [a / n for a in cut_stages(graph, big_l).saved_bytes]
+    assert list(est.stage_activations) == pytest.approx([(big_l - stage) * a_micro[stage] for stage in range(big_l)])
+    total = sum(est.per_stage * x for x in est.stage_activations)
+    assert total == pytest.approx(n / big_l * sum((big_l - stage) * a_micro[stage] for stage in range(big_l)))
+    assert total < n * sum(a_micro)  # DP holds every micro-batch's activations of every stage at its peak
+    result = search(graph, SearchSpace(devices=16, tp=("none",), cdp=("v1",)), A100_80G, model_name="gpt2-small")
+    assert [e.stages for e in result.pipelines] == [2, 4, 8]
