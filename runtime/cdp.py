@@ -495,10 +495,13 @@ class SavedTensorMeter:
 
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
         def pack(t: torch.Tensor) -> torch.Tensor:
-            storage = t.untyped_storage()
+            # a detached alias: keeping the tensor itself would tie a saved output to its own
+            # grad_fn in a reference cycle that only the garbage collector breaks
+            alias = t.detach()
+            storage = alias.untyped_storage()
             if storage.data_ptr() not in self.param_storages:
-                self.saved.append((weakref.ref(t), storage.data_ptr(), storage.nbytes()))
-            return t
+                self.saved.append((weakref.ref(alias), storage.data_ptr(), storage.nbytes()))
+            return alias
 
         return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 from collections import Counter
 from typing import Any
 
@@ -176,12 +175,10 @@ def cdp_memory(rank: int, world: int, name: str, text: str, num_stages: int) -> 
     for stage in reversed(range(num_stages)):
         runner.backward(mb, stage)
     del mb
-    gc.collect()
     delta = 2 * num_stages // workers
     return {
         "A": per_stage,
         "after_release": meter.live_bytes(),
-        "alive": [(tuple(r().shape), str(r().dtype)) for r, _, _ in meter.saved if r() is not None],
         "cdp": simulate_schedule(runner, micro, delta=delta, steps=3),
         "dp": simulate_schedule(runner, micro, delta=0, steps=3),
         "delta": delta,
