@@ -8,10 +8,12 @@ the loss normaliser (the cross-entropy's global target count, which no parameter
 depends on the input), so what does not depend on the batch (position ids, their embedding) is
 computed whole by every worker.
 
-Known gap: the strategy set has no "replicated, gradient partial over dp" variant for such ops, so
-the gradient of a batch-independent activation (GPT's position embedding output) is all-reduced
-over dp in backward (one collective a step; the chain then carries zeros for it on all but one
-worker). The sums stay right under every rule; the variant is what removes that collective. Gradients are summed by CDP's
+Two things keep the workers apart where plain DP would communicate: such batch-independent ops
+get a variant whose gradients stay partial sums over dp down to the parameters
+(:func:`partial_gradient_variants`; otherwise GPT's position-embedding gradient is all-reduced in
+backward), and the cross-entropy's mean divides by the local target count times N instead of
+all-reducing the global count (``runtime.kernels.CrossEntropyKernel``, ``count_scale``): the same
+mean when no target is ignored, else the mean of the micro-batch means. Gradients are summed by CDP's
 point-to-point chain, not by the step-phase collectives DP would price.
 """
 
@@ -41,6 +43,24 @@ def batch_independent(graph: IRGraph) -> set[str]:
         if any(ref.node in dependent for ref in node.inputs):
             dependent.add(node.name)
     return {n.name for n in graph.nodes.values() if n.kind == "op" and n.name not in dependent}
+
+
+def partial_gradient_variants(node: Node, strategies: list[Strategy], dp_axes: tuple[str, ...]) -> list[Strategy]:
+    """For a batch-independent op: each strategy again with the gradients of its floating inputs and
+    outputs partial over the data-parallel axes (every worker keeps its own contribution)."""
+    dp = frozenset(dp_axes)
+    extra = []
+    for s in strategies:
+        if dp & (s.split_axes | {a for spec in (*s.inputs, *s.outputs) if spec is not None for a in spec.layout.shard_axes | spec.layout.partial}):
+            continue
+
+        def widen(spec: Spec | None) -> Spec | None:
+            return Spec(spec.layout, spec.grad_partial | dp) if spec is not None else None
+
+        inputs = tuple(widen(spec) for spec in s.inputs)
+        outputs = tuple(widen(spec) for spec in s.outputs)
+        extra.append(Strategy(f"{s.algorithm}+partial-grad", s.kernel, inputs, outputs, s.split_axes, s.comms, s.raw_output, s.regather))  # type: ignore[arg-type]
+    return strategies + extra
 
 
 def cdp_filter(graph: IRGraph, dp_axes: tuple[str, ...] = ("dp",), base: StrategyFilter | None = None) -> StrategyFilter:

@@ -24,6 +24,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from planner.cdp import LOSS_TARGETS
 from planner.cost import comm_time, compute_time, dtype_itemsize, optimizer_bytes_per_value, ring_volume, steps_comms
 from planner.hardware import HardwareProfile
 from planner.ir import InputRef, IRGraph, Node
@@ -158,12 +159,15 @@ def build_problem(
     dp_axes = tuple(a for a in mesh.dp_axes if mesh.degree(a) > 1)
     param_stage: dict[str, int] = {}
     if cdp != "off":
-        from planner.cdp import cdp_filter, parameter_stages
+        from planner.cdp import batch_independent, cdp_filter, parameter_stages, partial_gradient_variants
 
         if len(dp_axes) != 1 or zero_stage not in (0, 1):
             raise ValueError(f"CDP needs one data-parallel axis of degree > 1 and ZeRO 0 or 1; mesh {mesh}, ZeRO {zero_stage}")
         allow = cdp_filter(graph, dp_axes, base=allow)
         param_stage = parameter_stages(graph, cdp_stages)
+        independent = batch_independent(graph)
+        for name in independent & set(op_anchors):
+            op_anchors[name] = partial_gradient_variants(graph.nodes[name], op_anchors[name], dp_axes)
     if zero_stage == 3 and dp_axes:
         for name, strategies in op_anchors.items():
             node = graph.nodes[name]
@@ -349,8 +353,12 @@ def _price_nodes(problem: Problem, optimizer: str, master_itemsize: int | None) 
                 p, g, o = group.param_memory[i]
                 group.param_memory[i] = (p + params * count, g + grads * count, o + states * count)
                 group.memory[i] += (params + grads + states) * count
+            if problem.cdp != "off" and node.target in LOSS_TARGETS:  # CDP: local count x N, no all-reduce
+                comms = [c for c in comms if not (c.kind == "all_reduce" and set(c.axes) & set(mesh.dp_axes))]
             if node.name == consumers_of_output:
                 partial = strategy.outputs[0].layout.partial if strategy.outputs[0] else frozenset()
+                if problem.cdp != "off":  # CDPTrainer returns each worker's share of the loss
+                    partial = partial - set(mesh.dp_axes)
                 if partial:
                     comms.append(Comm("all_reduce", mesh.sort_axes(partial), node.out.itemsize, "fwd"))
             t += sum(comm_time(c, mesh, hw) for c in comms)

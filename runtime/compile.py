@@ -309,7 +309,8 @@ class _Builder:
             classes = self.graph.nodes[node.inputs[0].node].outputs[node.inputs[0].index]
             assert classes is not None
             local = classes.shape[1] // self.mg.mesh.group_size(logits.layout.dims[1])
-            return CrossEntropyKernel(node.name, template, logits.layout.dims[0], logits.layout.dims[1], local, self.mg, self.rec)
+            scaled = tuple(a for a in logits.layout.dims[0] if a in self.loss_partial_over)
+            return CrossEntropyKernel(node.name, template, logits.layout.dims[0], logits.layout.dims[1], local, self.mg, self.rec, scaled)
         if np.kernel == "mean":
             assert ins[0] is not None and outs[0] is not None
             shards = self.mg.mesh.group_size(outs[0].layout.partial - ins[0].layout.partial)

@@ -180,9 +180,13 @@ class CrossEntropyKernel(Kernel):
     """``aten.cross_entropy_loss`` with the batch split (sum of local losses over the global count of
     non-ignored targets, a partial sum over the batch axes) and/or the classes split."""
 
-    def __init__(self, name: str, arg_template: Any, batch_axes: tuple[str, ...], class_axes: tuple[str, ...], classes_local: int, mg: MeshGroups, rec: CommRecorder) -> None:
+    def __init__(self, name: str, arg_template: Any, batch_axes: tuple[str, ...], class_axes: tuple[str, ...], classes_local: int, mg: MeshGroups, rec: CommRecorder,
+                 count_scale_axes: tuple[str, ...] = ()) -> None:
+        """``count_scale_axes`` (CDP's workers): batch axes over which the target count is taken as
+        the local count times their size instead of all-reduced (the same when no target is ignored)."""
         super().__init__(name, torch.ops.aten.cross_entropy_loss.default, arg_template)
-        self.batch_axes = batch_axes
+        self.batch_axes = tuple(a for a in batch_axes if a not in count_scale_axes)
+        self.count_scale = mg.size(count_scale_axes) if count_scale_axes else 1
         self.class_axes = class_axes
         self.start = mg.index(class_axes) * classes_local if class_axes else 0
         self.mg = mg
@@ -203,7 +207,7 @@ class CrossEntropyKernel(Kernel):
         total = per_token.sum()
         if reduction == 2:  # sum
             return total
-        count = valid.sum()
+        count = valid.sum() * self.count_scale
         if self.batch_axes:
             count = all_reduce(count, self.batch_axes, self.mg, self.rec, "fwd")
         return total / count.to(total.dtype)
