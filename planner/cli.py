@@ -1,5 +1,6 @@
 """The ``planner`` command line.
 
+    planner calibrate --out FILE.json [--quick] [--world N]
     planner report MODEL --devices N [--batch B] [--hardware NAME|FILE] [--memory BYTES]
                    [--tp none,1d] [--zero 0] [--cdp off,v1,v2] [--cdp-stages L] [--dp N] [--objective time|memory]
                    [--precision fp32|bf16-mixed|fp16-mixed] [--optimizer adamw|sgd-momentum]
@@ -97,6 +98,11 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--time-limit", type=float, default=120.0, help="ILP time limit per configuration, seconds")
     r.add_argument("-v", "--verbose", action="store_true")
     sub.add_parser("models", help="list bundled model presets")
+    c = sub.add_parser("calibrate", help="measure this machine (matmuls, op overhead, memory, collectives) and write a profile")
+    c.add_argument("--out", required=True, metavar="FILE.json", help="where to write the profile (use it with report --hardware FILE.json)")
+    c.add_argument("--quick", action="store_true", help="small sizes and few repeats (under a minute)")
+    c.add_argument("--world", type=int, default=2, help="processes for the collective benchmarks (default 2)")
+    c.add_argument("--name", default=None, help="profile name (default calibrated-cpu / calibrated-gpu)")
     return p
 
 
@@ -106,6 +112,16 @@ def main(argv: list[str] | None = None) -> int:
         from models import available_models
 
         print("\n".join(available_models()))
+        return 0
+    if args.command == "calibrate":
+        from runtime.calibrate import calibrate  # measuring needs processes: runtime, imported here
+
+        profile = calibrate(quick=args.quick, world=args.world, name=args.name)
+        with open(args.out, "w") as f:
+            f.write(profile.model_dump_json(indent=1))
+        peaks = ", ".join(f"{k.removeprefix('torch.')} {v / 1e9:.1f} GFLOP/s" for k, v in profile.peak_flops.items())
+        print(f"wrote {args.out}: {profile.name}, peak {peaks}, op overhead {profile.op_overhead * 1e6:.1f} us, "
+              f"memory {profile.memory_bandwidth / 1e9:.2f} GB/s, link {profile.intra_node.bandwidth / 1e9:.3f} GB/s + {profile.intra_node.latency * 1e6:.0f} us")
         return 0
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     from planner.solve import SolverSettings

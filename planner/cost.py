@@ -3,11 +3,13 @@
 Compute (roofline, Williams et al. 2009): an op's time is the larger of its FLOPs over achieved
 FLOP/s and the bytes it touches over memory bandwidth,
 
-    t_op = max(F_local / (eff * peak[dtype]), 3 * B_local / bw_mem)
+    t_op = 3 o + max(F_local / (eff * peak[dtype]), 3 * B_local / bw_mem)
 
 with F_local its forward+backward FLOPs divided by the number of ways its work is split and
 B_local the local bytes of its inputs and output (the factor 3: forward reads/writes them once,
-backward about twice).
+backward about twice), and ``o`` the fixed launch cost of one op (``op_overhead``: one forward
+and about two backward launches). The fixed cost is what makes high tensor-parallel degrees slow
+on small shards: F_local shrinks with the degree, the launches do not.
 
 Collectives (alpha-beta, ring algorithms; Thakur, Rabenseifner & Gropp 2005), for a group of
 ``n`` ranks, payload ``S`` bytes per rank (all-reduce: the tensor; all-gather: the gathered
@@ -19,6 +21,7 @@ tier the group spans:
     reduce_scatter:   (n-1) a +   (n-1)/n * S / b
     broadcast, reduce: ceil(log2 n) a + S / b        (pipelined tree, large messages)
     send:                        a + S / b        (one point-to-point message, CDP's chain)
+    all_to_all:       (n-1) a +   (n-1)/n * S / b    (pairwise exchange, S the local tensor)
 
 Memory per device (bytes): parameters, gradients and optimizer states of the local parameter
 shards (fp32 AdamW: 4 + 4 + 8 bytes per value; SGD with momentum 4 + 4 + 4; mixed precision
@@ -86,6 +89,8 @@ def comm_time(comm: Comm, mesh: Mesh, hw: HardwareProfile) -> float:
         return math.ceil(math.log2(n)) * tier.latency + comm.nbytes / bw
     if comm.kind == "send":  # one point-to-point message between two ranks of the group
         return tier.latency + comm.nbytes / bw
+    if comm.kind == "all_to_all":
+        return (n - 1) * tier.latency + (n - 1) / n * comm.nbytes / bw
     raise ValueError(f"no cost formula for collective {comm.kind}")
 
 
@@ -95,7 +100,7 @@ def ring_volume(comm: Comm, mesh: Mesh) -> float:
     n = mesh.group_size(comm.axes)
     if comm.kind in ("broadcast", "reduce", "send"):
         return float(comm.nbytes) if n > 1 else 0.0
-    factor = 2 * (n - 1) / n if comm.kind == "all_reduce" else (n - 1) / n
+    factor = 2 * (n - 1) / n if comm.kind == "all_reduce" else (n - 1) / n  # all_gather, reduce_scatter, all_to_all
     return factor * comm.nbytes
 
 
@@ -110,7 +115,7 @@ def compute_time(node: Node, strategy: Strategy, mesh: Mesh, hw: HardwareProfile
     dtype = next((m.dtype for m in node.outputs if m is not None), "torch.float32")
     t_flops = flops / (hw.compute_efficiency * hw.flops(dtype))
     t_bytes = 3 * (in_bytes + out_bytes) / hw.memory_bandwidth
-    return max(t_flops, t_bytes)
+    return 3 * hw.op_overhead + max(t_flops, t_bytes)
 
 
 def steps_comms(steps: tuple[Step, ...], local_bytes: int, mesh: Mesh, phase: Phase) -> tuple[Comm, ...]:

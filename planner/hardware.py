@@ -2,8 +2,10 @@
 
 A profile gives per-device compute (peak FLOP/s per dtype), memory (capacity, bandwidth) and link
 tiers: devices of one node talk over the intra-node tier, groups that span nodes pay the
-inter-node tier. Efficiencies are the fraction of peak that large kernels and collectives reach;
-they are assumptions until ``planner calibrate`` (a later issue) measures them on the machine.
+inter-node tier. Efficiencies are the fraction of peak that large kernels and collectives reach,
+and ``op_overhead`` the fixed cost of launching one op (what makes many small shards slow); they
+are assumptions in the GPU presets and measured by ``planner calibrate`` on the user's machine
+(``runtime/calibrate.py``), which writes a profile file ``--hardware FILE`` reads.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ class HardwareProfile(BaseModel):
     inter_node: LinkTier
     compute_efficiency: float = Field(0.6, gt=0, le=1, description="fraction of peak FLOP/s large matmuls reach")
     bandwidth_efficiency: float = Field(0.8, gt=0, le=1, description="fraction of link bandwidth collectives reach")
+    op_overhead: float = Field(5e-6, ge=0, description="seconds per op launch (forward + backward counted as 3 launches)")
     sources: dict[str, str] = Field(default_factory=dict, description="where each number comes from")
 
     def flops(self, dtype: str) -> float:
@@ -93,6 +96,7 @@ V100_16G = HardwareProfile(
         "latency": "assumed: ~5 us NVLink, ~10 us InfiniBand per ring step",
         "compute_efficiency": "assumed 0.6 of peak for large matmuls until calibrated",
         "bandwidth_efficiency": "assumed 0.8 of link bandwidth until calibrated",
+        "op_overhead": "assumed 5 us per CUDA kernel launch (typical eager-mode launch latency) until calibrated",
     },
 )
 
@@ -117,6 +121,7 @@ H100_80G = HardwareProfile(
         "latency": "assumed: ~5 us NVLink, ~10 us InfiniBand per ring step",
         "compute_efficiency": "assumed 0.6 of peak for large matmuls until calibrated",
         "bandwidth_efficiency": "assumed 0.8 of link bandwidth until calibrated",
+        "op_overhead": "assumed 5 us per CUDA kernel launch (typical eager-mode launch latency) until calibrated",
     },
 )
 
@@ -133,7 +138,42 @@ H200_141G = H100_80G.model_copy(
     }
 )
 
-PRESETS: dict[str, HardwareProfile] = {p.name: p for p in (A100_80G, V100_16G, H100_80G, H200_141G)}
+A100_40G = A100_80G.model_copy(
+    update={
+        "name": "a100-40g",
+        "device_memory": 40 * GiB,
+        "memory_bandwidth": 1555 * GB,
+        "sources": {
+            **A100_80G.sources,
+            "device_memory": "NVIDIA A100 SXM4 40GB datasheet: 40 GB HBM2 (compute and links as the 80 GB SXM4)",
+            "memory_bandwidth": "NVIDIA A100 SXM4 40GB datasheet: 1,555 GB/s",
+        },
+    }
+)
+
+CPU_GLOO = HardwareProfile(
+    name="cpu-gloo",
+    device_memory=2 * GiB,
+    peak_flops={"torch.float32": 20e9, "torch.float64": 10e9, "torch.bfloat16": 5e9, "torch.float16": 2e9},
+    memory_bandwidth=5 * GB,
+    devices_per_node=8,
+    intra_node=LinkTier(name="gloo-tcp-loopback", bandwidth=0.5 * GB, latency=100e-6),
+    inter_node=LinkTier(name="gloo-tcp-ethernet", bandwidth=1.25 * GB, latency=50e-6),
+    compute_efficiency=1.0,
+    bandwidth_efficiency=1.0,
+    op_overhead=20e-6,
+    sources={
+        "what": "processes sharing a small CPU host and talking gloo over TCP (the test machines: 2 cores, 24 GB); "
+        "a rough preset: run `planner calibrate --out cpu.json` on the machine and use that file",
+        "peak_flops": "order of magnitude of one core's measured torch matmul throughput (calibrate measures it)",
+        "device_memory": "assumed 2 GiB per process",
+        "intra_node": "gloo over loopback TCP, order of magnitude (calibrate measures it)",
+        "inter_node": "10 GbE",
+        "op_overhead": "eager PyTorch dispatch on CPU, order of 10-20 us per op",
+    },
+)
+
+PRESETS: dict[str, HardwareProfile] = {p.name: p for p in (A100_80G, A100_40G, V100_16G, H100_80G, H200_141G, CPU_GLOO)}
 
 
 def load_profile(name_or_path: str) -> HardwareProfile:

@@ -1,0 +1,195 @@
+"""``planner calibrate``: measure this machine and write the hardware profile the planner prices with.
+
+Micro-benchmarks (each repeated, the best or median kept as noted):
+* matmul throughput by size and dtype: ``C = A @ B`` for square n x n, 2 n^3 FLOPs; the best
+  FLOP/s over the sizes becomes ``peak_flops[dtype]`` with ``compute_efficiency = 1`` (the peak is
+  what was reached), and the curve is kept in ``sources`` so the small-size drop is visible;
+* op overhead: the median time of a one-element add (what every op pays however small);
+* memory bandwidth: a 64 MiB copy (read + write), best of the repeats;
+* collectives over ``world`` processes on this host (NCCL on GPUs, gloo on CPUs): all-reduce and
+  all-gather by size; a least-squares fit of the alpha-beta ring formulas of
+  :mod:`planner.cost` gives the link tier's latency (alpha) and bandwidth (1/beta), with
+  ``bandwidth_efficiency = 1``. One host cannot measure an inter-node link: the profile copies the
+  measured tier and says so in ``sources``.
+
+``quick`` keeps sizes and repeats small (well under a minute on a 2-core CPU).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+from planner.hardware import HardwareProfile, LinkTier
+
+
+def _progress(text: str) -> None:
+    print(f"calibrate: {text}", file=sys.stderr, flush=True)
+
+
+def _time(fn: Callable[[], Any], repeats: int, device: torch.device) -> list[float]:
+    out = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def measure_matmul(dtype: torch.dtype, sizes: list[int], device: torch.device, repeats: int) -> list[tuple[int, float]]:
+    """(n, FLOP/s) for an n x n x n matmul, best of ``repeats`` after one warm-up."""
+    out = []
+    for n in sizes:
+        a = torch.randn(n, n, dtype=dtype, device=device)
+        b = torch.randn(n, n, dtype=dtype, device=device)
+        torch.matmul(a, b)
+        best = min(_time(lambda a=a, b=b: torch.matmul(a, b), repeats, device))
+        out.append((n, 2 * n**3 / best))
+    return out
+
+
+def measure_op_overhead(device: torch.device, repeats: int = 200) -> float:
+    x = torch.zeros(1, device=device)
+    for _ in range(10):
+        x.add_(1)
+    return statistics.median(_time(lambda: x.add_(1), repeats, device))
+
+
+def measure_memory_bandwidth(device: torch.device, repeats: int) -> float:
+    src = torch.ones(64 * 2**20 // 4, dtype=torch.float32, device=device)  # pages touched: no zero-page shortcut
+    dst = torch.zeros_like(src)
+    dst.copy_(src)
+    best = min(_time(lambda: dst.copy_(src), repeats, device))
+    return 2 * src.numel() * 4 / best
+
+
+def _collective_worker(rank: int, world: int, port: int, sizes: list[int], repeats: int, backend: str, out: Any) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group(backend, rank=rank, world_size=world)
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    rows = []
+    for nbytes in sizes:
+        t = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+        parts = [torch.empty_like(t) for _ in range(world)]
+        dist.all_reduce(t)
+        for kind, fn in (("all_reduce", lambda t=t: dist.all_reduce(t)), ("all_gather", lambda t=t, parts=parts: dist.all_gather(parts, t))):
+            times = []
+            for _ in range(repeats):
+                dist.barrier()
+                times.append(min(_time(fn, 1, device)))
+            # the payload as planner.cost counts it: all-reduce the tensor, all-gather the output
+            rows.append((kind, nbytes if kind == "all_reduce" else nbytes * world, statistics.median(times)))
+    if rank == 0:
+        out.put(rows)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def measure_collectives(world: int, sizes: list[int], repeats: int, backend: str) -> list[tuple[str, int, float]]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    procs = [ctx.Process(target=_collective_worker, args=(r, world, port, sizes, repeats, backend, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    rows = queue.get()
+    for p in procs:
+        p.join()
+        if p.exitcode != 0:
+            raise RuntimeError(f"a collective benchmark process exited with code {p.exitcode}")
+    return rows  # type: ignore[no-any-return]
+
+
+def fit_alpha_beta(rows: list[tuple[str, int, float]], world: int) -> tuple[float, float]:
+    """Least squares of t = steps * alpha + volume * S / b over the measured collectives, with
+    (steps, volume) = (2(n-1), 2(n-1)/n) for all-reduce and ((n-1), (n-1)/n) for all-gather
+    (planner.cost's ring formulas). Returns (alpha seconds, b bytes/s)."""
+    n = world
+    xs = []
+    for kind, nbytes, seconds in rows:
+        steps, volume = (2 * (n - 1), 2 * (n - 1) / n) if kind == "all_reduce" else ((n - 1), (n - 1) / n)
+        xs.append((steps, volume * nbytes, seconds))
+    # normal equations for t = a * steps + c * bytes, c = 1/b
+    s11 = sum(x * x for x, _, _ in xs)
+    s12 = sum(x * y for x, y, _ in xs)
+    s22 = sum(y * y for _, y, _ in xs)
+    r1 = sum(x * t for x, _, t in xs)
+    r2 = sum(y * t for _, y, t in xs)
+    det = s11 * s22 - s12 * s12
+    alpha = (r1 * s22 - r2 * s12) / det
+    c = (s11 * r2 - s12 * r1) / det
+    if c <= 0:
+        raise RuntimeError(f"collective timings do not grow with size (fit 1/b = {c}); rerun without --quick")
+    return max(alpha, 0.0), 1.0 / c
+
+
+def calibrate(*, quick: bool = False, world: int = 2, name: str | None = None) -> HardwareProfile:
+    gpu = torch.cuda.is_available()
+    device = torch.device("cuda") if gpu else torch.device("cpu")
+    repeats = 3 if quick else 10
+    sizes = [64, 128, 256, 512] if quick else [64, 128, 256, 512, 1024, 2048] + ([4096, 8192] if gpu else [])
+    dtypes = [torch.bfloat16, torch.float16, torch.float32] if gpu else [torch.float32, torch.float64]
+    peak: dict[str, float] = {}
+    curves: dict[str, str] = {}
+    for dtype in dtypes:
+        _progress(f"matmul {str(dtype).removeprefix('torch.')} sizes {sizes}")
+        rows = measure_matmul(dtype, sizes, device, repeats)
+        peak[str(dtype)] = max(f for _, f in rows)
+        curves[f"matmul {dtype}"] = ", ".join(f"n={n}: {f / 1e9:.1f} GFLOP/s" for n, f in rows)
+    _progress("op overhead")
+    overhead = measure_op_overhead(device)
+    _progress("memory bandwidth")
+    bandwidth = measure_memory_bandwidth(device, repeats)
+    world = min(world, torch.cuda.device_count()) if gpu else world
+    coll_sizes = [2**12, 2**16, 2**20] if quick else [2**12, 2**14, 2**16, 2**18, 2**20, 2**22, 2**24]
+    backend = "nccl" if gpu else "gloo"
+    alpha, link_bw = 0.0, bandwidth
+    rows: list[tuple[str, int, float]] = []
+    if world >= 2:
+        _progress(f"collectives over {world} {backend} processes, sizes {coll_sizes} B")
+        rows = measure_collectives(world, coll_sizes, repeats, backend)
+        alpha, link_bw = fit_alpha_beta(rows, world)
+    memory = torch.cuda.get_device_properties(0).total_memory if gpu else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(world, 1)
+    tier = LinkTier(name=f"{backend}-measured", bandwidth=link_bw, latency=alpha)
+    when = time.strftime("%Y-%m-%d")
+    host = torch.cuda.get_device_name(0) if gpu else f"{os.cpu_count()}-core CPU"
+    measured = f"measured by planner calibrate{' --quick' if quick else ''} on {when}, {host}"
+    return HardwareProfile(
+        name=name or ("calibrated-" + ("gpu" if gpu else "cpu")),
+        device_memory=int(memory),
+        peak_flops=peak,
+        memory_bandwidth=bandwidth,
+        devices_per_node=max(world, 1),
+        intra_node=tier,
+        inter_node=tier,
+        compute_efficiency=1.0,
+        bandwidth_efficiency=1.0,
+        op_overhead=overhead,
+        sources={
+            "peak_flops": f"{measured}: best matmul FLOP/s over the sizes",
+            **curves,
+            "op_overhead": f"{measured}: median of a one-element add, {overhead * 1e6:.1f} us",
+            "memory_bandwidth": f"{measured}: 64 MiB copy, {bandwidth / 1e9:.2f} GB/s",
+            "intra_node": f"{measured}: alpha-beta fit of {len(rows)} {backend} all-reduce/all-gather timings over {world} processes"
+            + "".join(f"; {k} {b} B {t * 1e3:.3f} ms" for k, b, t in rows),
+            "inter_node": "not measured (one host): a copy of the measured tier",
+            "device_memory": "GPU total memory" if gpu else f"host RAM / {world} processes",
+        },
+    )
