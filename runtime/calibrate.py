@@ -55,7 +55,10 @@ def measure_matmul(dtype: torch.dtype, sizes: list[int], device: torch.device, r
         a = torch.randn(n, n, dtype=dtype, device=device)
         b = torch.randn(n, n, dtype=dtype, device=device)
         torch.matmul(a, b)
-        best = min(_time(lambda a=a, b=b: torch.matmul(a, b), repeats, device))
+        def mm(a: torch.Tensor = a, b: torch.Tensor = b) -> torch.Tensor:
+            return torch.matmul(a, b)
+
+        best = min(_time(mm, repeats, device))
         out.append((n, 2 * n**3 / best))
     return out
 
@@ -150,9 +153,9 @@ def calibrate(*, quick: bool = False, world: int = 2, name: str | None = None) -
     curves: dict[str, str] = {}
     for dtype in dtypes:
         _progress(f"matmul {str(dtype).removeprefix('torch.')} sizes {sizes}")
-        rows = measure_matmul(dtype, sizes, device, repeats)
-        peak[str(dtype)] = max(f for _, f in rows)
-        curves[f"matmul {dtype}"] = ", ".join(f"n={n}: {f / 1e9:.1f} GFLOP/s" for n, f in rows)
+        curve = measure_matmul(dtype, sizes, device, repeats)
+        peak[str(dtype)] = max(f for _, f in curve)
+        curves[f"matmul {dtype}"] = ", ".join(f"n={n}: {f / 1e9:.1f} GFLOP/s" for n, f in curve)
     _progress("op overhead")
     overhead = measure_op_overhead(device)
     _progress("memory bandwidth")
