@@ -47,7 +47,7 @@ def _plans(hardware: Any) -> list[tuple[str, str, str]]:
 
     out = []
     for name, batch in MODELS.items():
-        graph = trace(build_model(name, device="meta"), *example_inputs(name, batch=batch, device="meta"))
+        graph = trace(build_model(name, seed=0), *example_inputs(name, batch=batch, seed=1))  # as the ranks will
         for label, tp, dp, zero in CONFIGS:
             result = search(graph, SearchSpace(devices=WORLD, tp=tp, dp=dp, zero=(zero,)), hardware, model_name=name)
             if result.best is not None:
@@ -56,6 +56,14 @@ def _plans(hardware: Any) -> list[tuple[str, str, str]]:
 
 
 def _worker(rank: int, port: int, plans: list[tuple[str, str, str]], steps: int, out: Any) -> None:
+    try:
+        _measure(rank, port, plans, steps, out)
+    except BaseException as exc:
+        out.put(f"rank {rank}: {type(exc).__name__}: {exc}")
+        raise
+
+
+def _measure(rank: int, port: int, plans: list[tuple[str, str, str]], steps: int, out: Any) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
@@ -132,7 +140,7 @@ def main() -> None:
     else:
         from runtime.calibrate import calibrate
 
-        hardware = calibrate(quick=True, world=2)
+        hardware = calibrate(quick=True, world=WORLD)  # the ranks share the host as the plans will
         print(f"calibrated: {json.dumps({k: v for k, v in hardware.sources.items() if k in ('peak_flops', 'op_overhead', 'memory_bandwidth')})}", file=sys.stderr)
     plans = _plans(hardware)
     with socket.socket() as s:
@@ -143,7 +151,14 @@ def main() -> None:
     procs = [ctx.Process(target=_worker, args=(r, port, plans, args.steps, queue)) for r in range(WORLD)]
     for p in procs:
         p.start()
-    rows = [row for _ in procs for row in queue.get()]
+    rows = []
+    for _ in procs:
+        got = queue.get()
+        if isinstance(got, str):
+            for p in procs:
+                p.terminate()
+            raise SystemExit(f"a rank failed: {got}")
+        rows += got
     for p in procs:
         p.join()
     print(f"{'model':<10} {'plan':<20} {'mem predicted':>14} {'measured (max rank)':>20} {'error':>7} {'step predicted':>15} {'measured':>10} {'error':>7}")

@@ -1,11 +1,11 @@
 """``planner calibrate``: measure this machine and write the hardware profile the planner prices with.
 
 Micro-benchmarks (each repeated, the best or median kept as noted):
-* matmul throughput by size and dtype: ``C = A @ B`` for square n x n, 2 n^3 FLOPs; the best
-  FLOP/s over the sizes becomes ``peak_flops[dtype]`` with ``compute_efficiency = 1`` (the peak is
+* matmul throughput by size and dtype: ``C = A @ B`` for square n x n, 2 n^3 FLOPs, averaged
+  over a fixed time with every process measuring at once; the best FLOP/s over the sizes becomes ``peak_flops[dtype]`` with ``compute_efficiency = 1`` (the peak is
   what was reached), and the curve is kept in ``sources`` so the small-size drop is visible;
-* op overhead: the median time of a one-element add (what every op pays however small);
-* memory bandwidth: a 64 MiB copy (read + write), best of the repeats;
+* op overhead: the average time of a one-element add (what every op pays however small);
+* memory bandwidth: a 64 MiB copy (read + write), averaged;
 * collectives over ``world`` processes on this host (NCCL on GPUs, gloo on CPUs): all-reduce and
   all-gather by size; a least-squares fit of the alpha-beta ring formulas of
   :mod:`planner.cost` gives the link tier's latency (alpha) and bandwidth (1/beta), with
@@ -48,44 +48,61 @@ def _time(fn: Callable[[], Any], repeats: int, device: torch.device) -> list[flo
     return out
 
 
-def measure_matmul(dtype: torch.dtype, sizes: list[int], device: torch.device, repeats: int) -> list[tuple[int, float]]:
-    """(n, FLOP/s) for an n x n x n matmul, best of ``repeats`` after one warm-up."""
+def _rate(fn: Callable[[], Any], min_seconds: float, device: torch.device) -> float:
+    """Calls per second of ``fn`` over at least ``min_seconds`` (an average: when processes share
+    cores, each one's fair share, not the luckiest moment)."""
+    fn()
+    calls, t0 = 0, time.perf_counter()
+    while True:
+        fn()
+        calls += 1
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - t0
+        if elapsed >= min_seconds:
+            return calls / elapsed
+
+
+def measure_matmul(dtype: torch.dtype, sizes: list[int], device: torch.device, min_seconds: float) -> list[tuple[int, float]]:
+    """(n, FLOP/s) of n x n x n matmuls, averaged over ``min_seconds`` per size."""
     out = []
     for n in sizes:
         a = torch.randn(n, n, dtype=dtype, device=device)
         b = torch.randn(n, n, dtype=dtype, device=device)
-        torch.matmul(a, b)
+
         def mm(a: torch.Tensor = a, b: torch.Tensor = b) -> torch.Tensor:
             return torch.matmul(a, b)
 
-        best = min(_time(mm, repeats, device))
-        out.append((n, 2 * n**3 / best))
+        out.append((n, 2 * n**3 * _rate(mm, min_seconds, device)))
     return out
 
 
-def measure_op_overhead(device: torch.device, repeats: int = 200) -> float:
+def measure_op_overhead(device: torch.device, min_seconds: float = 0.05) -> float:
     x = torch.zeros(1, device=device)
-    for _ in range(10):
-        x.add_(1)
-    return statistics.median(_time(lambda: x.add_(1), repeats, device))
+    return 1.0 / _rate(lambda: x.add_(1), min_seconds, device)
 
 
-def measure_memory_bandwidth(device: torch.device, repeats: int) -> float:
+def measure_memory_bandwidth(device: torch.device, min_seconds: float) -> float:
     src = torch.ones(64 * 2**20 // 4, dtype=torch.float32, device=device)  # pages touched: no zero-page shortcut
     dst = torch.zeros_like(src)
-    dst.copy_(src)
-    best = min(_time(lambda: dst.copy_(src), repeats, device))
-    return 2 * src.numel() * 4 / best
+    return 2 * src.numel() * 4 * _rate(lambda: dst.copy_(src), min_seconds, device)
 
 
-def _collective_worker(rank: int, world: int, port: int, sizes: list[int], repeats: int, backend: str, out: Any) -> None:
+def _collective_worker(rank: int, world: int, port: int, sizes: list[int], repeats: int, backend: str, compute: dict[str, Any], out: Any) -> None:
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group(backend, rank=rank, world_size=world)
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
-    rows = []
+    # compute, measured on every process at once: what one "device" gets while all of them work
+    dist.barrier()
+    curves = {str(dt): measure_matmul(dt, compute["sizes"], device, compute["seconds"]) for dt in compute["dtypes"]}
+    dist.barrier()
+    overhead = measure_op_overhead(device)
+    dist.barrier()
+    bandwidth = measure_memory_bandwidth(device, compute["seconds"])
+    rows: list[Any] = []
     for nbytes in sizes:
         t = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
         parts = [torch.empty_like(t) for _ in range(world)]
@@ -98,26 +115,27 @@ def _collective_worker(rank: int, world: int, port: int, sizes: list[int], repea
             # the payload as planner.cost counts it: all-reduce the tensor, all-gather the output
             rows.append((kind, nbytes if kind == "all_reduce" else nbytes * world, statistics.median(times)))
     if rank == 0:
-        out.put(rows)
+        out.put({"collectives": rows, "matmul": curves, "op_overhead": overhead, "memory_bandwidth": bandwidth})
     dist.barrier()
     dist.destroy_process_group()
 
 
-def measure_collectives(world: int, sizes: list[int], repeats: int, backend: str) -> list[tuple[str, int, float]]:
+def measure_on_world(world: int, sizes: list[int], repeats: int, backend: str, compute: dict[str, Any]) -> dict[str, Any]:
+    """Start ``world`` processes; each measures compute (all at once), then the collectives."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    procs = [ctx.Process(target=_collective_worker, args=(r, world, port, sizes, repeats, backend, queue)) for r in range(world)]
+    procs = [ctx.Process(target=_collective_worker, args=(r, world, port, sizes, repeats, backend, compute, queue)) for r in range(world)]
     for p in procs:
         p.start()
-    rows = queue.get()
+    result = queue.get()
     for p in procs:
         p.join()
         if p.exitcode != 0:
-            raise RuntimeError(f"a collective benchmark process exited with code {p.exitcode}")
-    return rows  # type: ignore[no-any-return]
+            raise RuntimeError(f"a benchmark process exited with code {p.exitcode}")
+    return result  # type: ignore[no-any-return]
 
 
 def fit_alpha_beta(rows: list[tuple[str, int, float]], world: int) -> tuple[float, float]:
@@ -144,53 +162,46 @@ def fit_alpha_beta(rows: list[tuple[str, int, float]], world: int) -> tuple[floa
 
 
 def calibrate(*, quick: bool = False, world: int = 2, name: str | None = None) -> HardwareProfile:
+    """Measure with ``world`` processes running at once (as the plans will run: on a CPU host they
+    share its cores, so each gets its share of the compute; GPUs are measured one per process)."""
     gpu = torch.cuda.is_available()
-    device = torch.device("cuda") if gpu else torch.device("cpu")
+    world = max(1, min(world, torch.cuda.device_count()) if gpu else world)
     repeats = 3 if quick else 10
     sizes = [64, 128, 256, 512] if quick else [64, 128, 256, 512, 1024, 2048] + ([4096, 8192] if gpu else [])
     dtypes = [torch.bfloat16, torch.float16, torch.float32] if gpu else [torch.float32, torch.float64]
-    peak: dict[str, float] = {}
-    curves: dict[str, str] = {}
-    for dtype in dtypes:
-        _progress(f"matmul {str(dtype).removeprefix('torch.')} sizes {sizes}")
-        curve = measure_matmul(dtype, sizes, device, repeats)
-        peak[str(dtype)] = max(f for _, f in curve)
-        curves[f"matmul {dtype}"] = ", ".join(f"n={n}: {f / 1e9:.1f} GFLOP/s" for n, f in curve)
-    _progress("op overhead")
-    overhead = measure_op_overhead(device)
-    _progress("memory bandwidth")
-    bandwidth = measure_memory_bandwidth(device, repeats)
-    world = min(world, torch.cuda.device_count()) if gpu else world
     coll_sizes = [2**12, 2**16, 2**20] if quick else [2**12, 2**14, 2**16, 2**18, 2**20, 2**22, 2**24]
     backend = "nccl" if gpu else "gloo"
-    alpha, link_bw = 0.0, bandwidth
-    rows: list[tuple[str, int, float]] = []
-    if world >= 2:
-        _progress(f"collectives over {world} {backend} processes, sizes {coll_sizes} B")
-        rows = measure_collectives(world, coll_sizes, repeats, backend)
-        alpha, link_bw = fit_alpha_beta(rows, world)
-    memory = torch.cuda.get_device_properties(0).total_memory if gpu else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(world, 1)
+    _progress(f"{world} {backend} processes: matmul {[str(d).removeprefix('torch.') for d in dtypes]} n={sizes}, op overhead, "
+              f"memory bandwidth, then all-reduce/all-gather of {coll_sizes} B")
+    measured = measure_on_world(world, coll_sizes, repeats, backend, {"sizes": sizes, "dtypes": dtypes, "seconds": 0.1 if quick else 0.4})
+    peak = {dt: max(f for _, f in curve) for dt, curve in measured["matmul"].items()}
+    curves = {f"matmul {dt}": ", ".join(f"n={n}: {f / 1e9:.1f} GFLOP/s" for n, f in curve) for dt, curve in measured["matmul"].items()}
+    rows = [tuple(r) for r in measured["collectives"]]
+    alpha, link_bw = fit_alpha_beta(rows, world) if world >= 2 else (0.0, measured["memory_bandwidth"])  # type: ignore[arg-type]
+    overhead, bandwidth = measured["op_overhead"], measured["memory_bandwidth"]
+    _progress(f"fitted link: {link_bw / 1e9:.3f} GB/s, latency {alpha * 1e6:.0f} us")
+    memory = torch.cuda.get_device_properties(0).total_memory if gpu else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // world
     tier = LinkTier(name=f"{backend}-measured", bandwidth=link_bw, latency=alpha)
     when = time.strftime("%Y-%m-%d")
     host = torch.cuda.get_device_name(0) if gpu else f"{os.cpu_count()}-core CPU"
-    measured = f"measured by planner calibrate{' --quick' if quick else ''} on {when}, {host}"
+    note = f"measured by planner calibrate{' --quick' if quick else ''} on {when}, {host}, {world} processes at once"
     return HardwareProfile(
         name=name or ("calibrated-" + ("gpu" if gpu else "cpu")),
         device_memory=int(memory),
         peak_flops=peak,
         memory_bandwidth=bandwidth,
-        devices_per_node=max(world, 1),
+        devices_per_node=world,
         intra_node=tier,
         inter_node=tier,
         compute_efficiency=1.0,
         bandwidth_efficiency=1.0,
         op_overhead=overhead,
         sources={
-            "peak_flops": f"{measured}: best matmul FLOP/s over the sizes",
+            "peak_flops": f"{note}: best matmul FLOP/s over the sizes",
             **curves,
-            "op_overhead": f"{measured}: median of a one-element add, {overhead * 1e6:.1f} us",
-            "memory_bandwidth": f"{measured}: 64 MiB copy, {bandwidth / 1e9:.2f} GB/s",
-            "intra_node": f"{measured}: alpha-beta fit of {len(rows)} {backend} all-reduce/all-gather timings over {world} processes"
+            "op_overhead": f"{note}: average one-element add, {overhead * 1e6:.1f} us",
+            "memory_bandwidth": f"{note}: 64 MiB copy, {bandwidth / 1e9:.2f} GB/s",
+            "intra_node": f"{note}: alpha-beta fit of {len(rows)} {backend} all-reduce/all-gather timings"
             + "".join(f"; {k} {b} B {t * 1e3:.3f} ms" for k, b, t in rows),
             "inter_node": "not measured (one host): a copy of the measured tier",
             "device_memory": "GPU total memory" if gpu else f"host RAM / {world} processes",
