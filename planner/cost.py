@@ -23,6 +23,9 @@ tier the group spans:
     send:                        a + S / b        (one point-to-point message, CDP's chain)
     all_to_all:       (n-1) a +   (n-1)/n * S / b    (pairwise exchange, S the local tensor)
 
+Optimizer step (memory-bound): t = traffic * updated bytes / bw_mem + ops * o per parameter
+tensor (:func:`optimizer_step_time`; AdamW touches 11 bytes per byte it updates).
+
 Memory per device (bytes): parameters, gradients and optimizer states of the local parameter
 shards (fp32 AdamW: 4 + 4 + 8 bytes per value; SGD with momentum 4 + 4 + 4; mixed precision
 (Micikevicius et al. 2018), parameters and gradients in the compute dtype and a float32 master copy
@@ -51,6 +54,22 @@ def dtype_itemsize(dtype: str) -> int:
     if key not in DTYPE_BYTES or "float" not in key:
         raise ValueError(f"unknown floating dtype {dtype!r}; known: {sorted(k.removeprefix('torch.') for k in DTYPE_BYTES if 'float' in k)}")
     return DTYPE_BYTES[key]
+
+
+# bytes read + written per updated byte and ops launched per parameter tensor by torch's
+# single-tensor optimizers: AdamW reads p, g, m, v and writes p, m, v (7) plus sqrt(v) and its
+# quotient as temporaries (written and read: 4); SGD with momentum reads p, g, buf and writes
+# p, buf (5) plus the weight-decayed gradient (2)
+STEP_TRAFFIC = {"adamw": (11, 10), "adam": (11, 9), "sgd": (7, 4), "sgd-momentum": (7, 4), "none": (0, 0)}
+
+
+def optimizer_step_time(optimizer: str, updated_bytes: float, hw: HardwareProfile) -> float:
+    """The optimizer's update of one parameter tensor (``updated_bytes``: what this rank updates):
+    memory-bound, t = traffic * bytes / bw_mem + ops * o."""
+    traffic, ops = STEP_TRAFFIC.get(optimizer, (0, 0))
+    if not updated_bytes or not traffic:
+        return 0.0
+    return traffic * updated_bytes / hw.memory_bandwidth + ops * hw.op_overhead
 
 
 def optimizer_bytes_per_value(optimizer: str, itemsize: int, master_itemsize: int | None) -> int:

@@ -55,15 +55,24 @@ class CommRecord(_Frozen):
 
 
 class MemoryBreakdown(_Frozen):
+    """Bytes per device. The terms do not all peak at once: activations are freed during backward
+    while gradients appear, and the optimizer step's temporaries come after both, so the peak is
+    params + optimizer + max(activations + transient, grads + transient, grads + step_transient)."""
+
     params: int
     grads: int
     optimizer: int
     activations: int
     transient: int
+    step_transient: int = 0
 
     @property
     def total(self) -> int:
-        return self.params + self.grads + self.optimizer + self.activations + self.transient
+        return peak_of(self.params, self.grads, self.optimizer, self.activations, self.transient, self.step_transient)
+
+
+def peak_of(params: float, grads: float, optimizer: float, activations: float, transient: float, step_transient: float) -> int:
+    return int(params + optimizer + max(activations + transient, grads + transient, grads + step_transient))
 
 
 class SolverInfo(_Frozen):

@@ -25,12 +25,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from planner.cdp import LOSS_TARGETS
-from planner.cost import comm_time, compute_time, dtype_itemsize, optimizer_bytes_per_value, ring_volume, steps_comms
+from planner.cost import comm_time, compute_time, dtype_itemsize, optimizer_bytes_per_value, optimizer_step_time, ring_volume, steps_comms
 from planner.hardware import HardwareProfile
 from planner.ir import InputRef, IRGraph, Node
 from planner.layout import Layout, Spec, spec_conversion
 from planner.mesh import Mesh
 from planner.overlap import prefetch_terms
+from planner.plan import peak_of
 from planner.rules import RuleContext, anchor_strategies, follow, is_follower
 from planner.rules.variants import regather_variants
 from planner.strategy import Comm, Strategy, dedupe
@@ -48,6 +49,7 @@ class Group:
     param_memory: list[tuple[float, float, float]] = field(default_factory=list)  # params, grads, optimizer
     comms: list[list[tuple[Comm, int]]] = field(default_factory=list)  # (comm, multiplicity) per strategy
     transient: list[float] = field(default_factory=list)
+    step_transient: list[float] = field(default_factory=list)  # gradient sync / optimizer step temporaries
 
 
 @dataclass
@@ -353,6 +355,16 @@ def _price_nodes(problem: Problem, optimizer: str, master_itemsize: int | None) 
                 p, g, o = group.param_memory[i]
                 group.param_memory[i] = (p + params * count, g + grads * count, o + states * count)
                 group.memory[i] += (params + grads + states) * count
+                # the step's temporaries: the all-reduce's copy of a gradient, and the optimizer's
+                # own (torch AdamW: sqrt(v) and its quotient, two tensors the size of what it
+                # updates; SGD with momentum: one)
+                updated = states / opt_factor if opt_factor else 0.0
+                t += optimizer_step_time(optimizer, updated, hw)
+                temps = (2 if optimizer in ("adamw", "adam") else 1) * updated
+                clone = params / (2 if problem.cdp == "v2" else 1) if any(c.kind == "all_reduce" for c in step) else 0.0
+                if not group.step_transient:
+                    group.step_transient = [0.0] * len(group.strategies)
+                group.step_transient[i] = max(group.step_transient[i], temps, clone)
             if problem.cdp != "off" and node.target in LOSS_TARGETS:  # CDP: local count x N, no all-reduce
                 comms = [c for c in comms if not (c.kind == "all_reduce" and set(c.axes) & set(mesh.dp_axes))]
             if node.name == consumers_of_output:
@@ -517,7 +529,9 @@ class Evaluation:
 
     @property
     def peak_memory(self) -> float:
-        return sum(self.memory.values())
+        """Lifetime-aware: see :class:`planner.plan.MemoryBreakdown`."""
+        m = self.memory
+        return float(peak_of(m["params"], m["grads"], m["optimizer"], m["activations"], m["transient"], m.get("step_transient", 0.0)))
 
 
 def layer_volume(problem: Problem, assignment: dict[str, int]) -> float:
@@ -544,7 +558,7 @@ def evaluate(problem: Problem, assignment: dict[str, int]) -> Evaluation:
     total = 0.0
     comm_t = 0.0
     params = grads = opt = act = 0.0
-    transient = 0.0
+    transient = step_t = 0.0
     comms: list[tuple[Comm, int]] = []
     for key, group in problem.groups.items():
         i = assignment[key]
@@ -555,6 +569,8 @@ def evaluate(problem: Problem, assignment: dict[str, int]) -> Evaluation:
         params, grads, opt = params + p, grads + g, opt + o
         act += group.memory[i] - p - g - o
         transient = max(transient, group.transient[i])
+        if group.step_transient:
+            step_t = max(step_t, group.step_transient[i])
         comms.extend(group.comms[i])
     for term in problem.conversions.values():
         if any(assignment[gu] in iu and assignment[gv] in iv for gu, iu, gv, iv in term.conditions):
@@ -585,5 +601,5 @@ def evaluate(problem: Problem, assignment: dict[str, int]) -> Evaluation:
         if problem.zero_stage == 1:
             average, busiest = cdp_owner_bytes(problem, assignment)
             opt += busiest - average
-    memory = {"params": params, "grads": grads, "optimizer": opt, "activations": act, "transient": transient}
+    memory = {"params": params, "grads": grads, "optimizer": opt, "activations": act, "transient": transient, "step_transient": step_t}
     return Evaluation(total - hidden, total - comm_t, comm_t, memory, tuple(comms), hidden)

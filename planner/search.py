@@ -261,7 +261,7 @@ def _breakdown(ev: Evaluation) -> MemoryBreakdown:
     m = ev.memory
     return MemoryBreakdown(
         params=int(m["params"]), grads=int(m["grads"]), optimizer=int(m["optimizer"]),
-        activations=int(m["activations"]), transient=int(m["transient"]),
+        activations=int(m["activations"]), transient=int(m["transient"]), step_transient=int(m["step_transient"]),
     )
 
 

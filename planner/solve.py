@@ -8,11 +8,16 @@ Variables:
     x[g,i] in {0,1}   strategy i chosen for group g
     y[c]   in [0,1]   conversion c is executed   (integral at the optimum: it is pushed down)
     z[h]   in [0,1]   tensor h is held
-    T      >= 0       the largest transient working set
+    T      >= 0       the largest transient working set of an op
+    S      >= 0       the largest temporary of the gradient sync / optimizer step
+    Z      >= 0       the part of the peak that changes over the step
 
 Minimise   Time / t_unit + eps * M / m_unit
 where      Time = sum_{g,i} time[g,i] x[g,i] + sum_c cost[c] y[c]          (seconds)
-           M = sum_{g,i} mem[g,i] x[g,i] + sum_h bytes[h] z[h] + T     (bytes per device)
+           M = PO + Z                                                      (bytes per device)
+           PO = sum_{g,i} (params + optimizer)[g,i] x[g,i]
+           G  = sum_{g,i} grads[g,i] x[g,i]
+           A  = sum_{g,i} (mem - params - grads - optimizer)[g,i] x[g,i] + sum_h bytes[h] z[h]
 
 subject to (each family is one function below; constraints carry their family's name)
     one_strategy:  sum_i x[g,i] = 1                                     for every g
@@ -22,6 +27,9 @@ subject to (each family is one function below; constraints carry their family's 
                    when gu = gv the pair collapses to y[c] >= sum_{i in I and J} x[gu,i]
     hold:          z[h] >= sum_{j in J} x[gv,j]       (or the pair form, for gathered weights)
     transient:     T >= sum_i transient[g,i] x[g,i]                     for every g
+                   S >= sum_i step_transient[g,i] x[g,i]                for every g
+    peak:          Z >= A + T,  Z >= G + T,  Z >= G + S   (activations are freed in backward as
+                   gradients appear; the step's temporaries come after: planner.plan.MemoryBreakdown)
     memory_budget: M <= budget
 
 ``t_unit`` and ``m_unit`` are the largest time and memory coefficients of the problem, so every
@@ -100,7 +108,9 @@ class _Model:
         self.y = {key: lp.add_variable(f"y_{k}", 0, 1) for k, key in enumerate(problem.conversions)}
         self.z = {key: lp.add_variable(f"z_{k}", 0, 1) for k, key in enumerate(problem.holds)}
         self.transient = lp.add_variable("transient", 0)
-        mem = [m for g in problem.groups.values() for m in (*g.memory, *g.transient)] + [h.nbytes for h in problem.holds.values()]
+        self.step_transient = lp.add_variable("step_transient", 0)
+        self.peak = lp.add_variable("peak", 0)
+        mem = [m for g in problem.groups.values() for m in (*g.memory, *g.transient, *g.step_transient)] + [h.nbytes for h in problem.holds.values()]
         self.m_unit = max([abs(m) for m in mem if m] or [1.0])
         times = [t for g in problem.groups.values() for t in g.time] + [c.cost for c in problem.conversions.values()]
         self.t_unit = max([abs(t) for t in times if t] or [1.0])
@@ -108,6 +118,7 @@ class _Model:
         self.conversion()
         self.hold()
         self.transient_bound()
+        self.peak_bound()
 
     def time_expr(self) -> pulp.LpAffineExpression:
         p = self.problem
@@ -116,13 +127,28 @@ class _Model:
         terms += [(self.y[key], term.cost / u) for key, term in p.conversions.items() if term.cost]
         return pulp.LpAffineExpression(terms)
 
-    def memory_expr(self) -> pulp.LpAffineExpression:
-        p = self.problem
-        u = self.m_unit
-        terms = [(v, grp.memory[i] / u) for g, grp in p.groups.items() for i, v in enumerate(self.x[g]) if grp.memory[i]]
-        terms += [(self.z[key], h.nbytes / u) for key, h in p.holds.items() if h.nbytes]
-        terms.append((self.transient, 1.0))
+    def _terms(self, part: str) -> pulp.LpAffineExpression:
+        """PO (params + optimizer), G (grads) or A (activations, with the held tensors)."""
+        p, u = self.problem, self.m_unit
+        terms = []
+        for g, grp in p.groups.items():
+            for i, v in enumerate(self.x[g]):
+                pm, gm, om = grp.param_memory[i]
+                value = {"PO": pm + om, "G": gm, "A": grp.memory[i] - pm - gm - om}[part]
+                if value:
+                    terms.append((v, value / u))
+        if part == "A":
+            terms += [(self.z[key], h.nbytes / u) for key, h in p.holds.items() if h.nbytes]
         return pulp.LpAffineExpression(terms)
+
+    def memory_expr(self) -> pulp.LpAffineExpression:
+        return self._terms("PO") + self.peak
+
+    def peak_bound(self) -> None:
+        activations, grads = self._terms("A"), self._terms("G")
+        self.lp += self.peak >= activations + self.transient, "peak_forward"
+        self.lp += self.peak >= grads + self.transient, "peak_backward"
+        self.lp += self.peak >= grads + self.step_transient, "peak_step"
 
     def _sum(self, g: str, idx: frozenset[int]) -> pulp.LpAffineExpression:
         return pulp.lpSum(self.x[g][i] for i in idx)
@@ -164,6 +190,9 @@ class _Model:
             if any(grp.transient):
                 expr = pulp.lpSum(t / self.m_unit * v for t, v in zip(grp.transient, self.x[g], strict=True))
                 self.lp += self.transient >= expr, f"transient_{self.gid[g]}"
+            if any(grp.step_transient):
+                expr = pulp.lpSum(t / self.m_unit * v for t, v in zip(grp.step_transient, self.x[g], strict=True))
+                self.lp += self.step_transient >= expr, f"step_transient_{self.gid[g]}"
 
     def memory_budget(self, budget: float) -> None:
         self.lp += self.memory_expr() <= budget / self.m_unit, "memory_budget"

@@ -95,7 +95,9 @@ def _graph(name: str):
     if name == "repeated":
         with torch.device("meta"):
             model = Repeated(4096, 1024, 3)
-        return trace(model, _meta_inputs(64, 4096))
+        # a batch whose activations rival the weights: under the lifetime-aware peak the
+        # trade-off between sharding weights and activations needs both to matter (7 Pareto plans)
+        return trace(model, _meta_inputs(2048, 4096))
     raise KeyError(name)
 
 
@@ -189,11 +191,11 @@ def test_brute_force_cases_are_small_and_have_memory_time_tradeoffs() -> None:
     for name in CASES:
         c = case(name)
         assert 1_000 <= c.time.size <= 200_000
-        assert len(c.pareto()) >= 3, name  # at least two binding budgets to probe
+        assert len(c.pareto()) >= 2, name  # binding budgets to probe (wide-two-linear keeps 2 under the lifetime-aware peak)
     assert case("repeated/dp1xtp2").problem.groups["linear"].count == 3  # shared blocks
-    # Pareto plans only a bias / label tensor apart: budgets between them are binding to the byte
+    # Pareto plans only a small tensor apart: budgets between them are binding to the byte
     front = case("wide-two-linear/dp2xtp2").pareto()
-    assert min(b[0] - a[0] for a, b in itertools.pairwise(front)) <= 1024
+    assert min(b[0] - a[0] for a, b in itertools.pairwise(front)) <= 8192  # 8 KiB apart on 256 MiB
 
 
 # --------------------------------------------------------------------------- time objective
