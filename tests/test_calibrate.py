@@ -1,0 +1,75 @@
+"""The cost model's measurements: calibration, the alpha-beta fit, live-tensor accounting."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from planner.hardware import PRESETS, load_profile
+from runtime.calibrate import fit_alpha_beta
+from runtime.memory import LiveMemory
+
+
+def test_the_alpha_beta_fit_recovers_latency_and_bandwidth() -> None:
+    """Timings made from t = steps * alpha + volume * S / b with alpha = 50 us, b = 2 GB/s."""
+    alpha, b, n = 50e-6, 2e9, 4
+    rows = []
+    for size in (2**12, 2**16, 2**20, 2**24):
+        rows.append(("all_reduce", size, 2 * (n - 1) * alpha + 2 * (n - 1) / n * size / b))
+        rows.append(("all_gather", size * n, (n - 1) * alpha + (n - 1) / n * size * n / b))
+    fit_a, fit_b = fit_alpha_beta(rows, n)
+    assert fit_a == pytest.approx(alpha, rel=1e-6) and fit_b == pytest.approx(b, rel=1e-6)
+
+
+def test_live_memory_counts_parameters_and_adamw_states() -> None:
+    model = torch.nn.Linear(256, 128)
+    opt = torch.optim.AdamW(model.parameters())
+    param_bytes = sum(p.numel() * 4 for p in model.parameters())
+    mem = LiveMemory()
+    with mem:
+        mem.track(list(model.parameters()))
+        assert mem.current == param_bytes
+        model(torch.randn(32, 256)).sum().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    states = sum(t.numel() * t.element_size() for st in opt.state.values() for t in st.values() if t.dim() > 0)
+    assert states == 2 * param_bytes
+    assert mem.current >= param_bytes + states and mem.peak >= mem.current + param_bytes  # the gradients existed
+
+
+def test_every_preset_cites_its_sources_and_small_ops_pay_the_launch_overhead() -> None:
+    from models import build_model, example_inputs
+    from planner.cost import compute_time
+    from planner.mesh import Mesh
+    from planner.problem import build_problem
+    from planner.trace import trace
+
+    for hw in PRESETS.values():
+        assert hw.sources and hw.op_overhead > 0, hw.name
+    graph = trace(build_model("mlp-tiny"), *example_inputs("mlp-tiny", batch=4))
+    problem = build_problem(graph, Mesh(("dp", "tp"), (1, 1)), PRESETS["a100-80g"])
+    node = next(n for n in graph.nodes.values() if n.kind == "op")
+    s = problem.choices[node.name][0]
+    assert compute_time(node, s, problem.mesh, PRESETS["a100-80g"], 0) >= 3 * PRESETS["a100-80g"].op_overhead
+
+
+def test_planner_calibrate_quick_writes_a_profile_the_report_uses(tmp_path: Path) -> None:
+    from planner.cli import main
+
+    out = tmp_path / "cpu.json"
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        assert main(["calibrate", "--out", str(out), "--quick", "--world", "2"]) == 0
+    profile = load_profile(str(out))
+    data = json.loads(out.read_text())
+    assert profile.peak_flops["torch.float32"] > 1e8 and profile.memory_bandwidth > 1e8
+    assert profile.intra_node.bandwidth > 0 and profile.op_overhead > 0
+    assert "measured by planner calibrate --quick" in data["sources"]["peak_flops"]
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text):
+        assert main(["report", "gpt-tiny", "--devices", "2", "--tp", "none", "--hardware", str(out)]) == 0
+    assert "hardware calibrated-cpu" in text.getvalue()
