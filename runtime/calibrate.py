@@ -166,7 +166,7 @@ def calibrate(*, quick: bool = False, world: int = 2, name: str | None = None) -
     share its cores, so each gets its share of the compute; GPUs are measured one per process)."""
     gpu = torch.cuda.is_available()
     world = max(1, min(world, torch.cuda.device_count()) if gpu else world)
-    repeats = 3 if quick else 10
+    repeats = 5 if quick else 10
     sizes = [64, 128, 256, 512] if quick else [64, 128, 256, 512, 1024, 2048] + ([4096, 8192] if gpu else [])
     dtypes = [torch.bfloat16, torch.float16, torch.float32] if gpu else [torch.float32, torch.float64]
     coll_sizes = [2**12, 2**16, 2**20] if quick else [2**12, 2**14, 2**16, 2**18, 2**20, 2**22, 2**24]
