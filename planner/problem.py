@@ -321,6 +321,7 @@ def input_bytes(graph: IRGraph, node: Node, strategy: Strategy, mesh: Mesh) -> i
 
 def _price_nodes(problem: Problem, optimizer: str, master_itemsize: int | None) -> None:
     graph, mesh, hw = problem.graph, problem.mesh, problem.hardware
+    consumers_of = graph.consumers()
     consumers_of_output = graph.nodes["output"].inputs[0].node
     for node in graph.nodes.values():
         if node.kind == "output" or node.template != node.name:
@@ -355,16 +356,22 @@ def _price_nodes(problem: Problem, optimizer: str, master_itemsize: int | None) 
                 p, g, o = group.param_memory[i]
                 group.param_memory[i] = (p + params * count, g + grads * count, o + states * count)
                 group.memory[i] += (params + grads + states) * count
-                # the step's temporaries: the all-reduce's copy of a gradient, and the optimizer's
-                # own (torch AdamW: sqrt(v) and its quotient, two tensors the size of what it
-                # updates; SGD with momentum: one)
+                # the step's temporaries: the all-reduce's copy of a gradient (ZeRO-1/2: the
+                # reduce-scatter's chunks, then the all-gather's parts and their concatenation, two
+                # copies of the parameter), and the optimizer's own (torch AdamW: sqrt(v) and its
+                # quotient, two tensors the size of what it updates; SGD with momentum: one)
+                local = params / (2 if problem.cdp == "v2" else 1)
                 updated = states / opt_factor if opt_factor else 0.0
                 t += optimizer_step_time(optimizer, updated, hw)
                 temps = (2 if optimizer in ("adamw", "adam") else 1) * updated
-                clone = params / (2 if problem.cdp == "v2" else 1) if any(c.kind == "all_reduce" for c in step) else 0.0
+                kinds = {c.kind for c in step}
+                sync = 2 * local if "all_gather" in kinds else local if kinds & {"all_reduce", "reduce_scatter"} else 0.0
                 if not group.step_transient:
                     group.step_transient = [0.0] * len(group.strategies)
-                group.step_transient[i] = max(group.step_transient[i], temps, clone)
+                group.step_transient[i] = max(group.step_transient[i], temps, sync)
+                if sum(1 for c, _ in consumers_of[node.name] if graph.nodes[c].kind == "op") > 1:
+                    # a weight read twice (tied): backward holds both gradient contributions while summing
+                    group.transient[i] = max(group.transient[i], local)
             if problem.cdp != "off" and node.target in LOSS_TARGETS:  # CDP: local count x N, no all-reduce
                 comms = [c for c in comms if not (c.kind == "all_reduce" and set(c.axes) & set(mesh.dp_axes))]
             if node.name == consumers_of_output:
