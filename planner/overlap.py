@@ -11,7 +11,7 @@ g_{k-1}'s consumer up to g_k's consumer run their forward:
 (t_op the roofline time of :func:`planner.cost.compute_time`, split by the op's forward share of
 FLOPs), and while consumer(k-1) runs, g_k's gathered bytes are held on top of its working set:
 
-    transient = max_k (transient(consumer(k-1)) + bytes(g_k))
+    transient = max_k (transient(consumer(k-1)) + bytes(g_k))   (g_k not kept for backward)
 
 The ILP's objective is linear and cannot take these minima: it prices without overlap, and the
 chosen plan is re-priced here (:func:`planner.problem.evaluate`), whose memory the solver then
@@ -37,6 +37,7 @@ class Gather:
     position: int  # the consumer's index in graph order
     seconds: float
     nbytes: int  # gathered bytes
+    kept: bool = True  # saved for backward by its consumer (already among the activations)
 
 
 def parameter_gathers(problem: Problem, assignment: dict[str, int]) -> list[Gather]:
@@ -55,13 +56,15 @@ def parameter_gathers(problem: Problem, assignment: dict[str, int]) -> list[Gath
             stored = problem.choices[producer.name][assignment[problem.node_group[producer.name]]].outputs[0]
             assert stored is not None
             want = s.inputs[pos]
-            if want == stored and pos in regather:  # arrives as stored; the kernel gathers it
+            kept = True
+            if want == stored and pos in regather:  # arrives as stored; the kernel gathers it (and frees it)
                 want = regather[pos]
+                kept = False
             steps = spec_conversion(stored, want, mesh).forward
             if len(steps) != 1 or steps[0].kind != "all_gather" or mesh.group_size(steps[0].axes) <= 1:
                 continue
             comms = steps_comms(steps, producer.out.nbytes // stored.layout.shard_factor(mesh), mesh, "fwd")
-            out.append(Gather(node.name, position, sum(comm_time(c, mesh, hw) for c in comms), comms[0].nbytes))
+            out.append(Gather(node.name, position, sum(comm_time(c, mesh, hw) for c in comms), comms[0].nbytes, kept))
     return out
 
 
@@ -94,5 +97,8 @@ def prefetch_terms(problem: Problem, assignment: dict[str, int]) -> tuple[float,
         window = sum(fwd[prev.position : cur.position])
         hidden += min(cur.seconds, window)
         group = problem.groups[problem.node_group[prev.consumer]]
-        transient = max(transient, group.transient[assignment[problem.node_group[prev.consumer]]] + cur.nbytes)
+        # a gathered weight its consumer keeps for backward is counted among the activations
+        # already; one it frees again is held here on top of the running op's working set
+        in_flight = 0 if cur.kept else cur.nbytes
+        transient = max(transient, group.transient[assignment[problem.node_group[prev.consumer]]] + in_flight)
     return hidden, transient
