@@ -58,7 +58,6 @@ class ConversionTerm:
     cost: float  # seconds, all instances
     comms: tuple[Comm, ...]
     producers: set[str] = field(default_factory=set)  # producer node instances paying it
-    transient: float = 0.0  # bytes of its working set: the local tensor before and after (each way)
     # y >= [producer group in idx_u] + [consumer group in idx_v] - 1
     conditions: list[tuple[str, frozenset[int], str, frozenset[int]]] = field(default_factory=list)
 
@@ -462,8 +461,7 @@ def _price_edges(problem: Problem) -> None:
                 ck = (src, dst, meta.nbytes, u.requires_grad)
                 if ck not in conv_cache:
                     conv_cache[ck] = _conversion_comms(src, dst, meta.nbytes, u.requires_grad and meta.is_float, mesh)
-                working = meta.nbytes // src.layout.shard_factor(mesh) + meta.nbytes // dst.layout.shard_factor(mesh)
-                term = ConversionTerm(key, 0.0, conv_cache[ck], transient=float(working))
+                term = ConversionTerm(key, 0.0, conv_cache[ck])
                 problem.conversions[key] = term
             term.producers |= producers
             cond = (gu, iu, gv, iv)
@@ -585,7 +583,6 @@ def evaluate(problem: Problem, assignment: dict[str, int]) -> Evaluation:
         if any(assignment[gu] in iu and assignment[gv] in iv for gu, iu, gv, iv in term.conditions):
             total += term.cost
             comm_t += term.cost
-            transient = max(transient, term.transient)
             comms.extend((c, term.count) for c in term.comms)
     for hold in problem.holds.values():
         if any(assignment[gu] in iu and (gv is None or assignment[gv] in iv) for gu, iu, gv, iv in hold.conditions):

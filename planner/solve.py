@@ -27,7 +27,6 @@ subject to (each family is one function below; constraints carry their family's 
                    when gu = gv the pair collapses to y[c] >= sum_{i in I and J} x[gu,i]
     hold:          z[h] >= sum_{j in J} x[gv,j]       (or the pair form, for gathered weights)
     transient:     T >= sum_i transient[g,i] x[g,i]                     for every g
-                   T >= transient[c] y[c]                               for every conversion c
                    S >= sum_i step_transient[g,i] x[g,i]                for every g
     peak:          Z >= A + T,  Z >= G + T,  Z >= G + S   (activations are freed in backward as
                    gradients appear; the step's temporaries come after: planner.plan.MemoryBreakdown)
@@ -112,7 +111,6 @@ class _Model:
         self.step_transient = lp.add_variable("step_transient", 0)
         self.peak = lp.add_variable("peak", 0)
         mem = [m for g in problem.groups.values() for m in (*g.memory, *g.transient, *g.step_transient)] + [h.nbytes for h in problem.holds.values()]
-        mem += [c.transient for c in problem.conversions.values()]
         self.m_unit = max([abs(m) for m in mem if m] or [1.0])
         times = [t for g in problem.groups.values() for t in g.time] + [c.cost for c in problem.conversions.values()]
         self.t_unit = max([abs(t) for t in times if t] or [1.0])
@@ -195,9 +193,6 @@ class _Model:
             if any(grp.step_transient):
                 expr = pulp.lpSum(t / self.m_unit * v for t, v in zip(grp.step_transient, self.x[g], strict=True))
                 self.lp += self.step_transient >= expr, f"step_transient_{self.gid[g]}"
-        for k, (key, term) in enumerate(self.problem.conversions.items()):
-            if term.transient:
-                self.lp += self.transient >= term.transient / self.m_unit * self.y[key], f"transient_conversion_{k}"
 
     def memory_budget(self, budget: float) -> None:
         self.lp += self.memory_expr() <= budget / self.m_unit, "memory_budget"
