@@ -85,6 +85,7 @@ class StagedRunner:
                 users = [self.stage_of[u.name] for u in node.users if u.name in self.stage_of]
                 self.param_stage[str(node.target)] = min(users, default=0)
         self.stage_params: list[list[str]] = [[a for a, s in self.param_stage.items() if s == stage] for stage in range(self.num_stages)]
+        self._input_index = {n.name: i for i, n in enumerate(n for n in self.sources if n.op == "placeholder")}
         self._consumers: dict[str, set[int]] = {}
         for node in gm.graph.nodes:
             for a in node.all_input_nodes:
@@ -92,6 +93,10 @@ class StagedRunner:
                     stage = self.stage_of.get(node.name, self.num_stages - 1)
                     if stage != self.stage_of[a.name]:
                         self._consumers.setdefault(a.name, set()).add(stage)
+        self._boundaries = [
+            tuple(name for name, consumers in self._consumers.items() if self.stage_of[name] < stage and max(consumers) >= stage)
+            for stage in range(self.num_stages)
+        ]
 
     # ----------------------------------------------------------------- forward
 
@@ -100,8 +105,7 @@ class StagedRunner:
 
     def _source(self, node: torch.fx.Node, mb: MicroBatch) -> Any:
         if node.op == "placeholder":
-            index = [n for n in self.sources if n.op == "placeholder"].index(node)
-            return mb.inputs[index]
+            return mb.inputs[self._input_index[node.name]]
         target = str(node.target)
         if mb.params is not None and target in mb.params:
             return mb.params[target]
@@ -148,10 +152,10 @@ class StagedRunner:
                 out[str(node.target)] = {self.stage_of[u.name] for u in node.users if u.name in self.stage_of}
         return out
 
-    def boundary(self, stage: int) -> list[str]:
+    def boundary(self, stage: int) -> tuple[str, ...]:
         """Values produced before ``stage`` that ``stage`` or a later one reads (what crosses the cut
         into ``stage`` when stages live on different devices)."""
-        return [name for name, consumers in self._consumers.items() if self.stage_of[name] < stage and max(consumers) >= stage]
+        return self._boundaries[stage]
 
     def backward(self, mb: MicroBatch, stage: int, output_grads: dict[str, Any] | None = None) -> None:
         """Backward of ``stage``: its outputs' gradients are those its later-stage leaves received
@@ -311,7 +315,7 @@ class CDPTrainer:
 
     def _reduce_stage(self, stage: int) -> None:
         """Chain-sum stage ``stage``'s gradient toward its owner; post the ring receive."""
-        n, big_n, t = self.worker, self.num_workers, self.step_index
+        big_n, t = self.num_workers, self.step_index
         if not self.runner.stage_params[stage]:
             return  # a stage without parameters sends nothing
         buf = self._flat(stage, grads=True)
@@ -329,7 +333,6 @@ class CDPTrainer:
             self._totals[(t, stage)] = buf
             if big_n > 1 and not self.zero:  # the sum itself goes around the ring
                 self._send(buf, self._worker_at(stage, 0), t, stage, 1)
-        del n
 
     def _finish_ring(self, key: tuple[int, int], wait: bool) -> None:
         work, incoming = self._ring[key]
@@ -483,14 +486,14 @@ class SavedTensorMeter:
     keeps a weak reference to each saved tensor; a storage counts while any of them is alive."""
 
     def __init__(self, exclude: list[torch.Tensor]) -> None:
-        self.param_storages = {t.untyped_storage().data_ptr() for t in exclude}
+        self.excluded = {t.untyped_storage().data_ptr() for t in exclude}
         self.saved: list[tuple[weakref.ref[torch.Tensor], int, int]] = []
 
     def track_all(self, tensors: list[torch.Tensor]) -> None:
         """Count ``tensors`` as held too (a stage's outputs kept for the stages after it)."""
         for t in tensors:
             storage = t.untyped_storage()
-            if storage.data_ptr() not in self.param_storages:
+            if storage.data_ptr() not in self.excluded:
                 self.saved.append((weakref.ref(t), storage.data_ptr(), storage.nbytes()))
 
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
@@ -499,7 +502,7 @@ class SavedTensorMeter:
             # grad_fn in a reference cycle that only the garbage collector breaks
             alias = t.detach()
             storage = alias.untyped_storage()
-            if storage.data_ptr() not in self.param_storages:
+            if storage.data_ptr() not in self.excluded:
                 self.saved.append((weakref.ref(alias), storage.data_ptr(), storage.nbytes()))
             return alias
 

@@ -36,7 +36,7 @@ import torch.distributed.checkpoint as dcp
 from planner.layout import Layout
 from runtime.collectives import CommRecorder, all_gather, relayout
 from runtime.module import ParallelModule
-from runtime.precision import MasterWeights
+from runtime.precision import find_master_weights
 
 CHECKPOINT_VERSION = 2
 
@@ -102,14 +102,6 @@ def read_state(path: str | os.PathLike[str]) -> dict[str, Any]:
     return state
 
 
-def _master_weights(optimizer: Any) -> MasterWeights | None:
-    while optimizer is not None:
-        if isinstance(optimizer, MasterWeights):
-            return optimizer
-        optimizer = getattr(optimizer, "inner", None)
-    return None
-
-
 def _inner(optimizer: Any) -> torch.optim.Optimizer:
     """The torch optimizer under the ZeRO and master-weight wrappers."""
     while hasattr(optimizer, "inner"):
@@ -121,7 +113,7 @@ def _state_key(pm: ParallelModule, optimizer: Any, attr: str) -> torch.nn.Parame
     """The tensor the torch optimizer keys ``attr``'s state by: the parameter, its ZeRO slice, or
     the master copy of either."""
     key = pm.zero.shards[attr] if pm.zero is not None and attr in pm.zero.shards else pm.graph_module.get_parameter(attr)
-    masters = _master_weights(optimizer)
+    masters = find_master_weights(optimizer)
     return masters.master_of(key) if masters is not None else key
 
 
@@ -145,7 +137,7 @@ def _local(pm: ParallelModule, attr: str, full: torch.Tensor, *, zero_slice: boo
 def full_optimizer_state(pm: ParallelModule, optimizer: Any) -> dict[str, dict[str, Any]]:
     """Every parameter's optimizer state at full shape, keyed by its first name (all ranks call)."""
     state = _inner(optimizer).state
-    with_master = _master_weights(optimizer) is not None
+    with_master = find_master_weights(optimizer) is not None
     out: dict[str, dict[str, Any]] = {}
     for attr in pm.param_specs:
         key = _state_key(pm, optimizer, attr)
@@ -178,7 +170,7 @@ def load_checkpoint(pm: ParallelModule, optimizer: Any, path: str | os.PathLike[
             name, _, k = entry[len("optimizer/"):].rpartition("/")
             saved_states.setdefault(name, {})[k] = value
     state = _inner(optimizer).state
-    with_master = _master_weights(optimizer) is not None
+    with_master = find_master_weights(optimizer) is not None
     with torch.no_grad():
         for attr, p in pm.local_parameters().items():
             names = pm.param_names[attr]

@@ -26,7 +26,7 @@ from planner.layout import Layout, Spec
 from planner.plan import Plan
 from runtime.collectives import CommRecorder, all_reduce, relayout
 from runtime.groups import MeshGroups
-from runtime.precision import MasterWeights
+from runtime.precision import MasterWeights, find_master_weights
 from runtime.zero import ZeroOptimizer, ZeroShards
 
 
@@ -185,8 +185,8 @@ class ParallelModule(torch.nn.Module):
         if self.zero is not None:
             grads += [s.grad for s in self.zero.shards.values() if s.grad is not None]
         states = [t for st in optimizer.state.values() for t in st.values() if isinstance(t, torch.Tensor) and t.dim() > 0]
-        masters = optimizer.inner if hasattr(optimizer, "shards") else optimizer
-        states += getattr(masters, "masters", [])
+        masters = find_master_weights(optimizer)
+        states += masters.masters if masters is not None else []
         return {"params": size(params), "grads": size(grads), "optimizer": size(states)}
 
     def executed_comms(self) -> Counter[tuple[str, tuple[str, ...], int, str]]:

@@ -18,7 +18,40 @@ from typing import Any
 import torch
 
 
-class MasterWeights:
+class OptimizerWrapper:
+    """What the runtime's optimizer wrappers share: the torch optimizer (or wrapper) they drive,
+    ``inner``, whose state and param groups they expose, and the model parameters whose gradients
+    ``zero_grad`` drops besides the inner optimizer's (``wrapped_params``)."""
+
+    inner: Any
+
+    def wrapped_params(self) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.inner.zero_grad(set_to_none=set_to_none)
+        for p in self.wrapped_params():
+            p.grad = None
+
+    @property
+    def state(self) -> Any:
+        return self.inner.state
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.inner.param_groups  # type: ignore[no-any-return]
+
+
+def find_master_weights(optimizer: Any) -> MasterWeights | None:
+    """The MasterWeights inside a chain of wrappers (``.inner``), if any."""
+    while optimizer is not None:
+        if isinstance(optimizer, MasterWeights):
+            return optimizer
+        optimizer = getattr(optimizer, "inner", None)
+    return None
+
+
+class MasterWeights(OptimizerWrapper):
     """A torch optimizer over ``master_dtype`` copies of ``params``; ``step`` writes them back."""
 
     def __init__(self, params: list[torch.nn.Parameter], optimizer_class: type[torch.optim.Optimizer], master_dtype: torch.dtype, **kwargs: Any) -> None:
@@ -39,15 +72,5 @@ class MasterWeights:
                 p.copy_(m)
                 m.grad = None  # master gradients live only during the step
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.inner.zero_grad(set_to_none=set_to_none)
-        for p in self.params:
-            p.grad = None
-
-    @property
-    def state(self) -> Any:
-        return self.inner.state
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self.inner.param_groups
+    def wrapped_params(self) -> list[torch.Tensor]:
+        return list(self.params)

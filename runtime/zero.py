@@ -18,6 +18,7 @@ import torch
 from planner.problem import zero_dim
 from runtime.collectives import CommRecorder, all_gather, all_reduce, reduce_scatter
 from runtime.groups import MeshGroups
+from runtime.precision import OptimizerWrapper
 
 
 class ZeroShards:
@@ -94,7 +95,7 @@ class ZeroShards:
         return all_gather(g.detach(), self.axes[name], self.dims[name], self.mg, CommRecorder(), "step")
 
 
-class ZeroOptimizer:
+class ZeroOptimizer(OptimizerWrapper):
     """An optimizer over this rank's slices (``inner``, built on ``shards.optimizer_params()``);
     ``step`` updates them and gathers the parameters."""
 
@@ -106,15 +107,5 @@ class ZeroOptimizer:
         self.inner.step()
         self.shards.gather_updated()
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.inner.zero_grad(set_to_none=set_to_none)
-        for p in self.shards.params.values():
-            p.grad = None
-
-    @property
-    def state(self) -> Any:
-        return self.inner.state
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self.inner.param_groups  # type: ignore[no-any-return]
+    def wrapped_params(self) -> list[torch.Tensor]:
+        return list(self.shards.params.values())
