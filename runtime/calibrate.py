@@ -89,6 +89,14 @@ def measure_memory_bandwidth(device: torch.device, min_seconds: float) -> float:
 
 
 def _collective_worker(rank: int, world: int, port: int, sizes: list[int], repeats: int, backend: str, compute: dict[str, Any], out: Any) -> None:
+    try:
+        _benchmark(rank, world, port, sizes, repeats, backend, compute, out)
+    except BaseException as exc:  # tell the parent instead of leaving it waiting on the queue
+        out.put(f"rank {rank}: {type(exc).__name__}: {exc}")
+        raise
+
+
+def _benchmark(rank: int, world: int, port: int, sizes: list[int], repeats: int, backend: str, compute: dict[str, Any], out: Any) -> None:
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -135,6 +143,11 @@ def measure_on_world(world: int, sizes: list[int], repeats: int, backend: str, c
     for p in procs:
         p.start()
     result = queue.get()
+    if isinstance(result, str):
+        for p in procs:
+            p.terminate()
+            p.join()
+        raise RuntimeError(f"a calibration process failed: {result}")
     for p in procs:
         p.join()
         if p.exitcode != 0:
