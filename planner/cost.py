@@ -3,13 +3,16 @@
 Compute (roofline, Williams et al. 2009): an op's time is the larger of its FLOPs over achieved
 FLOP/s and the bytes it touches over memory bandwidth,
 
-    t_op = 3 o + max(F_local / (eff * peak[dtype]), 3 * B_local / bw_mem)
+    t_op = 3 o + max(F_local / (eff(dtype, F_fwd_local) * peak[dtype]), 3 * B_local / bw_mem)
 
 with F_local its forward+backward FLOPs divided by the number of ways its work is split and
 B_local the local bytes of its inputs and output (the factor 3: forward reads/writes them once,
 backward about twice), and ``o`` the fixed launch cost of one op (``op_overhead``: one forward
 and about two backward launches). The fixed cost is what makes high tensor-parallel degrees slow
-on small shards: F_local shrinks with the degree, the launches do not.
+on small shards: F_local shrinks with the degree, the launches do not. ``eff`` is the fraction of
+peak one matmul of that size reaches beyond its launch cost (:meth:`HardwareProfile.efficiency`:
+a constant in the presets, a curve measured by ``planner calibrate``), which also falls for small
+shards: tiles too small to block well.
 
 Collectives (alpha-beta, ring algorithms; Thakur, Rabenseifner & Gropp 2005), for a group of
 ``n`` ranks, payload ``S`` bytes per rank (all-reduce: the tensor; all-gather: the gathered
@@ -132,7 +135,8 @@ def compute_time(node: Node, strategy: Strategy, mesh: Mesh, hw: HardwareProfile
         if meta is not None and spec is not None:
             out_bytes += meta.nbytes // max(spec.layout.shard_factor(mesh), 1)
     dtype = next((m.dtype for m in node.outputs if m is not None), "torch.float32")
-    t_flops = flops / (hw.compute_efficiency * hw.flops(dtype))
+    # efficiency by the size of one launch: the forward matmul (backward runs two of that size)
+    t_flops = flops / (hw.efficiency(dtype, node.flops_fwd / split) * hw.flops(dtype))
     t_bytes = 3 * (in_bytes + out_bytes) / hw.memory_bandwidth
     return 3 * hw.op_overhead + max(t_flops, t_bytes)
 

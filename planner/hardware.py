@@ -10,7 +10,9 @@ are assumptions in the GPU presets and measured by ``planner calibrate`` on the 
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -37,12 +39,38 @@ class HardwareProfile(BaseModel):
     compute_efficiency: float = Field(0.6, gt=0, le=1, description="fraction of peak FLOP/s large matmuls reach")
     bandwidth_efficiency: float = Field(0.8, gt=0, le=1, description="fraction of link bandwidth collectives reach")
     op_overhead: float = Field(5e-6, ge=0, description="seconds per op launch (forward + backward counted as 3 launches)")
+    matmul_efficiency: dict[str, list[tuple[float, float]]] = Field(
+        default_factory=dict,
+        description="by dtype, (FLOPs of one matmul, fraction of peak it reaches beyond the launch cost) points, "
+        "interpolated in log FLOPs and held flat past the ends; measured by planner calibrate. "
+        "A dtype without points uses compute_efficiency at every size",
+    )
     sources: dict[str, str] = Field(default_factory=dict, description="where each number comes from")
 
     def flops(self, dtype: str) -> float:
         if dtype in self.peak_flops:
             return self.peak_flops[dtype]
         return self.peak_flops.get("torch.float32", min(self.peak_flops.values()))
+
+    def efficiency(self, dtype: str, flops: float) -> float:
+        """Fraction of ``peak_flops[dtype]`` one matmul of ``flops`` FLOPs reaches, its launch cost
+        apart. Small matmuls run below peak for two reasons: the fixed launch cost (``op_overhead``,
+        priced separately: Hockney's half-performance model t = (F + F_half) / r_inf is exactly a
+        fixed start-up cost) and poorer blocking/caching of small tiles, which the calibrated points
+        carry. Piecewise linear in log F between measured points, flat outside them."""
+        points = self.matmul_efficiency.get(dtype) or self.matmul_efficiency.get("torch.float32")
+        if not points or flops <= 0:
+            return self.compute_efficiency
+        if flops <= points[0][0]:
+            return points[0][1]
+        if flops >= points[-1][0]:
+            return points[-1][1]
+        x = math.log(flops)
+        for (f0, e0), (f1, e1) in itertools.pairwise(points):
+            if f0 <= flops <= f1:
+                w = (x - math.log(f0)) / (math.log(f1) - math.log(f0))
+                return e0 + w * (e1 - e0)
+        return points[-1][1]
 
     def tier(self, spans_nodes: bool) -> LinkTier:
         return self.inter_node if spans_nodes else self.intra_node
@@ -157,7 +185,7 @@ CPU_GLOO = HardwareProfile(
     peak_flops={"torch.float32": 50e9, "torch.float64": 28e9, "torch.bfloat16": 5e9, "torch.float16": 2e9},
     memory_bandwidth=11.5 * GB,
     devices_per_node=4,
-    intra_node=LinkTier(name="gloo-tcp-loopback", bandwidth=0.6 * GB, latency=900e-6),
+    intra_node=LinkTier(name="gloo-tcp-loopback", bandwidth=1.2 * GB, latency=800e-6),
     inter_node=LinkTier(name="gloo-tcp-1gbe", bandwidth=0.125 * GB, latency=100e-6),
     compute_efficiency=1.0,
     bandwidth_efficiency=1.0,
@@ -169,8 +197,8 @@ CPU_GLOO = HardwareProfile(
         "bf16/fp16 have no fast CPU kernels there (assumed 5 and 2 GFLOP/s)",
         "device_memory": "24 GB host RAM / 4 processes, rounded down",
         "memory_bandwidth": "measured: 64 MiB copy per process with 4 at once, 11.5 GB/s",
-        "intra_node": "measured: alpha-beta fit of gloo all-reduce/all-gather timings, 4 processes, 4 KiB-4 MiB: 0.61 GB/s",
-        "latency": "measured with the fit above: ~0.9 ms per ring step (loopback TCP, oversubscribed cores); 1 GbE assumed 100 us",
+        "intra_node": "measured: alpha-beta fit (relative error) of gloo all-reduce/all-gather timings, 4 processes, 4 KiB-64 MiB: 1.29 GB/s",
+        "latency": "measured with the fit above: 0.79 ms per ring step (loopback TCP, oversubscribed cores); 1 GbE assumed 100 us",
         "inter_node": "assumed: gloo across hosts over 1 Gb Ethernet, 125 MB/s",
         "compute_efficiency": "1.0: peak_flops is what the matmuls reached",
         "bandwidth_efficiency": "1.0: the link bandwidth is what the collectives reached",

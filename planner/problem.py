@@ -388,11 +388,14 @@ def _price_nodes(problem: Problem, optimizer: str, master_itemsize: int | None) 
                 for m, s in zip(node.outputs, strategy.outputs, strict=False)
                 if m is not None and s is not None
             )
+            internal = sum(saved.nbytes for saved in node.saved if saved.source == "internal") / mesh.group_size(strategy.split_axes)
             if node.kind == "op":
-                group.transient[i] = max(group.transient[i], float(in_bytes + out_local))
-            for saved in node.saved:
-                if saved.source == "internal":
-                    group.memory[i] += saved.nbytes / mesh.group_size(strategy.split_axes) * count
+                # working set: forward, its local inputs and outputs; backward, their gradients and
+                # the gradient of each intermediate it saved (an op autograd runs as steps, e.g.
+                # cross-entropy = log_softmax + nll_loss: measured at log_softmax's backward, the
+                # saved log-probs, their gradient and the logits' gradient are alive at once)
+                group.transient[i] = max(group.transient[i], float(in_bytes + out_local + internal))
+            group.memory[i] += internal * count
 
 
 def _root(graph: IRGraph, ref: InputRef) -> InputRef:

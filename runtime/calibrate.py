@@ -2,8 +2,10 @@
 
 Micro-benchmarks (each repeated, the best or median kept as noted):
 * matmul throughput by size and dtype: ``C = A @ B`` for square n x n, 2 n^3 FLOPs, averaged
-  over a fixed time with every process measuring at once; the best FLOP/s over the sizes becomes ``peak_flops[dtype]`` with ``compute_efficiency = 1`` (the peak is
-  what was reached), and the curve is kept in ``sources`` so the small-size drop is visible;
+  over a fixed time with every process measuring at once; the best FLOP/s over the sizes becomes
+  ``peak_flops[dtype]`` with ``compute_efficiency = 1`` (the peak is what was reached), and each
+  size's fraction of it, launch cost taken out, becomes ``matmul_efficiency[dtype]`` (the planner
+  prices small tensor-parallel shards with it);
 * op overhead: the average time of a one-element add (what every op pays however small);
 * memory bandwidth: a 64 MiB copy (read + write), averaged;
 * collectives over ``world`` processes on this host (NCCL on GPUs, gloo on CPUs): all-reduce and
@@ -155,23 +157,38 @@ def measure_on_world(world: int, sizes: list[int], repeats: int, backend: str, c
     return result  # type: ignore[no-any-return]
 
 
+def matmul_efficiency(curve: list[tuple[int, float]], peak: float, overhead: float) -> list[tuple[float, float]]:
+    """(FLOPs, fraction of peak) of each measured n x n x n matmul, its launch cost taken out (the
+    planner prices t = o + F / (eff * peak), :func:`planner.cost.compute_time`): eff = F / ((t - o)
+    peak) with t = F / measured FLOP/s, at most 1."""
+    points = []
+    for n, rate in sorted(curve):
+        flops = 2.0 * n**3
+        busy = max(flops / rate - overhead, flops / peak)
+        points.append((flops, min(1.0, flops / (busy * peak))))
+    return points
+
+
 def fit_alpha_beta(rows: list[tuple[str, int, float]], world: int) -> tuple[float, float]:
     """Least squares of t = steps * alpha + volume * S / b over the measured collectives, with
     (steps, volume) = (2(n-1), 2(n-1)/n) for all-reduce and ((n-1), (n-1)/n) for all-gather
-    (planner.cost's ring formulas). Returns (alpha seconds, b bytes/s). When noise makes the fit
-    unphysical (negative alpha or 1/b), latency comes from the smallest message and bandwidth from
-    the largest instead."""
+    (planner.cost's ring formulas), in relative error: each row weighted by 1/t, so a 4 KiB
+    message's milliseconds count as much as a 64 MiB one's (unweighted, the large messages decide
+    alpha too, and latency-bound plans were priced several times too fast). Returns (alpha
+    seconds, b bytes/s). When noise makes the fit unphysical (negative alpha or 1/b), latency
+    comes from the smallest message and bandwidth from the largest instead."""
     n = world
     xs = []
     for kind, nbytes, seconds in rows:
         steps, volume = (2 * (n - 1), 2 * (n - 1) / n) if kind == "all_reduce" else ((n - 1), (n - 1) / n)
         xs.append((steps, volume * nbytes, seconds))
-    # normal equations for t = a * steps + c * bytes, c = 1/b
-    s11 = sum(x * x for x, _, _ in xs)
-    s12 = sum(x * y for x, y, _ in xs)
-    s22 = sum(y * y for _, y, _ in xs)
-    r1 = sum(x * t for x, _, t in xs)
-    r2 = sum(y * t for _, y, t in xs)
+    # normal equations for t/t = a * steps/t + c * bytes/t, c = 1/b
+    w = [(x / t, y / t) for x, y, t in xs]
+    s11 = sum(x * x for x, _ in w)
+    s12 = sum(x * y for x, y in w)
+    s22 = sum(y * y for _, y in w)
+    r1 = sum(x for x, _ in w)
+    r2 = sum(y for _, y in w)
     det = s11 * s22 - s12 * s12
     alpha = (r1 * s22 - r2 * s12) / det
     c = (s11 * r2 - s12 * r1) / det
@@ -202,6 +219,7 @@ def calibrate(*, quick: bool = False, world: int = 2, name: str | None = None) -
     rows = [tuple(r) for r in measured["collectives"]]
     alpha, link_bw = fit_alpha_beta(rows, world) if world >= 2 else (0.0, measured["memory_bandwidth"])  # type: ignore[arg-type]
     overhead, bandwidth = measured["op_overhead"], measured["memory_bandwidth"]
+    efficiency = {dt: matmul_efficiency(curve, peak[dt], overhead) for dt, curve in measured["matmul"].items()}
     _progress(f"fitted link: {link_bw / 1e9:.3f} GB/s, latency {alpha * 1e6:.0f} us")
     memory = torch.cuda.get_device_properties(0).total_memory if gpu else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // world
     tier = LinkTier(name=f"{backend}-measured", bandwidth=link_bw, latency=alpha)
@@ -219,9 +237,11 @@ def calibrate(*, quick: bool = False, world: int = 2, name: str | None = None) -
         compute_efficiency=1.0,
         bandwidth_efficiency=1.0,
         op_overhead=overhead,
+        matmul_efficiency=efficiency,
         sources={
             "peak_flops": f"{note}: best matmul FLOP/s over the sizes",
             **curves,
+            "matmul_efficiency": f"{note}: per size, FLOPs / ((t - op_overhead) * peak) of the matmul timings above",
             "op_overhead": f"{note}: average one-element add, {overhead * 1e6:.1f} us",
             "memory_bandwidth": f"{note}: 64 MiB copy, {bandwidth / 1e9:.2f} GB/s",
             "intra_node": f"{note}: alpha-beta fit of {len(rows)} {backend} all-reduce/all-gather timings"

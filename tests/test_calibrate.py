@@ -73,3 +73,20 @@ def test_planner_calibrate_quick_writes_a_profile_the_report_uses(tmp_path: Path
     with contextlib.redirect_stdout(text):
         assert main(["report", "gpt-tiny", "--devices", "2", "--tp", "none", "--hardware", str(out)]) == 0
     assert "hardware calibrated-cpu" in text.getvalue()
+
+
+def test_calibrated_efficiency_curve_slows_small_shards_and_holds_flat_past_its_ends() -> None:
+    from planner.hardware import CPU_GLOO
+    from runtime.calibrate import matmul_efficiency
+
+    # 10 us launch cost: a 64^3 matmul measured at 20 GFLOP/s ran 26.2 us, 16.2 us of it compute
+    points = matmul_efficiency([(64, 20e9), (512, 50e9)], peak=50e9, overhead=10e-6)
+    assert points[0][0] == 2 * 64**3 and points[0][1] == pytest.approx(2 * 64**3 / (2 * 64**3 / 20e9 - 10e-6) / 50e9)
+    assert points[1] == (2 * 512**3, 1.0)
+    hw = CPU_GLOO.model_copy(update={"matmul_efficiency": {"torch.float32": points}})
+    small, large = points[0][0], points[1][0]
+    assert hw.efficiency("torch.float32", small / 10) == points[0][1]  # flat below the smallest size
+    assert hw.efficiency("torch.float32", large * 10) == 1.0
+    mid = hw.efficiency("torch.float32", (small * large) ** 0.5)  # half-way in log FLOPs
+    assert mid == pytest.approx((points[0][1] + 1.0) / 2)
+    assert CPU_GLOO.efficiency("torch.float32", small) == CPU_GLOO.compute_efficiency  # no curve: the constant
