@@ -4,8 +4,11 @@ For ``devices`` devices and the allowed families, every mesh of the family that 
 devices is a configuration (``none``: dp only; ``1d``: dp x tp; ``2d``: dp x row x col with
 q x q; ``3d``: dp x i x j x k with q x q x q), with every requested ZeRO stage when dp > 1.
 Configurations that cannot run are pruned with a reason (the batch does not split ``dp`` ways).
-Each remaining one is solved (fastest plan within the memory budget); the best feasible plan
-wins. CDP modes v1/v2 are configurations too (meshes with dp > 1, ZeRO 0; planner.cdp).
+Each remaining one gives its time/memory Pareto front within the budget (:func:`planner.solve.sweep`,
+or, ``front=False``, only its fastest plan), unless a bound without an ILP already shows it cannot
+fit (:func:`planner.front.memory_lower_bound`). The fronts are merged (:func:`planner.front.merge`)
+and the objective picks a point: the fastest, the smallest, or the knee. CDP modes v1/v2 are
+configurations too (meshes with dp > 1, ZeRO 0 or 1; planner.cdp).
 """
 
 from __future__ import annotations
@@ -13,23 +16,27 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
 from planner.cdp import PipelineEstimate, pipeline_estimate
+from planner.front import knee, memory_lower_bound, merge
 from planner.hardware import HardwareProfile
 from planner.ir import IRGraph
 from planner.mesh import Mesh
 from planner.plan import CommRecord, MemoryBreakdown, NodePlan, Plan, SolverInfo, TPFamily, fingerprint
 from planner.problem import Evaluation, Problem, StrategyFilter, build_problem
 from planner.rules import FALLBACK
-from planner.solve import InfeasibleBudget, Solution, SolverSettings, solve
+from planner.solve import InfeasibleBudget, Solution, SolverSettings, solve, sweep
+from planner.units import format_bytes, format_seconds
 
 log = logging.getLogger(__name__)
 
 
 TP_AXES = {"1d": ("tp",), "2d": ("row", "col"), "3d": ("i", "j", "k")}
 ALL_TP = ("none", "1d", "2d", "3d")
+Objective = Literal["time", "memory", "knee"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,9 +70,13 @@ class Candidate:
     family: str
     zero: int = 0
     cdp: str = "off"
-    plan: Plan | None = None
+    plan: Plan | None = None  # the configuration's fastest plan within the budget
     reason: str = ""  # why pruned or infeasible
     least_memory: float | None = None
+    least_is_bound: bool = False  # least_memory is a lower bound (no ILP was run), not the exact least
+    least_terms: tuple[tuple[str, float], ...] = ()  # the exact least-memory plan's terms (params, grads, ...)
+    front: tuple[Plan, ...] = ()  # the configuration's Pareto plans within the budget, fastest first
+    seconds: float = 0.0  # building and solving this configuration
 
 
 @dataclass
@@ -74,10 +85,16 @@ class SearchResult:
     candidates: list[Candidate] = field(default_factory=list)
     seconds: float = 0.0
     pipelines: list[PipelineEstimate] = field(default_factory=list)  # CDP with stages on different devices
+    front: list[Plan] = field(default_factory=list)  # non-dominated across configurations, fastest first
+    knee: Plan | None = None
+    objective: Objective = "time"
+    memory_budget: float = 0.0
+    infeasible: str = ""  # when nothing fits: the least memory any plan needs, its terms, what to change
 
     @property
     def feasible(self) -> list[Plan]:
-        return [c.plan for c in self.candidates if c.plan is not None]
+        """Every plan found: each configuration's front (or its one plan)."""
+        return [p for c in self.candidates for p in (c.front or ((c.plan,) if c.plan is not None else ()))]
 
 
 def _family_meshes(devices: int, family: str) -> list[Mesh]:
@@ -132,37 +149,76 @@ def search(
     *,
     model_name: str,
     memory_budget: float | None = None,
-    objective: Literal["time", "memory"] = "time",
+    objective: Objective = "time",
     optimizer: str = "adamw",
     master_dtype: str | None = None,
     prefetch: bool = True,
     settings: SolverSettings | None = None,
     allow: StrategyFilter | None = None,
+    front: bool = True,
+    resolution: float = 0.02,
+    max_points: int | None = 12,
+    progress: Callable[[str], None] | None = None,
 ) -> SearchResult:
-    """Plan every candidate configuration of ``space`` and keep the best feasible plan.
+    """Plan every candidate configuration of ``space``; merge their fronts and pick by ``objective``.
 
+    ``front``: each configuration's Pareto front (``resolution``, ``max_points``: see
+    :func:`planner.solve.sweep`); otherwise only its fastest plan within the budget (its smallest,
+    ``objective="memory"``), which is what one plan for one budget needs. ``objective``: the
+    fastest plan, the smallest, or the knee of the merged front (:func:`planner.front.knee`).
     ``master_dtype`` (mixed precision): the graph is priced in its traced dtype (trace the model in
     bfloat16 for bf16 training) and the optimizer keeps master weights and states in this dtype.
-    ``prefetch``: ZeRO-3 plans start parameter gathers one ahead (:mod:`planner.overlap`)."""
+    ``prefetch``: ZeRO-3 plans start parameter gathers one ahead (:mod:`planner.overlap`).
+    ``progress`` receives one line per configuration."""
+    if objective not in ("time", "memory", "knee"):
+        raise ValueError(f"objective must be time, memory or knee; got {objective!r}")
     t0 = time.perf_counter()
     budget = float(memory_budget if memory_budget is not None else hardware.device_memory)
     batch = graph.nodes[graph.input_names[0]].out.shape[0] if graph.input_names else 1
-    result = SearchResult(best=None)
-    for cand in candidate_meshes(space, batch):
+    result = SearchResult(best=None, objective=objective, memory_budget=budget)
+    configs = candidate_meshes(space, batch)
+    todo = sum(1 for c in configs if not c.reason)
+    done = 0
+    for cand in configs:
         if cand.reason:
             result.candidates.append(cand)
             continue
+        t1 = time.perf_counter()
+        done += 1
+        label = f"[{done}/{todo}] {cand.mesh} ZeRO-{cand.zero}" + (f" CDP {cand.cdp}" if cand.cdp != "off" else "")
         problem = build_problem(graph, cand.mesh, hardware, optimizer=optimizer, zero_stage=cand.zero, master_dtype=master_dtype,
                                 prefetch=prefetch, cdp=cand.cdp, cdp_stages=space.cdp_stages, allow=allow)
+        bound = memory_lower_bound(problem)
+        if bound > budget:
+            reason = (f"no plan on mesh {cand.mesh} fits {format_bytes(budget)} per device: every plan needs at least "
+                      f"{format_bytes(bound)} (a bound without an ILP), {format_bytes(bound - budget)} over")
+            result.candidates.append(Candidate(cand.mesh, cand.family, cand.zero, cand.cdp, reason=reason, least_memory=bound,
+                                               least_is_bound=True, seconds=time.perf_counter() - t1))
+            if progress:
+                progress(f"{label}: needs at least {format_bytes(bound)}, skipped")
+            continue
         try:
-            sol = solve(problem, memory_budget=budget, objective=objective, settings=settings)
+            if front:
+                solutions = sweep(problem, memory_budget=budget, settings=settings, resolution=resolution, max_points=max_points)
+            else:
+                solutions = [solve(problem, memory_budget=budget, objective="memory" if objective == "memory" else "time", settings=settings)]
         except InfeasibleBudget as exc:
             least = exc.least.peak_memory if exc.least else None
-            result.candidates.append(Candidate(cand.mesh, cand.family, cand.zero, cand.cdp, reason=str(exc), least_memory=least))
+            terms = tuple(exc.least.memory.items()) if exc.least else ()
+            result.candidates.append(Candidate(cand.mesh, cand.family, cand.zero, cand.cdp, reason=str(exc), least_memory=least,
+                                               least_terms=terms, seconds=time.perf_counter() - t1))
+            if progress:
+                progress(f"{label}: needs {format_bytes(least or 0)}, infeasible")
             continue
-        plan = make_plan(graph, problem, sol, model_name=model_name, memory_budget=budget, optimizer=optimizer)
-        result.candidates.append(Candidate(cand.mesh, plan.tp, cand.zero, cand.cdp, plan))
-        log.info("mesh %s: %.4f s/step, %.2f GiB", cand.mesh, plan.step_time_s, plan.peak_memory_bytes / 2**30)
+        plans = merge([make_plan(graph, problem, sol, model_name=model_name, memory_budget=budget, optimizer=optimizer) for sol in solutions])
+        fastest = plans[0]
+        seconds = time.perf_counter() - t1
+        result.candidates.append(Candidate(cand.mesh, fastest.tp, cand.zero, cand.cdp, fastest, front=tuple(plans), seconds=seconds))
+        if progress:
+            progress(f"{label}: {len(plans)} point{'s' if len(plans) > 1 else ''}, {format_seconds(fastest.step_time_s)} at "
+                     f"{format_bytes(fastest.peak_memory_bytes)} to {format_seconds(plans[-1].step_time_s)} at "
+                     f"{format_bytes(plans[-1].peak_memory_bytes)} ({seconds:.1f} s)")
+        log.info("mesh %s: %.4f s/step, %.2f GiB", cand.mesh, fastest.step_time_s, fastest.peak_memory_bytes / 2**30)
     if any(c != "off" for c in space.cdp) and batch % space.devices == 0:
         ops = sum(1 for n in graph.nodes.values() if n.kind == "op")
         result.pipelines = [
@@ -170,12 +226,64 @@ def search(
             for stages in (2, 4, 8)
             if stages <= ops and space.devices % stages == 0  # runtime.cdp.CDPPipeline needs L | N
         ]
-    feasible = result.feasible
-    if feasible:
-        key = (lambda p: (p.step_time_s, p.peak_memory_bytes)) if objective == "time" else (lambda p: (p.peak_memory_bytes, p.step_time_s))
-        result.best = min(feasible, key=key)
+    result.front = merge(result.feasible)
+    result.knee = knee(result.front)
+    if result.front:
+        result.best = {"time": result.front[0], "memory": result.front[-1], "knee": result.knee}[objective]
+    elif any(c.least_memory is not None for c in result.candidates):
+        result.infeasible = least_memory_message(graph, space, hardware, result, budget, optimizer=optimizer,
+                                                 master_dtype=master_dtype, prefetch=prefetch, settings=settings, allow=allow)
     result.seconds = time.perf_counter() - t0
     return result
+
+
+def least_memory_message(
+    graph: IRGraph,
+    space: SearchSpace,
+    hardware: HardwareProfile,
+    result: SearchResult,
+    budget: float,
+    *,
+    optimizer: str,
+    master_dtype: str | None,
+    prefetch: bool,
+    settings: SolverSettings | None,
+    allow: StrategyFilter | None,
+) -> str:
+    """Nothing fits: the least memory any configuration needs (exact: configurations dismissed by
+    their bound are solved, smallest bound first, until no bound is below the best exact least),
+    the terms that make it up, and what would change it."""
+    exact = [c for c in result.candidates if c.least_memory is not None and not c.least_is_bound]
+    best: tuple[float, Candidate, dict[str, float]] | None = None
+    if exact:
+        c = min(exact, key=lambda c: c.least_memory or 0.0)
+        best = (c.least_memory or 0.0, c, dict(c.least_terms))
+    for c in sorted((c for c in result.candidates if c.least_is_bound), key=lambda c: c.least_memory or 0.0):
+        if best is not None and (c.least_memory or 0.0) >= best[0]:
+            break
+        problem = build_problem(graph, c.mesh, hardware, optimizer=optimizer, zero_stage=c.zero, master_dtype=master_dtype,
+                                prefetch=prefetch, cdp=c.cdp, cdp_stages=space.cdp_stages, allow=allow)
+        ev = solve(problem, memory_budget=float("inf"), objective="memory", settings=settings).evaluation
+        if best is None or ev.peak_memory < best[0]:
+            best = (ev.peak_memory, c, ev.memory)
+    if best is None:
+        return ""
+    least, cand, memory = best
+    terms = sorted(memory.items(), key=lambda kv: -kv[1])
+    parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in terms if v)
+    state = memory["params"] + memory["grads"] + memory["optimizer"]
+    advice = []
+    if max(space.zero) < 3:
+        advice.append("ZeRO (--zero 1,2,3: stage 3 divides parameters, gradients and optimizer states by the data-parallel degree)")
+    if memory["activations"] >= state / 2:
+        advice.append("a smaller batch per step (--batch), since activations are a large share")
+        if all(m == "off" for m in space.cdp):
+            advice.append("CDP (--cdp v1: staggered micro-batches hold about half the activations)")
+    advice.append(f"more devices (at least {least / budget:.1f}x the memory in all: more tensor or data parallelism spreads the "
+                  f"{'parameter, gradient and optimizer state' if state >= memory['activations'] else 'activation'} bytes)")
+    return (f"No plan on {space.devices} devices fits {format_bytes(budget)} per device. The least memory any plan needs is "
+            f"{format_bytes(least)} ({format_bytes(least - budget)} over), on mesh {cand.mesh} with ZeRO-{cand.zero}"
+            + (f" and CDP {cand.cdp}" if cand.cdp != "off" else "") + f": {parts}. To fit, try " + "; or ".join(advice) + ".")
 
 
 def tp_family(problem: Problem, assignment: dict[str, int]) -> TPFamily:

@@ -62,6 +62,7 @@ log = logging.getLogger(__name__)
 TIE_BREAK = 1e-9  # weight of the secondary objective, both objectives normalised (see docstring)
 FEASIBILITY_TOL = 1e-9  # HiGHS' defaults (1e-6, 1e-7) let memory rows slip by ~1 KiB on small models
 MAX_RESOLVES = 4
+NO_BUDGET = 1e20  # a memory row bound that stands for no budget (HiGHS reads bounds >= 1e20 as infinite)
 Status = Literal["optimal", "time_limit", "infeasible"]
 
 
@@ -109,6 +110,7 @@ class _Model:
         self.z = {key: lp.add_variable(f"z_{k}", 0, 1) for k, key in enumerate(problem.holds)}
         self.transient = lp.add_variable("transient", 0)
         self.step_transient = lp.add_variable("step_transient", 0)
+        self.budget_row: pulp.LpConstraint | None = None
         self.peak = lp.add_variable("peak", 0)
         mem = [m for g in problem.groups.values() for m in (*g.memory, *g.transient, *g.step_transient)] + [h.nbytes for h in problem.holds.values()]
         self.m_unit = max([abs(m) for m in mem if m] or [1.0])
@@ -194,8 +196,15 @@ class _Model:
                 expr = pulp.lpSum(t / self.m_unit * v for t, v in zip(grp.step_transient, self.x[g], strict=True))
                 self.lp += self.step_transient >= expr, f"step_transient_{self.gid[g]}"
 
-    def memory_budget(self, budget: float) -> None:
-        self.lp += self.memory_expr() <= budget / self.m_unit, "memory_budget"
+    def memory_budget(self, budget: float) -> pulp.LpConstraint:
+        """The row M <= budget (bytes; inf: no budget), added on the first call, its bound moved after."""
+        bound = min(budget / self.m_unit, NO_BUDGET)
+        if self.budget_row is None:
+            self.budget_row = self.memory_expr() <= bound
+            self.lp.addConstraint(self.budget_row, "memory_budget")
+        else:
+            self.budget_row.constant = -bound  # PuLP keeps a row as expr + constant <= 0
+        return self.budget_row
 
     def assignment(self) -> dict[str, int]:
         out = {}
@@ -279,40 +288,123 @@ def solve(
     raise RuntimeError(f"the ILP for mesh {problem.mesh} kept exceeding the memory budget after {MAX_RESOLVES} re-solves")
 
 
+class BudgetILP:
+    """One problem's ILP, built once and handed to the solver once, then solved for any number of
+    budgets (HiGHS: only the memory row's bound moves between solves; CBC rebuilds its file).
+    ``objective="memory"`` has no budget row."""
+
+    def __init__(self, problem: Problem, objective: Literal["time", "memory"], settings: SolverSettings) -> None:
+        t0 = time.perf_counter()
+        self.problem, self.objective, self.settings = problem, objective, settings
+        self.model = _Model(problem, f"plan_{problem.mesh}".replace(" ", "").replace("=", "").replace("x", "_"))
+        self.time_e, self.mem_e = self.model.time_expr(), self.model.memory_expr()
+        self.model.lp += (self.time_e + TIE_BREAK * self.mem_e) if objective == "time" else (self.mem_e + TIE_BREAK * self.time_e)
+        if objective == "time":
+            self.model.memory_budget(float("inf"))
+        self.solver = _solver(settings)
+        self.build_seconds = time.perf_counter() - t0
+        self.solves = 0
+
+    def _run(self, budget: float) -> None:
+        lp = self.model.lp
+        if self.objective == "time":
+            row = self.model.memory_budget(budget)
+            highs = getattr(lp, "solverModel", None)
+            if self.solves and highs is not None and isinstance(self.solver, pulp.HiGHS):
+                highs.changeRowBounds(row.index, -NO_BUDGET, -row.constant)
+                highs.run()
+                lp.assignStatus(*self.solver.findSolutionValues(lp))
+                return
+        lp.solve(self.solver)
+
+    def run(self, budget: float) -> Solution | None:
+        """The fastest plan within ``budget`` bytes per device (the smallest, for the memory
+        objective), or None when none fits."""
+        t0 = time.perf_counter()
+        with _quiet_stdout():
+            self._run(budget)
+        elapsed = time.perf_counter() - t0
+        build = self.build_seconds if not self.solves else 0.0
+        self.solves += 1
+        lp = self.model.lp
+        if pulp.LpStatus[lp.status] in ("Infeasible", "Not Solved") or lp.sol_status in (pulp.LpSolutionInfeasible, pulp.LpSolutionNoSolutionFound):
+            if self.objective == "memory":
+                raise RuntimeError(f"the memory-minimising ILP for mesh {self.problem.mesh} found no solution ({pulp.LpStatus[lp.status]})")
+            return None
+        status: Status = "optimal" if lp.sol_status == pulp.LpSolutionOptimal else "time_limit"
+        assignment = self.model.assignment()
+        evaluation = evaluate(self.problem, assignment)
+        primary = pulp.value(self.time_e) * self.model.t_unit if self.objective == "time" else pulp.value(self.mem_e) * self.model.m_unit
+        return Solution(
+            assignment=assignment,
+            status=status,
+            evaluation=evaluation,
+            objective=float(primary or 0.0),
+            build_seconds=build,
+            solve_seconds=elapsed,
+            num_variables=lp.numVariables(),
+            num_constraints=lp.numConstraints(),
+            backend=type(self.solver).__name__,
+        )
+
+
 def _solve_once(problem: Problem, budget: float, objective: Literal["time", "memory"], settings: SolverSettings) -> Solution:
-    t0 = time.perf_counter()
-    model = _Model(problem, f"plan_{problem.mesh}".replace(" ", "").replace("=", "").replace("x", "_"))
-    time_e, mem_e = model.time_expr(), model.memory_expr()
-    model.lp += (time_e + TIE_BREAK * mem_e) if objective == "time" else (mem_e + TIE_BREAK * time_e)
-    if objective == "time" and budget != float("inf"):
-        model.memory_budget(budget)
-    build = time.perf_counter() - t0
-    solver = _solver(settings)
-    t0 = time.perf_counter()
-    with _quiet_stdout():
-        model.lp.solve(solver)
-    elapsed = time.perf_counter() - t0
-    status_name = pulp.LpStatus[model.lp.status]
-    if status_name in ("Infeasible", "Not Solved") or model.lp.sol_status in (pulp.LpSolutionInfeasible, pulp.LpSolutionNoSolutionFound):
-        if objective == "memory":
-            raise RuntimeError(f"the memory-minimising ILP for mesh {problem.mesh} found no solution ({status_name})")
+    solution = BudgetILP(problem, objective, settings).run(budget)
+    if solution is None:
         least = _solve_once(problem, float("inf"), "memory", settings).evaluation
         raise InfeasibleBudget(_infeasible_message(problem, budget, least), budget=budget, least=least)
-    status: Status = "optimal" if model.lp.sol_status == pulp.LpSolutionOptimal else "time_limit"
-    assignment = model.assignment()
-    evaluation = evaluate(problem, assignment)
-    primary = pulp.value(time_e) * model.t_unit if objective == "time" else pulp.value(mem_e) * model.m_unit
-    return Solution(
-        assignment=assignment,
-        status=status,
-        evaluation=evaluation,
-        objective=float(primary or 0.0),
-        build_seconds=build,
-        solve_seconds=elapsed,
-        num_variables=model.lp.numVariables(),
-        num_constraints=model.lp.numConstraints(),
-        backend=type(solver).__name__,
-    )
+    return solution
+
+
+def sweep(
+    problem: Problem,
+    *,
+    memory_budget: float,
+    settings: SolverSettings | None = None,
+    resolution: float = 0.0,
+    max_points: int | None = None,
+) -> list[Solution]:
+    """The configuration's time/memory Pareto front within ``memory_budget``, fastest first, by the
+    epsilon-constraint method (Haimes, Lasdon & Wismer 1971): the least memory any plan needs
+    (``m_min``, one memory-objective solve), then the fastest plan within the budget, then the
+    fastest within ``m - step`` of the last plan's memory ``m``, ..., down to ``m_min``. One model,
+    one solver instance: each solve only lowers the budget row's bound.
+
+    ``step = max(resolution * m, 1e-6 * m)``: ``resolution = 0`` finds every front point more than
+    a millionth apart in memory (the exact front; the tests compare it with brute force), 0.02
+    one per 2 % of memory. ``max_points`` caps the solves; the last one is always at ``m_min``,
+    so both ends of the front are in it. Raises :class:`InfeasibleBudget` when ``m_min`` exceeds
+    the budget."""
+    settings = settings or SolverSettings()
+    least = _solve_once(problem, float("inf"), "memory", settings)
+    floor = least.evaluation.peak_memory
+    if floor > memory_budget:
+        raise InfeasibleBudget(_infeasible_message(problem, memory_budget, least.evaluation), budget=memory_budget, least=least.evaluation)
+    ilp = BudgetILP(problem, "time", settings)
+    points: list[Solution] = []
+    budget = memory_budget
+    slips = 0
+    while True:
+        if max_points is not None and len(points) >= max_points - 1:
+            budget = min(budget, floor)
+        sol = ilp.run(budget)
+        if sol is None:  # only a tolerance slip below m_min can do this: the least-memory plan ends the front
+            points.append(least)
+            break
+        overrun = sol.evaluation.peak_memory - budget
+        if overrun > 0:  # the solver's feasibility tolerance let the row slip: tighten and re-solve
+            slips += 1
+            if slips > MAX_RESOLVES:
+                raise RuntimeError(f"the ILP for mesh {problem.mesh} kept exceeding the memory budget after {MAX_RESOLVES} re-solves")
+            budget -= overrun
+            continue
+        slips = 0
+        points.append(sol)
+        m = sol.evaluation.peak_memory
+        if m <= floor or (max_points is not None and len(points) >= max_points):
+            break
+        budget = max(m - max(resolution * m, 1e-6 * m), floor)
+    return points
 
 
 def _infeasible_message(problem: Problem, budget: float, least: Evaluation) -> str:

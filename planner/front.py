@@ -1,0 +1,75 @@
+"""The time/memory Pareto front: merging configurations' plans, the knee, and bounds that skip ILPs.
+
+Each configuration (mesh, TP family, ZeRO stage, CDP mode) gives its own front by the
+epsilon-constraint method (:func:`planner.solve.sweep`): the fastest plan within the budget, then
+the fastest within just less memory than that plan needs, and so on down to the least memory any
+plan of the configuration needs. Every point is non-dominated within its configuration (a plan
+beating it on both would have been the fastest within that budget). :func:`merge` keeps the points
+no other configuration's point dominates.
+
+:func:`knee` picks the point of best balance: both axes normalised to [0, 1] over the front, the
+point farthest from the chord joining the fastest and the smallest plan (the maximum-distance
+rule of Das 1999, "On characterizing the knee of the Pareto curve", which Kneedle, Satopaa et al.
+2011, also uses). Past it, each byte saved costs more time than before it.
+
+:func:`memory_lower_bound` bounds a configuration's least memory from below without an ILP, so a
+configuration that cannot fit is dismissed in microseconds: the peak is PO + max(A + T, G + T,
+G + S) >= PO + G and >= PO + A (planner.solve), and each group's share of a sum is at least its
+smallest over its strategies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol, TypeVar
+
+from planner.problem import Problem
+
+
+class Point(Protocol):
+    @property
+    def step_time_s(self) -> float: ...
+
+    @property
+    def peak_memory_bytes(self) -> int: ...
+
+
+P = TypeVar("P", bound=Point)
+
+
+def merge(points: Sequence[P]) -> list[P]:
+    """The points no other point dominates in (step time, memory per device), fastest first (so
+    memory falls down the list). Of points equal on both, the first given is kept."""
+    front: list[P] = []
+    for p in sorted(points, key=lambda p: (p.step_time_s, p.peak_memory_bytes)):
+        if not front or p.peak_memory_bytes < front[-1].peak_memory_bytes:
+            front.append(p)
+    return front
+
+
+def knee(front: Sequence[P]) -> P | None:
+    """The point of ``front`` (fastest first, non-dominated) farthest below the chord from the
+    fastest point to the smallest, both axes scaled to [0, 1]; with one or two points, the fastest."""
+    if not front:
+        return None
+    if len(front) <= 2:
+        return front[0]
+    t0, t1 = front[0].step_time_s, front[-1].step_time_s
+    m0, m1 = front[0].peak_memory_bytes, front[-1].peak_memory_bytes
+    dt, dm = (t1 - t0) or 1.0, (m0 - m1) or 1.0
+
+    def below_chord(p: P) -> float:
+        # normalised: the fastest point at (0, 1), the smallest at (1, 0); the chord is x + y = 1
+        x, y = (p.step_time_s - t0) / dt, (p.peak_memory_bytes - m1) / dm
+        return 1.0 - x - y
+
+    return max(front, key=below_chord)
+
+
+def memory_lower_bound(problem: Problem) -> float:
+    """Bytes per device no plan of ``problem`` can go below (see the module docstring)."""
+    po_g = po_a = 0.0
+    for group in problem.groups.values():
+        po_g += min(p + o + g for p, g, o in group.param_memory)
+        po_a += min(mem - g for mem, (_, g, _) in zip(group.memory, group.param_memory, strict=True))
+    return max(po_g, po_a)
