@@ -10,15 +10,17 @@ and each returns its runnable :class:`runtime.module.ParallelModule`. ``runtime`
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from planner.hardware import HardwareProfile, load_profile
+from planner.ir import IRGraph
 from planner.plan import Plan
 from planner.report import format_search
-from planner.search import ALL_TP, SearchResult, SearchSpace, search
+from planner.search import ALL_TP, Objective, SearchResult, SearchSpace, search
 from planner.solve import SolverSettings
 from planner.trace import trace
 
@@ -28,9 +30,21 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class PlanningResult:
+    """The chosen plan (the objective's point of the front), the whole search, its report."""
+
     plan: Plan | None
     search: SearchResult
     report: str
+    graph: IRGraph | None = None
+
+    @property
+    def front(self) -> list[Plan]:
+        """The time/memory Pareto front across every configuration searched, fastest first."""
+        return self.search.front
+
+    @property
+    def knee(self) -> Plan | None:
+        return self.search.knee
 
     def __str__(self) -> str:
         return self.report
@@ -57,14 +71,24 @@ def plan_model(
     cdp: tuple[str, ...] = ("off",),
     cdp_stages: int = 4,
     dp: int | None = None,
-    objective: Literal["time", "memory"] = "time",
+    objective: Objective = "time",
     optimizer: str = "adamw",
     master_dtype: str | None = None,
     prefetch: bool = True,
     model_name: str | None = None,
     solver: SolverSettings | None = None,
+    front: bool = True,
+    resolution: float = 0.02,
+    max_points: int | None = 12,
+    progress: Callable[[str], None] | None = None,
+    workers: int | None = None,
 ) -> PlanningResult:
-    """Trace ``model`` on the example inputs (a full global batch) and search for the best plan.
+    """Trace ``model`` on the example inputs (a full global batch), search every configuration's
+    time/memory front and pick a point by ``objective``: ``"time"`` the fastest plan that fits,
+    ``"memory"`` the smallest, ``"knee"`` the best balance (:func:`planner.front.knee`).
+    ``front=False`` finds only each configuration's fastest plan (quicker; ``knee`` then picks
+    among those). ``resolution``, ``max_points``, ``workers``, ``progress``: see
+    :func:`planner.search.search`.
 
     Mixed precision: hand the model in its compute dtype (``model.to(torch.bfloat16)``) and set
     ``master_dtype="float32"``; the optimizer then keeps float32 master weights and states."""
@@ -77,9 +101,10 @@ def plan_model(
     trace_s = time.perf_counter() - t0
     name = model_name or type(model).__name__
     result = search(graph, space, hw, model_name=name, memory_budget=memory_budget, objective=objective, optimizer=optimizer,
-                    master_dtype=master_dtype, prefetch=prefetch, settings=solver)
+                    master_dtype=master_dtype, prefetch=prefetch, settings=solver, front=front, resolution=resolution,
+                    max_points=max_points, progress=progress, workers=workers)
     report = format_search(result, model_name=name, devices=devices, hardware=hw, trace_seconds=trace_s, graph=graph)
-    return PlanningResult(result.best, result, report)
+    return PlanningResult(result.best, result, report, graph)
 
 
 def auto_parallelize(
@@ -96,8 +121,11 @@ def auto_parallelize(
 
     ``example_inputs``/``example_kwargs``: one full global batch (``model(*example_inputs,
     **example_kwargs)`` returns the training loss). Keyword arguments of :func:`plan_model`
-    (``hardware``, ``memory_budget``, ``tp``, ``zero``, ``cdp``, ``dp``, ``objective``, ...) pass
-    through. Give ``plan=`` to run a saved plan without searching again.
+    (``hardware``, ``memory_budget``, ``tp``, ``zero``, ``cdp``, ``dp``, ``objective`` = ``"time"``,
+    ``"memory"`` or ``"knee"``, ...) pass through. Outside torchrun the :class:`PlanningResult`
+    carries the chosen plan and the front (``.plan``, ``.front``, ``.knee``); under torchrun the
+    module's ``.plan`` is the chosen point and ``.front`` the front, the same on every rank. Give
+    ``plan=`` to run a saved plan without searching again.
     """
     world = _world_size()
     if devices is None:
@@ -115,12 +143,15 @@ def auto_parallelize(
 
     if plan is None:
 
-        def search_on_rank0() -> tuple[str | None, str]:
+        def search_on_rank0() -> tuple[str | None, str, list[str]]:
             result = plan_model(model, devices=devices, example_inputs=example_inputs, example_kwargs=example_kwargs, **planning)
-            return (result.plan.model_dump_json() if result.plan is not None else None), result.report
+            return (result.plan.model_dump_json() if result.plan is not None else None), result.report, [p.model_dump_json() for p in result.front]
 
-        text, report = agree_on_rank0(search_on_rank0)
+        text, report, front = agree_on_rank0(search_on_rank0)
         if text is None:
             raise ValueError(f"no plan fits; nothing to run.\n{report}")
         plan = Plan.model_validate_json(text)
+        pm = compile_plan(plan, model, tuple(example_inputs or ()), dict(example_kwargs or {}), device=device)
+        pm.front = [Plan.model_validate_json(t) for t in front]  # every rank gets the front it was chosen from
+        return pm
     return compile_plan(plan, model, tuple(example_inputs or ()), dict(example_kwargs or {}), device=device)

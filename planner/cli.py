@@ -1,10 +1,22 @@
 """The ``planner`` command line.
 
     planner calibrate --out FILE.json [--quick] [--world N]
-    planner report MODEL --devices N [--batch B] [--hardware NAME|FILE] [--memory BYTES]
-                   [--tp none,1d] [--zero 0] [--cdp off,v1,v2] [--cdp-stages L] [--dp N] [--objective time|memory]
-                   [--precision fp32|bf16-mixed|fp16-mixed] [--optimizer adamw|sgd-momentum]
-                   [--json] [--save-plan FILE]
+    planner report MODEL --devices N [SEARCH OPTIONS] [--json | --markdown] [--plot FILE.png] [--save-plan FILE]
+    planner explain MODEL --devices N [SEARCH OPTIONS] [--point K]
+    planner models
+
+SEARCH OPTIONS: [--batch B] [--hardware NAME|FILE] [--memory BYTES] [--tp none,1d,2d,3d] [--zero 0,1,2,3]
+[--cdp off,v1,v2] [--cdp-stages L] [--dp N] [--objective time|memory|knee] [--best-only] [--resolution 0.02]
+[--max-points 12] [--precision fp32|bf16-mixed|fp16-mixed] [--optimizer adamw|sgd-momentum] [--no-prefetch]
+[--time-limit S] [--progress] [-v]
+
+``report`` prints the time/memory front (every plan no other beats on both, the knee and the
+objective's choice marked), what happened to every configuration, and the chosen plan; ``explain``
+says, for one front point (``--point K`` numbers the front table from 1; default: the objective's
+choice), where its time and memory go and why the alternatives lost. Progress lines go to stderr
+(when it is a terminal, or with ``--progress``/``-v``), so stdout stays clean for ``--json``. Exit
+status 1 when no plan fits (the report says the least memory any plan needs and what to change),
+2 for bad input.
 
 MODEL is a bundled preset (``planner models`` lists them) or ``package.module:factory`` where
 ``factory(batch)`` returns ``(model, args, kwargs)``: the model (ideally on the ``meta`` device)
@@ -18,14 +30,16 @@ import importlib
 import json
 import logging
 import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from planner.api import plan_model
-from planner.hardware import PRESETS, load_profile
-from planner.report import search_json
-from planner.search import ALL_TP
+from planner.hardware import PRESETS, HardwareProfile, load_profile
+from planner.ir import IRGraph
+from planner.search import ALL_TP, SearchResult
 from planner.units import parse_bytes
 
 
@@ -46,6 +60,27 @@ def _list(kind: type, allowed: tuple[Any, ...] | None = None) -> Any:
         return items
 
     return parse
+
+
+def _resolution(text: str) -> float:
+    value = float(text)
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"--resolution {text} must be in [0, 1): the relative memory step between front points (0.02: one per 2 %)")
+    return value
+
+
+def _point(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"--point {text}: front points are numbered from 1 (the fastest), as `planner report` prints them")
+    return value
+
+
+def _max_points(text: str) -> int:
+    value = int(text)
+    if value < 2:
+        raise argparse.ArgumentTypeError(f"--max-points {text} must be >= 2 (the fastest and the smallest plan); use --best-only for one")
+    return value
 
 
 PRECISIONS = {"fp32": (torch.float32, None), "bf16-mixed": (torch.bfloat16, "float32"), "fp16-mixed": (torch.float16, "float32")}
@@ -74,13 +109,11 @@ def load_model(spec: str, batch: int, dtype: torch.dtype = torch.float32) -> tup
     return model, args, kwargs, spec
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="planner", description="Automatic parallelization planner for PyTorch training.")
-    sub = p.add_subparsers(dest="command", required=True)
-    r = sub.add_parser("report", help="plan a model and print where time and memory go")
+def _add_search_options(r: argparse.ArgumentParser) -> None:
+    """The model, the device count and what to search: shared by ``report`` and ``explain``."""
     r.add_argument("model", help="preset name (see `planner models`) or package.module:factory")
     r.add_argument("--devices", type=int, required=True)
-    r.add_argument("--batch", type=int, default=8, help="global batch size (default 8)")
+    r.add_argument("--batch", type=int, default=8, help="global batch size of one step (default 8; no gradient accumulation)")
     r.add_argument("--hardware", default="a100-80g", help=f"preset ({', '.join(PRESETS)}) or a JSON profile file")
     r.add_argument("--memory", type=_bytes_arg, default=None, help="memory budget per device (default: the device's memory), e.g. 40GiB")
     r.add_argument("--tp", type=_list(str, ALL_TP), default=ALL_TP, help="tensor-parallel families to search (comma list of none,1d,2d,3d)")
@@ -88,15 +121,34 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--cdp", type=_list(str, ("off", "v1", "v2")), default=("off",), help="CDP modes to search (comma list)")
     r.add_argument("--cdp-stages", type=int, default=4, help="CDP: stages the model is cut into (default 4)")
     r.add_argument("--dp", type=int, default=None, help="fix the data-parallel degree")
-    r.add_argument("--objective", choices=("time", "memory"), default="time")
+    r.add_argument("--objective", choices=("time", "memory", "knee"), default="time",
+                   help="which front point is chosen: the fastest, the smallest, or the knee (best balance); default time")
+    r.add_argument("--best-only", action="store_true", help="only each configuration's fastest plan (no front sweep): a quicker answer")
+    r.add_argument("--resolution", type=_resolution, default=0.02, help="relative memory step between front points of a configuration (default 0.02)")
+    r.add_argument("--max-points", type=_max_points, default=12, help="front points per configuration at most (default 12)")
     r.add_argument("--precision", choices=tuple(PRECISIONS), default="fp32",
                    help="fp32, or mixed: compute in bf16/fp16 with float32 master weights and optimizer states (default fp32)")
     r.add_argument("--no-prefetch", action="store_true", help="ZeRO-3: gather each parameter when used, not one ahead")
     r.add_argument("--optimizer", choices=("adamw", "sgd-momentum"), default="adamw", help="optimizer whose states are priced (default adamw)")
-    r.add_argument("--json", action="store_true", help="print one JSON document instead of the text report")
-    r.add_argument("--save-plan", metavar="FILE", help="write the best plan as JSON (runtime.compile_plan loads it)")
     r.add_argument("--time-limit", type=float, default=120.0, help="ILP time limit per configuration, seconds")
-    r.add_argument("-v", "--verbose", action="store_true")
+    r.add_argument("--progress", action="store_true", help="print a line per configuration to stderr (the default when stderr is a terminal)")
+    r.add_argument("-v", "--verbose", action="store_true", help="log each phase (and print progress) to stderr")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="planner", description="Automatic parallelization planner for PyTorch training.")
+    sub = p.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("report", help="plan a model: the time/memory front, every configuration, the chosen plan")
+    _add_search_options(r)
+    out = r.add_mutually_exclusive_group()
+    out.add_argument("--json", action="store_true", help="print one JSON document instead of the text report")
+    out.add_argument("--markdown", action="store_true", help="print the report with GitHub markdown tables")
+    r.add_argument("--plot", metavar="FILE.png", help="draw the front (every configuration's points, the knee, the choice) into FILE.png")
+    r.add_argument("--save-plan", metavar="FILE", help="write the chosen plan as JSON (runtime.compile_plan loads it)")
+    e = sub.add_parser("explain", help="why one front point: where its time and memory go, why the alternatives lost")
+    _add_search_options(e)
+    e.add_argument("--point", type=_point, default=None, metavar="K",
+                   help="the front point to explain, numbered from 1 as in `planner report` (default: the objective's choice)")
     sub.add_parser("models", help="list bundled model presets")
     c = sub.add_parser("calibrate", help="measure this machine (matmuls, op overhead, memory, collectives) and write a profile")
     c.add_argument("--out", required=True, metavar="FILE.json", help="where to write the profile (use it with report --hardware FILE.json)")
@@ -104,6 +156,88 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--world", type=int, default=2, help="processes for the collective benchmarks (default 2)")
     c.add_argument("--name", default=None, help="profile name (default calibrated-cpu / calibrated-gpu)")
     return p
+
+
+def _stderr_line(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def _progress(args: argparse.Namespace) -> Callable[[str], None] | None:
+    """Progress to stderr when someone watches it (a terminal) or asked (``--progress``, ``-v``)."""
+    return _stderr_line if args.progress or args.verbose or sys.stderr.isatty() else None
+
+
+@dataclass(frozen=True)
+class Searched:
+    """A finished search with what the printers need: the traced graph (repeated layers are
+    listed once) and the hardware profile (collectives are priced again by ``explain``)."""
+
+    name: str
+    graph: IRGraph
+    hardware: HardwareProfile
+    result: SearchResult
+    trace_seconds: float
+
+
+def run_search(args: argparse.Namespace) -> Searched:
+    """Load and trace the model, then search as the options say (``ValueError`` on bad input)."""
+    from planner.search import SearchSpace, search
+    from planner.solve import SolverSettings
+    from planner.trace import trace
+
+    dtype, master_dtype = PRECISIONS[args.precision]
+    space = SearchSpace(devices=args.devices, tp=args.tp, zero=args.zero, cdp=args.cdp, cdp_stages=args.cdp_stages, dp=args.dp)
+    model, m_args, m_kwargs, name = load_model(args.model, args.batch, dtype)
+    hw = load_profile(args.hardware)
+    progress = _progress(args)
+    t0 = time.perf_counter()
+    graph = trace(model, m_args, m_kwargs)
+    trace_s = time.perf_counter() - t0
+    if progress:
+        progress(f"traced {name} in {trace_s:.1f} s: {graph.summary()}; searching {args.devices} devices")
+    result = search(graph, space, hw, model_name=name, memory_budget=args.memory, objective=args.objective, optimizer=args.optimizer,
+                    master_dtype=master_dtype, prefetch=not args.no_prefetch, settings=SolverSettings(time_limit_s=args.time_limit),
+                    front=not args.best_only, resolution=args.resolution, max_points=args.max_points, progress=progress)
+    if progress:
+        progress(f"searched {len(result.candidates)} configurations in {result.seconds:.1f} s: {len(result.front)} front points")
+    return Searched(name, graph, hw, result, trace_s)
+
+
+def report(args: argparse.Namespace, s: Searched) -> int:
+    """Print the report (text, markdown or JSON); write the plot and the chosen plan if asked."""
+    from planner.report import format_search, save_front_plot, search_json
+
+    result = s.result
+    if args.plot:
+        if not result.front:
+            _stderr_line(f"planner: no plan fits, so there is no front to plot; {args.plot} not written")
+        else:
+            try:
+                save_front_plot(result, args.plot, title=f"{s.name} on {args.devices} devices ({s.hardware.name})")
+            except ImportError as exc:
+                _stderr_line(f"planner: error: --plot needs matplotlib ({exc}): pip install matplotlib, or the dev extra")
+                return 2
+            _stderr_line(f"planner: wrote the front plot to {args.plot}")
+    if args.save_plan and result.best is not None:
+        with open(args.save_plan, "w") as f:
+            f.write(result.best.model_dump_json(indent=1))
+    if args.json:
+        print(json.dumps(search_json(result, model_name=s.name, devices=args.devices, hardware=s.hardware), indent=1))
+    else:
+        print(format_search(result, model_name=s.name, devices=args.devices, hardware=s.hardware, trace_seconds=s.trace_seconds,
+                            graph=s.graph, markdown=args.markdown))
+    return 0 if result.best is not None else 1
+
+
+def explain(args: argparse.Namespace, s: Searched) -> int:
+    """Print why the chosen (or ``--point``) front point; the search's message when nothing fits."""
+    from planner.explain import explain as explain_point
+
+    if s.result.best is None:
+        print(s.result.infeasible or "No configuration fits the memory budget.")
+        return 1
+    print(explain_point(s.result, s.hardware, point=args.point, graph=s.graph))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -124,28 +258,12 @@ def main(argv: list[str] | None = None) -> int:
               f"memory {profile.memory_bandwidth / 1e9:.2f} GB/s, link {profile.intra_node.bandwidth / 1e9:.3f} GB/s + {profile.intra_node.latency * 1e6:.0f} us")
         return 0
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    from planner.solve import SolverSettings
-
-    dtype, master_dtype = PRECISIONS[args.precision]
-    model, m_args, m_kwargs, name = load_model(args.model, args.batch, dtype)
-    hw = load_profile(args.hardware)
     try:
-        result = plan_model(
-            model, devices=args.devices, example_inputs=m_args, example_kwargs=m_kwargs, hardware=hw,
-            memory_budget=args.memory, tp=args.tp, zero=args.zero, cdp=args.cdp, cdp_stages=args.cdp_stages, dp=args.dp,
-            objective=args.objective, optimizer=args.optimizer, master_dtype=master_dtype, prefetch=not args.no_prefetch, model_name=name, solver=SolverSettings(time_limit_s=args.time_limit),
-        )
+        searched = run_search(args)
+        return report(args, searched) if args.command == "report" else explain(args, searched)
     except ValueError as exc:
         print(f"planner: error: {exc}", file=sys.stderr)
         return 2
-    if args.save_plan and result.plan is not None:
-        with open(args.save_plan, "w") as f:
-            f.write(result.plan.model_dump_json(indent=1))
-    if args.json:
-        print(json.dumps(search_json(result.search, model_name=name, devices=args.devices, hardware=hw), indent=1))
-    else:
-        print(result.report)
-    return 0 if result.plan is not None else 1
 
 
 if __name__ == "__main__":

@@ -15,7 +15,13 @@ rule of Das 1999, "On characterizing the knee of the Pareto curve", which Kneedl
 :func:`memory_lower_bound` bounds a configuration's least memory from below without an ILP, so a
 configuration that cannot fit is dismissed in microseconds: the peak is PO + max(A + T, G + T,
 G + S) >= PO + G and >= PO + A (planner.solve), and each group's share of a sum is at least its
-smallest over its strategies.
+smallest over its strategies. :func:`time_lower_bound` does the same for the step time (each
+group's fastest strategy, no conversion; with overlap, less every collective that could hide).
+A configuration whose two bounds a point already found beats on both (:func:`dominated`) can add
+nothing to the front and is not solved.
+
+:func:`covered_below` lets a sweep jump: once a configuration's plan takes ``t`` seconds, its next
+plans are slower still, so only memory below every already-found point at least as fast can help.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol, TypeVar
 
+from planner.cost import comm_time
 from planner.problem import Problem
 
 
@@ -73,3 +80,29 @@ def memory_lower_bound(problem: Problem) -> float:
         po_g += min(p + o + g for p, g, o in group.param_memory)
         po_a += min(mem - g for mem, (_, g, _) in zip(group.memory, group.param_memory, strict=True))
     return max(po_g, po_a)
+
+
+def time_lower_bound(problem: Problem) -> float:
+    """Seconds per step no plan of ``problem`` goes below: every group at its fastest strategy,
+    conversions free; when the evaluation may hide communication behind compute (ZeRO-3 prefetch,
+    CDP's point-to-point messages: planner.problem.evaluate), each group's own collectives free too."""
+    overlaps = (problem.prefetch and problem.zero_stage == 3) or problem.cdp != "off"
+    total = 0.0
+    for group in problem.groups.values():
+        if overlaps:
+            total += min(t - sum(comm_time(c, problem.mesh, problem.hardware) * n for c, n in comms)
+                         for t, comms in zip(group.time, group.comms, strict=True))
+        else:
+            total += min(group.time)
+    return max(total, 0.0)
+
+
+def dominated(front: Sequence[P], step_time: float, memory: float) -> P | None:
+    """A point of ``front`` at least as fast as ``step_time`` and at most ``memory``, if any."""
+    return next((p for p in front if p.step_time_s <= step_time and p.peak_memory_bytes <= memory), None)
+
+
+def covered_below(front: Sequence[P], step_time: float) -> float:
+    """The least memory of the points of ``front`` at least as fast as ``step_time`` (inf if none):
+    a plan slower than ``step_time`` needs less than this to be on the front."""
+    return min((float(p.peak_memory_bytes) for p in front if p.step_time_s <= step_time), default=float("inf"))

@@ -1,38 +1,168 @@
-"""Readable reports of a search and of one plan (plain text; the CLI adds nothing but printing).
+"""Readable reports of a search and of one plan (plain text or GitHub markdown; the CLI only prints).
 
-Also the JSON document ``planner report --json`` prints: a ``pareto`` array of the
-non-dominated (step time, memory per device) plans among the configurations searched, each with
-``step_time_s``, ``peak_memory_bytes``, ``memory_breakdown``, ``mesh``, ``tp``, ``zero_stage``,
-``cdp``, and a ``candidates`` array saying what happened to every configuration.
+:func:`format_search` prints the time/memory front (one row per non-dominated plan across the
+configurations searched, fastest first, with the knee and the objective's choice marked), then what
+happened to every configuration (its own front, or why it was pruned or cannot fit), then the chosen
+plan (:func:`format_plan`). :func:`plot_front` draws the same front with matplotlib.
+
+:func:`search_json` is the document ``planner report --json`` prints: a ``pareto`` array (the merged
+front, fastest first; each entry ``step_time_s``, ``peak_memory_bytes``, ``memory_breakdown``,
+``mesh``, ``tp``, ``zero_stage``, ``cdp``, ``cdp_stages``, ..., and the booleans ``knee`` and
+``best``), a ``candidates`` array (every configuration: ``feasible``, ``status``
+(:func:`candidate_status`), ``reason``, ``least_memory_bytes``, ``least_is_bound``,
+``front_points`` (how many points its own front has) and ``front`` (those points)), ``objective``,
+``memory_budget_bytes`` and ``infeasible`` (the message when nothing fits, else empty).
 """
 
 from __future__ import annotations
 
+import math
 from collections import Counter, defaultdict
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from planner.hardware import HardwareProfile
 from planner.ir import IRGraph
+from planner.mesh import Mesh
 from planner.plan import Plan
-from planner.search import SearchResult
+from planner.search import TP_AXES, Candidate, SearchResult
 from planner.units import format_bytes, format_seconds
 
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
 
-def pareto(plans: list[Plan]) -> list[Plan]:
-    """Plans not dominated in (step time, peak memory), fastest first."""
-    front: list[Plan] = []
-    for p in sorted(plans, key=lambda p: (p.step_time_s, p.peak_memory_bytes)):
-        if not front or p.peak_memory_bytes < front[-1].peak_memory_bytes:
-            front.append(p)
-    return front
+
+# --------------------------------------------------------------------------- tables
 
 
 def _table(rows: list[list[str]], header: list[str]) -> str:
+    """A plain-text table: columns padded to their widest cell, a dashed rule under the header."""
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True))]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)).rstrip()]
     lines.append("  ".join("-" * w for w in widths))
-    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
     return "\n".join(lines)
+
+
+def _markdown_table(rows: list[list[str]], header: list[str]) -> str:
+    """A GitHub markdown table (``|`` in cells escaped)."""
+
+    def line(cells: Sequence[str]) -> str:
+        return "| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |"
+
+    return "\n".join([line(header), line(["---"] * len(header)), *(line(r) for r in rows)])
+
+
+def render(rows: list[list[str]], header: list[str], *, markdown: bool = False) -> str:
+    return _markdown_table(rows, header) if markdown else _table(rows, header)
+
+
+def mesh_text(mesh: dict[str, int]) -> str:
+    """``dp=8 x tp=8``: the same form as :class:`planner.mesh.Mesh`'s ``str``."""
+    return " x ".join(f"{a}={d}" for a, d in mesh.items())
+
+
+def cdp_text(plan: Plan) -> str:
+    """``off``, or the mode with its stage count (``v1, 4 stages``)."""
+    return plan.cdp if plan.cdp == "off" else f"{plan.cdp}, {plan.cdp_stages} stages"
+
+
+def point_marks(result: SearchResult, plan: Plan) -> str:
+    """``best`` for the objective's choice, ``knee`` for the front's knee (both may hold)."""
+    marks = [name for name, p in (("best", result.best), ("knee", result.knee)) if p is plan]
+    return ", ".join(marks)
+
+
+FRONT_HEADER = ["#", "step time", "memory/device", "mesh", "tp", "zero", "cdp", ""]
+
+
+def front_rows(result: SearchResult) -> list[list[str]]:
+    """One row per merged-front point, fastest first, numbered from 1 (``planner explain --point``)."""
+    return [
+        [str(i), format_seconds(p.step_time_s), format_bytes(p.peak_memory_bytes), mesh_text(p.mesh), p.tp, str(p.zero_stage), cdp_text(p),
+         point_marks(result, p)]
+        for i, p in enumerate(result.front, start=1)
+    ]
+
+
+def mesh_family(mesh: Mesh) -> str:
+    """The TP family a configuration's mesh is built for (``none`` without tensor-parallel axes
+    above degree 1); a plan on it may still use less (``Plan.tp``)."""
+    if mesh.group_size(mesh.tp_axes) == 1:
+        return "none"
+    return next((family for family, axes in TP_AXES.items() if set(axes) == set(mesh.tp_axes)), "mixed")
+
+
+CONFIG_HEADER = ["mesh", "tp", "zero", "cdp", "points", "on front", "fastest", "its memory", "least memory", "status"]
+
+
+def candidate_status(c: Candidate, budget: float) -> str:
+    """``optimal`` / ``time limit`` (it has plans; a time limit means they may not be the best),
+    ``infeasible`` (it needs more memory than ``budget``), ``dominated`` (it fits, but its bounds
+    show no plan of it can beat the plans found), or ``pruned`` (it cannot run; see its reason)."""
+    if c.plan is not None:
+        return "time limit" if any(p.solver.status == "time_limit" for p in c.front or (c.plan,)) else "optimal"
+    if c.least_memory is not None and c.least_memory > budget:
+        return "infeasible"
+    return "dominated" if c.reason.startswith("dominated") else "pruned"
+
+
+def needs_text(c: Candidate) -> str:
+    """``needs 90.00 GiB`` (the exact least), ``needs >= 90.00 GiB`` (a bound only), or ``-``."""
+    if c.least_memory is None:
+        return "-"
+    return f"needs {'>= ' if c.least_is_bound else ''}{format_bytes(c.least_memory)}"
+
+
+def _config_row(c: Candidate, on_front: set[int], budget: float) -> list[str]:
+    """What happened to one configuration: its front's two ends, or why it has none."""
+    cdp = c.cdp if c.cdp == "off" or c.plan is None else cdp_text(c.plan)
+    status = candidate_status(c, budget)
+    head = [str(c.mesh), mesh_family(c.mesh), str(c.zero), cdp]
+    if c.plan is None:
+        return [*head, "0", "0", "-", "-", needs_text(c) if status == "infeasible" else "-", status]
+    points = c.front or (c.plan,)
+    return [*head, str(len(points)), str(sum(id(p) in on_front for p in points)), format_seconds(c.plan.step_time_s),
+            format_bytes(c.plan.peak_memory_bytes), format_bytes(points[-1].peak_memory_bytes), status]
+
+
+def config_rows(result: SearchResult) -> list[list[str]]:
+    on_front = {id(p) for p in result.front}
+    return [_config_row(c, on_front, result.memory_budget) for c in result.candidates]
+
+
+def format_front(result: SearchResult, *, markdown: bool = False) -> str:
+    """The merged front as a table, fastest first, with a line saying what the marks mean."""
+    if not result.front:
+        return "No plan fits the memory budget: the front is empty."
+    n = len(result.front)
+    title = (f"Time/memory front: {n} plan{'s' if n > 1 else ''} no other plan beats on both step time and memory per device, "
+             f"fastest first (best: the objective's choice, {result.objective}; knee: the best balance)")
+    return title + ":\n\n" + render(front_rows(result), FRONT_HEADER, markdown=markdown)
+
+
+def format_configurations(result: SearchResult, *, markdown: bool = False) -> str:
+    """Every configuration: its own front (points, how many survive the merge, fastest, least
+    memory), or ``pruned`` / ``infeasible`` with the least memory it needs (``>=``: a bound only),
+    then one line per configuration without a plan saying why."""
+    title = f"Configurations ({len(result.candidates)} searched; points: its own front; on front: those no other configuration beats):"
+    out = [title, "", render(config_rows(result), CONFIG_HEADER, markdown=markdown)]
+    failed = [c for c in result.candidates if c.plan is None]
+    if failed:
+        out.append("")
+        bullet = "- " if markdown else "  "
+        out += [f"{bullet}{c.mesh}" + (f" ZeRO-{c.zero}" if c.zero else "") + (f" CDP {c.cdp}" if c.cdp != "off" else "") + f": {c.reason}"
+                for c in failed]
+    return "\n".join(out)
+
+
+def _pipelines(result: SearchResult, *, markdown: bool) -> list[str]:
+    if not result.pipelines:
+        return []
+    rows = [[str(e.stages), str(e.devices), str(e.dp_mp_devices), format_bytes(e.peak_memory), format_seconds(e.step_time)] for e in result.pipelines]
+    return ["", f"CDP with stages on different devices (analytic estimate, not searched by the ILP; runtime.cdp.CDPPipeline runs it), "
+                f"N = {result.pipelines[0].workers} micro-batches:", "",
+            render(rows, ["stages", "devices", "DP x MP would need", "memory/device", "step time"], markdown=markdown)]
 
 
 def format_search(
@@ -43,40 +173,27 @@ def format_search(
     hardware: HardwareProfile,
     trace_seconds: float,
     graph: IRGraph | None = None,
+    markdown: bool = False,
 ) -> str:
-    out = [f"planner report: {model_name} on {devices} devices, hardware {hardware.name}"]
+    """The whole report: header, the front, the configurations, CDP pipeline estimates, then the
+    chosen plan (or, when nothing fits, the search's message saying what would). ``markdown``:
+    GitHub markdown (tables, the plan in a code block)."""
+    out = [("# " if markdown else "") + f"planner report: {model_name} on {devices} devices, hardware {hardware.name}"]
+    if markdown:
+        out.append("")
     if graph is not None:
         shapes = ", ".join(str(list(graph.nodes[n].out.shape)) for n in graph.input_names)
-        out.append(f"model: {graph.summary()}; inputs {shapes}")
-    out.append(f"searched {len(result.candidates)} configurations in {result.seconds:.2f} s (trace {trace_seconds:.2f} s)")
-    rows = []
-    front = {id(p) for p in pareto(result.feasible)}
-    for c in result.candidates:
-        if c.plan is not None:
-            p = c.plan
-            mark = "best" if p is result.best else ("pareto" if id(p) in front else "")
-            rows.append([str(c.mesh), p.tp, str(p.zero_stage), p.cdp, format_seconds(p.step_time_s), format_bytes(p.peak_memory_bytes), p.solver.status, mark])
-        else:
-            need = f"needs {format_bytes(c.least_memory)}" if c.least_memory is not None else "-"
-            reason = "infeasible" if c.least_memory is not None else "pruned"
-            rows.append([str(c.mesh), c.family, str(c.zero), c.cdp, "-", need, reason, ""])
-    out.append("")
-    out.append(_table(rows, ["mesh", "tp", "zero", "cdp", "step time", "memory/device", "status", ""]))
-    pruned = [c for c in result.candidates if c.plan is None]
-    if pruned:
-        out.append("")
-        out += [f"  {c.mesh}" + (f" CDP {c.cdp}" if c.cdp != "off" else "") + f": {c.reason}" for c in pruned]
-    if result.pipelines:
-        out.append("")
-        out.append(f"CDP with stages on different devices (analytic estimate, not searched by the ILP; runtime.cdp.CDPPipeline runs it), "
-                   f"N = {result.pipelines[0].workers} micro-batches:")
-        prow = [[str(e.stages), str(e.devices), str(e.dp_mp_devices), format_bytes(e.peak_memory), format_seconds(e.step_time)] for e in result.pipelines]
-        out.append(_table(prow, ["stages", "devices", "DP x MP would need", "memory/device", "step time"]))
+        out.append(f"model: {graph.summary()}; inputs {shapes} (one step's global batch, no gradient accumulation)")
+    out.append(f"searched {len(result.candidates)} configurations in {result.seconds:.2f} s (trace {trace_seconds:.2f} s); "
+               f"objective {result.objective}; memory budget {format_bytes(result.memory_budget)} per device")
+    out += ["", format_front(result, markdown=markdown), "", format_configurations(result, markdown=markdown)]
+    out += _pipelines(result, markdown=markdown)
     out.append("")
     if result.best is None:
-        out.append("No configuration fits the memory budget (see above for the least memory each needs).")
+        out.append(result.infeasible or "No configuration fits the memory budget (see above for the least memory each needs).")
     else:
-        out.append(format_plan(result.best, graph=graph))
+        plan = format_plan(result.best, graph=graph)
+        out.append(f"## Chosen plan\n\n```text\n{plan}\n```" if markdown else plan)
     return "\n".join(out)
 
 
@@ -147,30 +264,127 @@ def _strategy_lines(plan: Plan, graph: IRGraph | None) -> list[str]:
 
 
 def search_json(result: SearchResult, *, model_name: str, devices: int, hardware: HardwareProfile) -> dict[str, Any]:
-    def entry(p: Plan) -> dict[str, Any]:
+    """The ``planner report --json`` document (see the module docstring)."""
+
+    def point(p: Plan) -> dict[str, Any]:
+        return {"step_time_s": p.step_time_s, "peak_memory_bytes": p.peak_memory_bytes}
+
+    def entry(i: int, p: Plan) -> dict[str, Any]:
         return {
-            "step_time_s": p.step_time_s,
-            "peak_memory_bytes": p.peak_memory_bytes,
+            "point": i,
+            **point(p),
             "memory_breakdown": p.memory_breakdown.model_dump(),
             "mesh": dict(p.mesh),
             "tp": p.tp,
             "zero_stage": p.zero_stage,
             "cdp": p.cdp,
+            "cdp_stages": p.cdp_stages,
             "compute_time_s": p.compute_time_s,
             "comm_time_s": p.comm_time_s,
+            "overlap_time_s": p.overlap_time_s,
             "solver_status": p.solver.status,
+            "knee": p is result.knee,
             "best": p is result.best,
         }
+
+    def candidate(c: Candidate) -> dict[str, Any]:
+        points = c.front or ((c.plan,) if c.plan is not None else ())
+        return {"mesh": c.mesh.as_dict(), "tp": mesh_family(c.mesh), "zero_stage": c.zero, "cdp": c.cdp, "feasible": c.plan is not None,
+                "status": candidate_status(c, result.memory_budget), "reason": c.reason,
+                "least_memory_bytes": c.least_memory, "least_is_bound": c.least_is_bound, "front_points": len(points),
+                "front": [point(p) for p in points], "seconds": c.seconds}
 
     return {
         "model": model_name,
         "devices": devices,
         "hardware": hardware.name,
+        "objective": result.objective,
+        "memory_budget_bytes": result.memory_budget,
         "search_seconds": result.seconds,
-        "pareto": [entry(p) for p in pareto(result.feasible)],
-        "candidates": [
-            {"mesh": c.mesh.as_dict(), "tp": c.family, "zero_stage": c.zero, "cdp": c.cdp, "feasible": c.plan is not None, "reason": c.reason,
-             "least_memory_bytes": c.least_memory}
-            for c in result.candidates
-        ],
+        "pareto": [entry(i, p) for i, p in enumerate(result.front, start=1)],
+        "candidates": [candidate(c) for c in result.candidates],
+        "infeasible": result.infeasible,
     }
+
+
+# --------------------------------------------------------------------------- plot
+
+FAMILY_COLOURS = {"none": "tab:gray", "1d": "tab:blue", "2d": "tab:orange", "3d": "tab:green", "mixed": "tab:purple"}
+
+
+def _plain_ticks(span: float) -> Callable[[float, object], str]:
+    """Log-axis tick labels as plain numbers (``0.3``, not ``3 x 10^-1``): every tick over less
+    than a factor ``span`` of 30, else only 1, 2 and 5 times a power of ten."""
+    leads = range(1, 11) if span <= 30 else (1, 2, 5, 10)
+
+    def label(value: float, _: object = None) -> str:
+        if value <= 0:
+            return ""
+        return f"{value:g}" if round(value / 10 ** math.floor(math.log10(value))) in leads else ""
+
+    return label
+
+
+def _scale(ax: Axes, axis: str, values: list[float]) -> None:
+    """Log scale on ``axis`` (``x`` or ``y``) when the values span more than a factor of 10 (the
+    front bunches up in a corner otherwise), with plain tick labels."""
+    positive = [v for v in values if v > 0]
+    if not positive or max(positive) <= 10 * min(positive):
+        return
+    from matplotlib.ticker import FuncFormatter
+
+    (ax.set_xscale if axis == "x" else ax.set_yscale)("log")
+    target = ax.xaxis if axis == "x" else ax.yaxis
+    labels = FuncFormatter(_plain_ticks(max(positive) / min(positive)))
+    target.set_major_formatter(labels)
+    target.set_minor_formatter(labels)
+
+
+def plot_front(result: SearchResult, ax: Axes | None = None, *, title: str = "") -> Axes:
+    """Every configuration's points (faint, coloured by the TP family the plan uses), the merged
+    front as a step line (at a memory budget, the fastest plan is the step's level to its left),
+    the knee and the objective's choice marked; memory per device in GiB across, step time up.
+    Draws into ``ax`` or into a new (pyplot-free) figure; returns the axes."""
+    if ax is None:
+        from matplotlib.figure import Figure
+
+        ax = Figure(figsize=(7.5, 4.8), layout="constrained").add_subplot()
+    by_family: dict[str, list[Plan]] = defaultdict(list)
+    for p in result.feasible:
+        by_family[p.tp].append(p)
+    for family, plans in sorted(by_family.items()):
+        ax.scatter([p.peak_memory_bytes / 2**30 for p in plans], [p.step_time_s for p in plans], s=18, alpha=0.3, linewidths=0,
+                   color=FAMILY_COLOURS.get(family, "tab:brown"), label=f"TP {family}")
+    front = sorted(result.front, key=lambda p: p.peak_memory_bytes)
+    if front:
+        ax.step([p.peak_memory_bytes / 2**30 for p in front], [p.step_time_s for p in front], where="post", color="black", lw=1.2,
+                marker=".", label="front")
+    for plan, style in ((result.knee, {"marker": "D", "s": 70, "color": "crimson", "label": "knee"}),
+                        (result.best, {"marker": "o", "s": 180, "facecolors": "none", "edgecolors": "black", "linewidths": 1.5,
+                                       "label": f"best ({result.objective})"})):
+        if plan is not None:
+            ax.scatter([plan.peak_memory_bytes / 2**30], [plan.step_time_s], zorder=3, **style)  # type: ignore[arg-type]
+    xs = [p.peak_memory_bytes / 2**30 for p in result.feasible]
+    if xs and result.memory_budget / 2**30 <= 2 * max(xs):
+        ax.axvline(result.memory_budget / 2**30, ls="--", lw=1, color="gray", label="memory budget")
+    _scale(ax, "x", xs)
+    _scale(ax, "y", [p.step_time_s for p in result.feasible])
+    ax.set_xlabel("memory per device (GiB)")
+    ax.set_ylabel("step time (s)")
+    if title:
+        ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize="small")
+    return ax
+
+
+def save_front_plot(result: SearchResult, path: str, *, title: str = "") -> None:
+    """Write :func:`plot_front` to ``path`` (PNG, or any format matplotlib knows by the suffix),
+    rendered by Agg: no display, no pyplot state."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7.5, 4.8), layout="constrained")
+    FigureCanvasAgg(fig)
+    plot_front(result, fig.add_subplot(), title=title)
+    fig.savefig(path, dpi=120)

@@ -13,22 +13,26 @@ configurations too (meshes with dp > 1, ZeRO 0 or 1; planner.cdp).
 
 from __future__ import annotations
 
+import itertools
 import logging
+import multiprocessing
+import os
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Literal
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
 
 from planner.cdp import PipelineEstimate, pipeline_estimate
-from planner.front import knee, memory_lower_bound, merge
+from planner.front import covered_below, dominated, knee, memory_lower_bound, merge, time_lower_bound
 from planner.hardware import HardwareProfile
 from planner.ir import IRGraph
 from planner.mesh import Mesh
 from planner.plan import CommRecord, MemoryBreakdown, NodePlan, Plan, SolverInfo, TPFamily, fingerprint
 from planner.problem import Evaluation, Problem, StrategyFilter, build_problem
 from planner.rules import FALLBACK
-from planner.solve import InfeasibleBudget, Solution, SolverSettings, solve, sweep
+from planner.solve import InfeasibleBudget, Solution, SolverSettings, _infeasible_message, solve, sweep
 from planner.units import format_bytes, format_seconds
 
 log = logging.getLogger(__name__)
@@ -159,6 +163,7 @@ def search(
     resolution: float = 0.02,
     max_points: int | None = 12,
     progress: Callable[[str], None] | None = None,
+    workers: int | None = None,
 ) -> SearchResult:
     """Plan every candidate configuration of ``space``; merge their fronts and pick by ``objective``.
 
@@ -169,7 +174,11 @@ def search(
     ``master_dtype`` (mixed precision): the graph is priced in its traced dtype (trace the model in
     bfloat16 for bf16 training) and the optimizer keeps master weights and states in this dtype.
     ``prefetch``: ZeRO-3 plans start parameter gathers one ahead (:mod:`planner.overlap`).
-    ``progress`` receives one line per configuration."""
+    ``progress`` receives one line per configuration. ``workers``: processes solving configurations
+    at once (default: one per CPU core, at most 4; 1 solves in this process); each new configuration
+    starts with the front found so far, so the order the solves finish in can change which points
+    are skipped as dominated, never the merged front's non-dominated points up to the sweep's
+    resolution."""
     if objective not in ("time", "memory", "knee"):
         raise ValueError(f"objective must be time, memory or knee; got {objective!r}")
     t0 = time.perf_counter()
@@ -177,48 +186,36 @@ def search(
     batch = graph.nodes[graph.input_names[0]].out.shape[0] if graph.input_names else 1
     result = SearchResult(best=None, objective=objective, memory_budget=budget)
     configs = candidate_meshes(space, batch)
-    todo = sum(1 for c in configs if not c.reason)
-    done = 0
-    for cand in configs:
-        if cand.reason:
-            result.candidates.append(cand)
-            continue
-        t1 = time.perf_counter()
-        done += 1
-        label = f"[{done}/{todo}] {cand.mesh} ZeRO-{cand.zero}" + (f" CDP {cand.cdp}" if cand.cdp != "off" else "")
-        problem = build_problem(graph, cand.mesh, hardware, optimizer=optimizer, zero_stage=cand.zero, master_dtype=master_dtype,
-                                prefetch=prefetch, cdp=cand.cdp, cdp_stages=space.cdp_stages, allow=allow)
-        bound = memory_lower_bound(problem)
-        if bound > budget:
-            reason = (f"no plan on mesh {cand.mesh} fits {format_bytes(budget)} per device: every plan needs at least "
-                      f"{format_bytes(bound)} (a bound without an ILP), {format_bytes(bound - budget)} over")
-            result.candidates.append(Candidate(cand.mesh, cand.family, cand.zero, cand.cdp, reason=reason, least_memory=bound,
-                                               least_is_bound=True, seconds=time.perf_counter() - t1))
-            if progress:
-                progress(f"{label}: needs at least {format_bytes(bound)}, skipped")
-            continue
-        try:
-            if front:
-                solutions = sweep(problem, memory_budget=budget, settings=settings, resolution=resolution, max_points=max_points)
-            else:
-                solutions = [solve(problem, memory_budget=budget, objective="memory" if objective == "memory" else "time", settings=settings)]
-        except InfeasibleBudget as exc:
-            least = exc.least.peak_memory if exc.least else None
-            terms = tuple(exc.least.memory.items()) if exc.least else ()
-            result.candidates.append(Candidate(cand.mesh, cand.family, cand.zero, cand.cdp, reason=str(exc), least_memory=least,
-                                               least_terms=terms, seconds=time.perf_counter() - t1))
-            if progress:
-                progress(f"{label}: needs {format_bytes(least or 0)}, infeasible")
-            continue
-        plans = merge([make_plan(graph, problem, sol, model_name=model_name, memory_budget=budget, optimizer=optimizer) for sol in solutions])
-        fastest = plans[0]
-        seconds = time.perf_counter() - t1
-        result.candidates.append(Candidate(cand.mesh, fastest.tp, cand.zero, cand.cdp, fastest, front=tuple(plans), seconds=seconds))
+    problems = {}
+    for k, cand in enumerate(configs):
+        if not cand.reason:
+            problems[k] = build_problem(graph, cand.mesh, hardware, optimizer=optimizer, zero_stage=cand.zero, master_dtype=master_dtype,
+                                        prefetch=prefetch, cdp=cand.cdp, cdp_stages=space.cdp_stages, allow=allow)
+    bounds = {k: (time_lower_bound(pb), memory_lower_bound(pb)) for k, pb in problems.items()}
+    outcome: dict[int, Candidate] = {k: c for k, c in enumerate(configs) if c.reason}
+    found: list[Plan] = []  # the front so far, across configurations
+    options = {"model_name": model_name, "optimizer": optimizer, "objective": objective, "front": front, "settings": settings,
+               "resolution": resolution, "max_points": max_points}
+
+    def finished(k: int, cand: Candidate) -> None:
+        nonlocal found
+        outcome[k] = cand
+        found = merge([*found, *cand.front])
         if progress:
-            progress(f"{label}: {len(plans)} point{'s' if len(plans) > 1 else ''}, {format_seconds(fastest.step_time_s)} at "
-                     f"{format_bytes(fastest.peak_memory_bytes)} to {format_seconds(plans[-1].step_time_s)} at "
-                     f"{format_bytes(plans[-1].peak_memory_bytes)} ({seconds:.1f} s)")
-        log.info("mesh %s: %.4f s/step, %.2f GiB", cand.mesh, fastest.step_time_s, fastest.peak_memory_bytes / 2**30)
+            c = configs[k]
+            progress(f"[{len(outcome) - len(configs) + len(bounds)}/{len(bounds)}] {c.mesh} ZeRO-{c.zero}"
+                     + (f" CDP {c.cdp}" if c.cdp != "off" else "") + f": {_outcome_line(cand)}")
+
+    # the configurations that could be fastest first: their points dismiss the others sooner
+    order = sorted(problems, key=lambda k: bounds[k])
+    workers = _workers(workers, len(order))
+    if workers <= 1:
+        for k in order:
+            t_lb, m_lb = bounds[k]
+            finished(k, _plan_configuration(graph, problems.pop(k), configs[k], t_lb, m_lb, budget, found, **options))  # type: ignore[arg-type]
+    else:
+        _run_parallel(workers, order, finished, lambda: found, (graph, problems, configs, bounds, budget, options))
+    result.candidates = [outcome[k] for k in range(len(configs))]
     if any(c != "off" for c in space.cdp) and batch % space.devices == 0:
         ops = sum(1 for n in graph.nodes.values() if n.kind == "op")
         result.pipelines = [
@@ -235,6 +232,115 @@ def search(
                                                  master_dtype=master_dtype, prefetch=prefetch, settings=settings, allow=allow)
     result.seconds = time.perf_counter() - t0
     return result
+
+
+_SHARED: tuple[Any, ...] = ()  # what forked workers read: graph, problems, configurations, bounds, budget, options
+
+
+def _workers(requested: int | None, configurations: int) -> int:
+    if requested is not None:
+        return max(1, min(requested, configurations))
+    if configurations < 2 or "fork" not in multiprocessing.get_all_start_methods():
+        return 1
+    return max(1, min(os.cpu_count() or 1, 4, configurations))
+
+
+def _solve_shared(k: int, found: list[Plan]) -> Candidate:
+    graph, problems, configs, bounds, budget, options = _SHARED
+    t_lb, m_lb = bounds[k]
+    return _plan_configuration(graph, problems[k], configs[k], t_lb, m_lb, budget, found, **options)
+
+
+def _run_parallel(workers: int, order: list[int], finished: Callable[[int, Candidate], None], found: Callable[[], list[Plan]],
+                  shared: tuple[Any, ...]) -> None:
+    """Solve configurations in forked processes (they inherit the built problems; only indices, the
+    front so far and the results travel), ``workers`` at a time, handing each finished one on."""
+    global _SHARED
+    _SHARED = shared
+    try:
+        with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("fork")) as pool:
+            queue = iter(order)
+            pending = {}
+            for k in itertools.islice(queue, workers):
+                pending[pool.submit(_solve_shared, k, found())] = k
+            while pending:
+                done, _ = wait(pending, return_when=FIRST_COMPLETED)
+                for future in done:
+                    finished(pending.pop(future), future.result())
+                    nxt = next(queue, None)
+                    if nxt is not None:
+                        pending[pool.submit(_solve_shared, nxt, found())] = nxt
+    finally:
+        _SHARED = ()
+
+
+def _plan_configuration(
+    graph: IRGraph,
+    problem: Problem,
+    cand: Candidate,
+    t_lb: float,
+    m_lb: float,
+    budget: float,
+    found: list[Plan],
+    *,
+    model_name: str,
+    optimizer: str,
+    objective: Objective,
+    front: bool,
+    settings: SolverSettings | None,
+    resolution: float,
+    max_points: int | None,
+) -> Candidate:
+    """One configuration: dismissed by its bounds, or its front (its fastest plan, ``front=False``)."""
+    t0 = time.perf_counter()
+    done = Candidate(cand.mesh, cand.family, cand.zero, cand.cdp)
+    if m_lb > budget:
+        return replace(done, reason=f"no plan on mesh {cand.mesh} fits {format_bytes(budget)} per device: every plan needs at least "
+                         f"{format_bytes(m_lb)} (a bound without an ILP), {format_bytes(m_lb - budget)} over",
+                         least_memory=m_lb, least_is_bound=True, seconds=time.perf_counter() - t0)
+    if front:
+        better = dominated(found, t_lb, m_lb)
+        if better is not None:
+            return replace(done, reason=f"dominated: no plan here is faster than {format_seconds(t_lb)} or smaller than "
+                             f"{format_bytes(m_lb)} (bounds), and the {_describe(better)} plan takes {format_seconds(better.step_time_s)} "
+                             f"with {format_bytes(better.peak_memory_bytes)}", seconds=time.perf_counter() - t0)
+    # only a plan smaller than what is already found at its speed can join the front
+    useful = min(budget, covered_below(found, t_lb) * (1 - 1e-6)) if front else budget
+    overlaps = (problem.prefetch and problem.zero_stage == 3) or problem.cdp != "off"
+    try:
+        if front:
+            solutions = sweep(problem, memory_budget=useful, settings=settings, resolution=resolution, max_points=max_points,
+                              covered=None if overlaps else (lambda t: covered_below(found, t)))
+        else:
+            solutions = [solve(problem, memory_budget=budget, objective="memory" if objective == "memory" else "time", settings=settings)]
+    except InfeasibleBudget as exc:
+        least = exc.least.peak_memory if exc.least else None
+        if useful < budget and least is not None and least <= budget:
+            return replace(done, reason=f"dominated: its plans within {format_bytes(budget)} are all slower and larger than plans "
+                             "of the configurations above", least_memory=least, seconds=time.perf_counter() - t0)
+        terms = tuple(exc.least.memory.items()) if exc.least else ()
+        reason = _infeasible_message(problem, budget, exc.least) if exc.least else str(exc)
+        return replace(done, reason=reason, least_memory=least, least_terms=terms, seconds=time.perf_counter() - t0)
+    plans = merge([make_plan(graph, problem, sol, model_name=model_name, memory_budget=budget, optimizer=optimizer) for sol in solutions])
+    log.info("mesh %s ZeRO-%d CDP %s: %d points", cand.mesh, cand.zero, cand.cdp, len(plans))
+    return replace(done, family=plans[0].tp, plan=plans[0], front=tuple(plans), seconds=time.perf_counter() - t0)
+
+
+def _describe(plan: Plan) -> str:
+    mesh = " x ".join(f"{a}={d}" for a, d in plan.mesh.items())
+    return f"{mesh} ZeRO-{plan.zero_stage}" + (f" CDP {plan.cdp}" if plan.cdp != "off" else "")
+
+
+def _outcome_line(c: Candidate) -> str:
+    if c.front:
+        first, last = c.front[0], c.front[-1]
+        return (f"{len(c.front)} point{'s' if len(c.front) > 1 else ''}, {format_seconds(first.step_time_s)} at "
+                f"{format_bytes(first.peak_memory_bytes)} to {format_seconds(last.step_time_s)} at {format_bytes(last.peak_memory_bytes)} "
+                f"({c.seconds:.1f} s)")
+    if c.reason.startswith("dominated"):
+        return f"dominated ({c.seconds:.1f} s)"
+    need = f"needs {'at least ' if c.least_is_bound else ''}{format_bytes(c.least_memory)}" if c.least_memory is not None else c.reason
+    return f"{need}, infeasible ({c.seconds:.1f} s)"
 
 
 def least_memory_message(

@@ -48,7 +48,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -363,6 +363,7 @@ def sweep(
     settings: SolverSettings | None = None,
     resolution: float = 0.0,
     max_points: int | None = None,
+    covered: Callable[[float], float] | None = None,
 ) -> list[Solution]:
     """The configuration's time/memory Pareto front within ``memory_budget``, fastest first, by the
     epsilon-constraint method (Haimes, Lasdon & Wismer 1971): the least memory any plan needs
@@ -373,8 +374,11 @@ def sweep(
     ``step = max(resolution * m, 1e-6 * m)``: ``resolution = 0`` finds every front point more than
     a millionth apart in memory (the exact front; the tests compare it with brute force), 0.02
     one per 2 % of memory. ``max_points`` caps the solves; the last one is always at ``m_min``,
-    so both ends of the front are in it. Raises :class:`InfeasibleBudget` when ``m_min`` exceeds
-    the budget."""
+    so both ends of the front are in it. ``covered(t)``, when given, is the memory below which a
+    plan slower than ``t`` seconds beats every point found elsewhere
+    (:func:`planner.front.covered_below`): the next budget jumps below it. It must only be given
+    when the evaluated step time is the ILP's (no overlap re-pricing), so later solves are slower.
+    Raises :class:`InfeasibleBudget` when ``m_min`` exceeds the budget."""
     settings = settings or SolverSettings()
     least = _solve_once(problem, float("inf"), "memory", settings)
     floor = least.evaluation.peak_memory
@@ -403,7 +407,13 @@ def sweep(
         m = sol.evaluation.peak_memory
         if m <= floor or (max_points is not None and len(points) >= max_points):
             break
-        budget = max(m - max(resolution * m, 1e-6 * m), floor)
+        limit = covered(sol.evaluation.step_time) * (1 - 1e-6) if covered is not None else float("inf")
+        budget = min(m - max(resolution * m, 1e-6 * m), limit)
+        if budget < floor:
+            if floor < min(m * (1 - 1e-6), limit):
+                budget = floor  # the step jumped past the least-memory end: solve the end itself
+            else:
+                break
     return points
 
 

@@ -56,6 +56,7 @@ class ParallelModule(torch.nn.Module):
     ) -> None:
         super().__init__()
         self.plan = plan
+        self.front: list[Plan] = []  # auto_parallelize: the time/memory front the plan was chosen from
         self.graph = graph
         self.graph_module = graph_module
         self.mesh_groups = mesh_groups

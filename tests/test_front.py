@@ -1,0 +1,125 @@
+"""The Pareto front: every point non-dominated, and equal to brute force where brute force can run.
+
+Per configuration, :func:`planner.solve.sweep` (epsilon-constraint, resolution 0) must return
+exactly the brute-force front of the problem (every assignment enumerated and evaluated, tests in
+test_solver.py build the cases). Across configurations, :func:`planner.search.search` must return
+the merge of the configurations' brute-force fronts, serially and with worker processes, with the
+configurations it dismissed by bounds or dominance contributing nothing that brute force keeps.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from models import build_model, example_inputs
+from planner.front import covered_below, knee, memory_lower_bound, merge, time_lower_bound
+from planner.hardware import A100_80G
+from planner.problem import build_problem, evaluate
+from planner.search import SearchSpace, candidate_meshes, search
+from planner.solve import solve, sweep
+from planner.trace import trace
+from tests.test_solver import CASES, EXACT, REL, _graph, _time_slack, case
+
+
+def _same_front(found: list[tuple[float, float]], expected: list[tuple[float, float]], slack: float = 0.0) -> None:
+    """(memory, time) lists by increasing memory: the same points, memory to the byte (relative
+    1e-9), time to REL plus the ILP's tie-break slack."""
+    assert len(found) == len(expected), f"{len(found)} points, brute force {len(expected)}: {found} vs {expected}"
+    for (m, t), (bm, bt) in zip(found, expected, strict=True):
+        assert m == pytest.approx(bm, rel=1e-9, abs=1.0)
+        assert abs(t - bt) <= bt * REL + slack, (t, bt)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_the_sweep_finds_exactly_the_brute_force_front(name: str) -> None:
+    c = case(name)
+    points = sweep(c.problem, memory_budget=float(c.memory.max()), settings=EXACT)
+    found = sorted((p.evaluation.peak_memory, p.evaluation.step_time) for p in points)
+    _same_front(found, c.pareto(), _time_slack(c))
+    # and below the largest memory: the front within a budget is the brute-force front cut there
+    cut = (c.pareto()[0][0] + c.pareto()[1][0]) / 2
+    points = sweep(c.problem, memory_budget=cut, settings=EXACT)
+    assert [p.evaluation.peak_memory for p in points] == pytest.approx([c.pareto()[0][0]], rel=1e-9)
+
+
+def test_bounds_hold_for_every_assignment() -> None:
+    for name in CASES:
+        c = case(name)
+        assert memory_lower_bound(c.problem) <= c.least_memory * (1 + 1e-12)
+        assert time_lower_bound(c.problem) <= float(c.time.min()) * (1 + 1e-12)
+
+
+def _brute_front(graph, mesh, zero: int) -> list[tuple[float, float]]:
+    problem = build_problem(graph, mesh, A100_80G, zero_stage=zero)
+    keys = list(problem.groups)
+    sizes = [len(problem.groups[k].strategies) for k in keys]
+    assert np.prod(sizes) <= 300_000, sizes
+    pts = []
+    for combo in itertools.product(*(range(n) for n in sizes)):
+        ev = evaluate(problem, dict(zip(keys, combo, strict=True)))
+        pts.append((ev.step_time, ev.peak_memory))
+    front: list[tuple[float, float]] = []
+    for t, m in sorted(pts):
+        if not front or m < front[-1][1]:
+            front.append((t, m))
+    return front
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_the_searched_front_is_the_merged_brute_force_front(workers: int) -> None:
+    """Two linear layers on 4 devices, data parallel and Megatron 1-D, ZeRO 0 and 1: every
+    configuration enumerated, the fronts merged; the search (resolution 0, no point cap) must
+    find the same."""
+    graph = _graph("two-linear")
+    space = SearchSpace(devices=4, tp=("none", "1d"), zero=(0, 1))
+    every = []
+    for cand in candidate_meshes(space, 4):
+        if not cand.reason:
+            every += _brute_front(graph, cand.mesh, cand.zero)
+    expected = []
+    for t, m in sorted(every):
+        if not expected or m < expected[-1][1]:
+            expected.append((t, m))
+    result = search(graph, space, A100_80G, model_name="two-linear", resolution=0.0, max_points=None, settings=EXACT, workers=workers)
+    found = [(p.step_time_s, float(p.peak_memory_bytes)) for p in result.front]
+    assert len(found) == len(expected) >= 2, (found, expected)
+    for (t, m), (bt, bm) in zip(found, expected, strict=True):
+        assert m == pytest.approx(bm, abs=1.0) and t == pytest.approx(bt, rel=1e-6)
+    # non-dominated, fastest first, and the objectives pick its ends and its knee
+    assert all(a.step_time_s < b.step_time_s and a.peak_memory_bytes > b.peak_memory_bytes for a, b in itertools.pairwise(result.front))
+    assert result.best is result.front[0] and result.knee in result.front
+    assert any(c.reason.startswith("dominated") or c.front for c in result.candidates)
+
+
+def test_the_knee_is_the_point_farthest_below_the_chord() -> None:
+    class P:
+        def __init__(self, t: float, m: int) -> None:
+            self.step_time_s, self.peak_memory_bytes = t, m
+
+    front = [P(1.0, 100), P(1.1, 40), P(1.5, 30), P(3.0, 20)]
+    assert knee(front) is front[1]
+    assert knee(front[:2]) is front[0] and knee([]) is None
+    assert merge([P(2.0, 50), *front]) == front  # (2.0, 50) is dominated by (1.1, 40)
+    assert covered_below(front, 1.2) == 40 and covered_below(front, 0.5) == float("inf")
+
+
+def test_nothing_fits_says_the_least_memory_its_terms_and_what_to_change() -> None:
+    args, kwargs = example_inputs("mlp-tiny", batch=4)
+    graph = trace(build_model("mlp-tiny"), args, kwargs)
+    result = search(graph, SearchSpace(devices=2, tp=("none", "1d")), A100_80G, model_name="mlp-tiny", memory_budget=1024.0)
+    assert result.best is None and not result.front
+    exact = {
+        str(c.mesh): solve(build_problem(graph, c.mesh, A100_80G), memory_budget=float("inf"), objective="memory").evaluation.peak_memory
+        for c in candidate_meshes(SearchSpace(devices=2, tp=("none", "1d")), 4)
+    }
+    least = min(exact.values())
+    assert all(c.least_memory is not None and c.least_memory <= exact[str(c.mesh)] for c in result.candidates)  # bounds, or exact
+    text = result.infeasible
+    assert "The least memory any plan needs is" in text and "over" in text and "ZeRO" in text and "more devices" in text
+    assert "params" in text and "optimizer" in text
+    from planner.units import format_bytes
+
+    assert format_bytes(least) in text
