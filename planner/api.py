@@ -78,8 +78,8 @@ def plan_model(
     model_name: str | None = None,
     solver: SolverSettings | None = None,
     front: bool = True,
-    resolution: float = 0.02,
-    max_points: int | None = 12,
+    resolution: float = 0.05,
+    max_points: int | None = 8,
     progress: Callable[[str], None] | None = None,
     workers: int | None = None,
 ) -> PlanningResult:

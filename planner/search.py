@@ -19,13 +19,13 @@ import multiprocessing
 import os
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from planner.cdp import PipelineEstimate, pipeline_estimate
-from planner.front import covered_below, dominated, knee, memory_lower_bound, merge, time_lower_bound
+from planner.front import Point, covered_below, dominated, knee, memory_lower_bound, merge, time_lower_bound
 from planner.hardware import HardwareProfile
 from planner.ir import IRGraph
 from planner.mesh import Mesh
@@ -160,8 +160,8 @@ def search(
     settings: SolverSettings | None = None,
     allow: StrategyFilter | None = None,
     front: bool = True,
-    resolution: float = 0.02,
-    max_points: int | None = 12,
+    resolution: float = 0.05,
+    max_points: int | None = 8,
     progress: Callable[[str], None] | None = None,
     workers: int | None = None,
 ) -> SearchResult:
@@ -206,15 +206,16 @@ def search(
             progress(f"[{len(outcome) - len(configs) + len(bounds)}/{len(bounds)}] {c.mesh} ZeRO-{c.zero}"
                      + (f" CDP {c.cdp}" if c.cdp != "off" else "") + f": {_outcome_line(cand)}")
 
-    # the configurations that could be fastest first: their points dismiss the others sooner
-    order = sorted(problems, key=lambda k: bounds[k])
+    # the configurations that could be fastest first (overlap aside, which only ZeRO-3 and CDP get
+    # and which the bound counts as if it hid every collective): their points dismiss the others sooner
+    order = sorted(problems, key=lambda k: (time_lower_bound(problems[k], overlap=False), bounds[k][1]))
     workers = _workers(workers, len(order))
     if workers <= 1:
         for k in order:
             t_lb, m_lb = bounds[k]
-            finished(k, _plan_configuration(graph, problems.pop(k), configs[k], t_lb, m_lb, budget, found, **options))  # type: ignore[arg-type]
+            finished(k, _plan_configuration(graph, problems.pop(k), configs[k], t_lb, m_lb, budget, lambda: found, **options))  # type: ignore[arg-type]
     else:
-        _run_parallel(workers, order, finished, lambda: found, (graph, problems, configs, bounds, budget, options))
+        _run_parallel(workers, order, finished, (graph, problems, configs, bounds, budget, options))
     result.candidates = [outcome[k] for k in range(len(configs))]
     if any(c != "off" for c in space.cdp) and batch % space.devices == 0:
         ops = sum(1 for n in graph.nodes.values() if n.kind == "op")
@@ -245,31 +246,42 @@ def _workers(requested: int | None, configurations: int) -> int:
     return max(1, min(os.cpu_count() or 1, 4, configurations))
 
 
-def _solve_shared(k: int, found: list[Plan]) -> Candidate:
+class _Seen(NamedTuple):
+    """A point found by another process: all dominance needs of a plan."""
+
+    step_time_s: float
+    peak_memory_bytes: int
+    label: str
+
+
+def _solve_shared(k: int, seen: Any) -> Candidate:
     graph, problems, configs, bounds, budget, options = _SHARED
     t_lb, m_lb = bounds[k]
-    return _plan_configuration(graph, problems[k], configs[k], t_lb, m_lb, budget, found, **options)
+    return _plan_configuration(graph, problems[k], configs[k], t_lb, m_lb, budget, lambda: [_Seen(*p) for p in list(seen)], **options)
 
 
-def _run_parallel(workers: int, order: list[int], finished: Callable[[int, Candidate], None], found: Callable[[], list[Plan]],
-                  shared: tuple[Any, ...]) -> None:
-    """Solve configurations in forked processes (they inherit the built problems; only indices, the
-    front so far and the results travel), ``workers`` at a time, handing each finished one on."""
+def _run_parallel(workers: int, order: list[int], finished: Callable[[int, Candidate], None], shared: tuple[Any, ...]) -> None:
+    """Solve configurations in forked processes (they inherit the built problems; only indices and
+    results travel), ``workers`` at a time. The points found so far live in a manager list that
+    every worker reads at each sweep step, so a configuration still running benefits from one
+    that finished meanwhile, as in the serial order."""
     global _SHARED
     _SHARED = shared
+    context = multiprocessing.get_context("fork")
     try:
-        with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("fork")) as pool:
+        with context.Manager() as manager, ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
+            seen = manager.list()
             queue = iter(order)
-            pending = {}
-            for k in itertools.islice(queue, workers):
-                pending[pool.submit(_solve_shared, k, found())] = k
+            pending = {pool.submit(_solve_shared, k, seen): k for k in itertools.islice(queue, workers)}
             while pending:
                 done, _ = wait(pending, return_when=FIRST_COMPLETED)
                 for future in done:
-                    finished(pending.pop(future), future.result())
+                    cand = future.result()
+                    seen.extend([(p.step_time_s, p.peak_memory_bytes, _describe(p)) for p in cand.front])
+                    finished(pending.pop(future), cand)
                     nxt = next(queue, None)
                     if nxt is not None:
-                        pending[pool.submit(_solve_shared, nxt, found())] = nxt
+                        pending[pool.submit(_solve_shared, nxt, seen)] = nxt
     finally:
         _SHARED = ()
 
@@ -281,7 +293,7 @@ def _plan_configuration(
     t_lb: float,
     m_lb: float,
     budget: float,
-    found: list[Plan],
+    found: Callable[[], Sequence[Point]],
     *,
     model_name: str,
     optimizer: str,
@@ -298,19 +310,27 @@ def _plan_configuration(
         return replace(done, reason=f"no plan on mesh {cand.mesh} fits {format_bytes(budget)} per device: every plan needs at least "
                          f"{format_bytes(m_lb)} (a bound without an ILP), {format_bytes(m_lb - budget)} over",
                          least_memory=m_lb, least_is_bound=True, seconds=time.perf_counter() - t0)
+    now = found()
+    if not front and now and objective != "knee":
+        # one plan: a configuration whose bound cannot beat the best plan found is not solved
+        best = now[0] if objective == "time" else now[-1]
+        if (t_lb >= best.step_time_s) if objective == "time" else (m_lb >= best.peak_memory_bytes):
+            what = f"faster than {format_seconds(t_lb)}" if objective == "time" else f"smaller than {format_bytes(m_lb)}"
+            return replace(done, reason=f"dominated: no plan here is {what} (a bound), and the {_describe(best)} plan takes "
+                           f"{format_seconds(best.step_time_s)} with {format_bytes(best.peak_memory_bytes)}", seconds=time.perf_counter() - t0)
     if front:
-        better = dominated(found, t_lb, m_lb)
+        better = dominated(now, t_lb, m_lb)
         if better is not None:
             return replace(done, reason=f"dominated: no plan here is faster than {format_seconds(t_lb)} or smaller than "
                              f"{format_bytes(m_lb)} (bounds), and the {_describe(better)} plan takes {format_seconds(better.step_time_s)} "
                              f"with {format_bytes(better.peak_memory_bytes)}", seconds=time.perf_counter() - t0)
     # only a plan smaller than what is already found at its speed can join the front
-    useful = min(budget, covered_below(found, t_lb) * (1 - 1e-6)) if front else budget
+    useful = min(budget, covered_below(now, t_lb) * (1 - 1e-6)) if front else budget
     overlaps = (problem.prefetch and problem.zero_stage == 3) or problem.cdp != "off"
     try:
         if front:
             solutions = sweep(problem, memory_budget=useful, settings=settings, resolution=resolution, max_points=max_points,
-                              covered=None if overlaps else (lambda t: covered_below(found, t)))
+                              covered=None if overlaps else (lambda t: covered_below(found(), t)))
         else:
             solutions = [solve(problem, memory_budget=budget, objective="memory" if objective == "memory" else "time", settings=settings)]
     except InfeasibleBudget as exc:
@@ -326,7 +346,9 @@ def _plan_configuration(
     return replace(done, family=plans[0].tp, plan=plans[0], front=tuple(plans), seconds=time.perf_counter() - t0)
 
 
-def _describe(plan: Plan) -> str:
+def _describe(plan: Plan | Point) -> str:
+    if not isinstance(plan, Plan):
+        return getattr(plan, "label", "another configuration's")
     mesh = " x ".join(f"{a}={d}" for a, d in plan.mesh.items())
     return f"{mesh} ZeRO-{plan.zero_stage}" + (f" CDP {plan.cdp}" if plan.cdp != "off" else "")
 
