@@ -36,7 +36,7 @@ def _plan(name: str, dp: int, allow: Any, cdp: str = "off", stages: int = 4, zer
     args, kwargs = example_inputs(name, batch=BATCH, dtype=torch.float64)
     space = SearchSpace(devices=4, dp=dp, zero=(zero,), tp=("none",) if dp == 4 else ("1d",), cdp=(cdp,), cdp_stages=stages)
     graph = trace(model, args, kwargs)
-    result = search(graph, space, A100_80G, model_name=name, optimizer="sgd", allow=cdp_filter(graph, base=allow))
+    result = search(graph, space, A100_80G, model_name=name, optimizer="sgd", allow=cdp_filter(graph, base=allow), front=False)
     assert result.best is not None
     return result.best.model_dump_json()
 
@@ -171,7 +171,7 @@ def test_the_planner_prices_cdp_as_a_search_dimension() -> None:
     args, kwargs = example_inputs("gpt2-small", batch=8, device="meta")
     graph = trace(model, args, kwargs)
     space = SearchSpace(devices=8, tp=("none", "1d"), zero=(0, 1, 2), cdp=("off", "v1", "v2"), cdp_stages=8)
-    result = search(graph, space, A100_80G, model_name="gpt2-small")
+    result = search(graph, space, A100_80G, model_name="gpt2-small", front=False, exhaustive=True)
     plans = {(str(c.mesh), c.zero, c.cdp): c.plan for c in result.candidates}
     reasons = {(str(c.mesh), c.zero, c.cdp): c.reason for c in result.candidates if c.plan is None}
     assert "needs dp > 1" in reasons[("dp=1 x tp=8", 0, "v1")]
@@ -196,7 +196,7 @@ def test_the_planner_prices_cdp_as_a_search_dimension() -> None:
 def _one_device_plan(name: str) -> str:
     model = build_model(name, dtype=torch.float64)
     args, kwargs = example_inputs(name, batch=BATCH // 4, dtype=torch.float64)
-    result = search(trace(model, args, kwargs), SearchSpace(devices=1, tp=("none",)), A100_80G, model_name=name, optimizer="sgd")
+    result = search(trace(model, args, kwargs), SearchSpace(devices=1, tp=("none",)), A100_80G, model_name=name, optimizer="sgd", front=False)
     assert result.best is not None
     return result.best.model_dump_json()
 
@@ -252,5 +252,5 @@ def test_the_pipeline_estimate_follows_the_cdp_memory_formula() -> None:
     total = sum(est.per_stage * x for x in est.stage_activations)
     assert total == pytest.approx(n / big_l * sum((big_l - stage) * a_micro[stage] for stage in range(big_l)))
     assert total < n * sum(a_micro)  # DP holds every micro-batch's activations of every stage at its peak
-    result = search(graph, SearchSpace(devices=16, tp=("none",), cdp=("v1",)), A100_80G, model_name="gpt2-small")
+    result = search(graph, SearchSpace(devices=16, tp=("none",), cdp=("v1",)), A100_80G, model_name="gpt2-small", front=False)
     assert [e.stages for e in result.pipelines] == [2, 4, 8]

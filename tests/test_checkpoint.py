@@ -62,7 +62,7 @@ def _plan(devices: int, dp: int, zero: int, family: str, allow: Any, dtype: torc
     args, kwargs = example_inputs(MODEL, batch=4, dtype=dtype)
     master = "float32" if dtype == torch.bfloat16 else None
     result = search(trace(model, args, kwargs), SearchSpace(devices=devices, dp=dp, zero=(zero,), tp=(family,)), A100_80G,
-                    model_name=MODEL, allow=allow, master_dtype=master)
+                    model_name=MODEL, allow=allow, master_dtype=master, front=False)
     assert result.best is not None and result.best.zero_stage == zero
     return result.best.model_dump_json()
 

@@ -45,7 +45,7 @@ def _plan(precision: str, dp: int, zero: int, allow: Any) -> tuple[str, str, str
     args, kwargs = example_inputs(MODEL, batch=BATCH, dtype=dtype)
     space = SearchSpace(devices=4, dp=dp, zero=(zero,), tp=("none",) if dp == 4 else ("1d",))
     result = search(trace(model, args, kwargs), space, A100_80G, model_name=MODEL, optimizer=optimizer,
-                    master_dtype=str(master).removeprefix("torch."), allow=allow)
+                    master_dtype=str(master).removeprefix("torch."), allow=allow, front=False)
     assert result.best is not None and result.best.master_dtype == str(master).removeprefix("torch.")
     return MODEL, result.best.model_dump_json(), optimizer, precision
 

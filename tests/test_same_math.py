@@ -60,7 +60,7 @@ def _plan(
     args, kwargs = example_inputs(model, batch=BATCH, dtype=torch.float64)
     graph = trace(module, args, kwargs)
     space = SearchSpace(devices=devices, dp=dp, tp=(family,) if devices > dp else ("none",))
-    result = search(graph, space, A100_80G, model_name=model, objective=objective, allow=allow)  # type: ignore[arg-type]
+    result = search(graph, space, A100_80G, model_name=model, objective=objective, allow=allow, front=False)  # type: ignore[arg-type]
     assert result.best is not None
     if devices > dp:
         assert result.best.tp == family, (family, result.best.tp)

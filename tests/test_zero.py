@@ -32,7 +32,7 @@ def _plan(dp: int, zero: int, allow: Any, devices: int = 4, family: str = "1d") 
     args, kwargs = example_inputs(MODEL, batch=BATCH, dtype=torch.float64)
     graph = trace(model, args, kwargs)
     space = SearchSpace(devices=devices, dp=dp, zero=(zero,), tp=("none",) if dp == devices else (family,))
-    result = search(graph, space, A100_80G, model_name=MODEL, optimizer="adamw", allow=allow)
+    result = search(graph, space, A100_80G, model_name=MODEL, optimizer="adamw", allow=allow, front=False)
     assert result.best is not None and result.best.zero_stage == zero
     return MODEL, result.best.model_dump_json(), "adamw"
 
@@ -113,8 +113,8 @@ def test_prefetch_hides_gather_time_behind_compute_and_costs_one_gather_of_memor
     args, kwargs = example_inputs("gpt2-small", batch=8, device="meta")
     graph = trace(model, args, kwargs)
     space = SearchSpace(devices=8, dp=8, zero=(3,), tp=("none",))
-    on = search(graph, space, A100_80G, model_name="gpt2-small", prefetch=True).best
-    off = search(graph, space, A100_80G, model_name="gpt2-small", prefetch=False).best
+    on = search(graph, space, A100_80G, model_name="gpt2-small", prefetch=True, front=False).best
+    off = search(graph, space, A100_80G, model_name="gpt2-small", prefetch=False, front=False).best
     assert on is not None and off is not None
     assert on.zero_prefetch and not off.zero_prefetch
     assert off.overlap_time_s == 0.0 and on.overlap_time_s > 0.0
