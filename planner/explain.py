@@ -23,8 +23,9 @@ from collections.abc import Callable
 from planner.cost import comm_time
 from planner.hardware import HardwareProfile
 from planner.ir import IRGraph
+from planner.mesh import mesh_text
 from planner.plan import CommRecord, Plan
-from planner.report import candidate_status, cdp_text, format_plan, mesh_text, needs_text, point_marks, render
+from planner.report import candidate_status, cdp_text, format_plan, needs_text, point_marks, render
 from planner.search import Candidate, SearchResult
 from planner.strategy import Comm
 from planner.units import format_bytes, format_seconds

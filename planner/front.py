@@ -82,12 +82,18 @@ def memory_lower_bound(problem: Problem) -> float:
     return max(po_g, po_a)
 
 
+def reprices_overlap(problem: Problem) -> bool:
+    """Whether :func:`planner.problem.evaluate` hides communication behind compute after the ILP
+    (ZeRO-3 prefetch, CDP's point-to-point messages), so a plan's step time is not the ILP's."""
+    return problem.prefetch or problem.cdp != "off"
+
+
 def time_lower_bound(problem: Problem, *, overlap: bool = True) -> float:
     """Seconds per step no plan of ``problem`` goes below: every group at its fastest strategy,
     conversions free; when the evaluation may hide communication behind compute (ZeRO-3 prefetch,
     CDP's point-to-point messages: planner.problem.evaluate), each group's own collectives free too.
     ``overlap=False`` leaves the collectives in (not a bound then, an estimate to order by)."""
-    overlaps = overlap and ((problem.prefetch and problem.zero_stage == 3) or problem.cdp != "off")
+    overlaps = overlap and reprices_overlap(problem)
     total = 0.0
     for group in problem.groups.values():
         if overlaps:

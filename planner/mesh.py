@@ -107,4 +107,9 @@ class Mesh:
         return result
 
     def __str__(self) -> str:
-        return " x ".join(f"{a}={d}" for a, d in zip(self.axes, self.degrees, strict=True))
+        return mesh_text(dict(zip(self.axes, self.degrees, strict=True)))
+
+
+def mesh_text(degrees: dict[str, int]) -> str:
+    """``dp=8 x tp=8``: a mesh as plans store it (axis -> degree), as reports and errors print it."""
+    return " x ".join(f"{a}={d}" for a, d in degrees.items())

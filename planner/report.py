@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from planner.hardware import HardwareProfile
 from planner.ir import IRGraph
-from planner.mesh import Mesh
+from planner.mesh import Mesh, mesh_text
 from planner.plan import Plan
 from planner.search import TP_AXES, Candidate, SearchResult
 from planner.units import format_bytes, format_seconds
@@ -55,11 +55,6 @@ def _markdown_table(rows: list[list[str]], header: list[str]) -> str:
 
 def render(rows: list[list[str]], header: list[str], *, markdown: bool = False) -> str:
     return _markdown_table(rows, header) if markdown else _table(rows, header)
-
-
-def mesh_text(mesh: dict[str, int]) -> str:
-    """``dp=8 x tp=8``: the same form as :class:`planner.mesh.Mesh`'s ``str``."""
-    return " x ".join(f"{a}={d}" for a, d in mesh.items())
 
 
 def cdp_text(plan: Plan) -> str:
@@ -198,7 +193,7 @@ def format_search(
 
 
 def format_plan(plan: Plan, *, graph: IRGraph | None = None) -> str:
-    mesh = " x ".join(f"{a}={d}" for a, d in plan.mesh.items())
+    mesh = mesh_text(plan.mesh)
     m = plan.memory_breakdown
     cdp = []
     if plan.cdp != "off":

@@ -25,14 +25,14 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal, NamedTuple
 
 from planner.cdp import PipelineEstimate, pipeline_estimate
-from planner.front import Point, covered_below, dominated, knee, memory_lower_bound, merge, time_lower_bound
+from planner.front import Point, covered_below, dominated, knee, memory_lower_bound, merge, reprices_overlap, time_lower_bound
 from planner.hardware import HardwareProfile
 from planner.ir import IRGraph
-from planner.mesh import Mesh
+from planner.mesh import Mesh, mesh_text
 from planner.plan import CommRecord, MemoryBreakdown, NodePlan, Plan, SolverInfo, TPFamily, fingerprint
 from planner.problem import Evaluation, Problem, StrategyFilter, build_problem
 from planner.rules import FALLBACK
-from planner.solve import InfeasibleBudget, Solution, SolverSettings, _infeasible_message, solve, sweep
+from planner.solve import InfeasibleBudget, Solution, SolverSettings, infeasible_message, solve, sweep
 from planner.units import format_bytes, format_seconds
 
 log = logging.getLogger(__name__)
@@ -332,7 +332,7 @@ def _plan_configuration(
                              f"with {format_bytes(better.peak_memory_bytes)}", seconds=time.perf_counter() - t0)
     # only a plan smaller than what is already found at its speed can join the front
     useful = min(budget, covered_below(now, t_lb) * (1 - 1e-6)) if front else budget
-    overlaps = (problem.prefetch and problem.zero_stage == 3) or problem.cdp != "off"
+    overlaps = reprices_overlap(problem)
     try:
         if front:
             solutions = sweep(problem, memory_budget=useful, settings=settings, resolution=resolution, max_points=max_points,
@@ -345,7 +345,7 @@ def _plan_configuration(
             return replace(done, reason=f"dominated: its plans within {format_bytes(budget)} are all slower and larger than plans "
                              "of the configurations above", least_memory=least, seconds=time.perf_counter() - t0)
         terms = tuple(exc.least.memory.items()) if exc.least else ()
-        reason = _infeasible_message(problem, budget, exc.least) if exc.least else str(exc)
+        reason = infeasible_message(problem, budget, exc.least) if exc.least else str(exc)
         return replace(done, reason=reason, least_memory=least, least_terms=terms, seconds=time.perf_counter() - t0)
     plans = merge([make_plan(graph, problem, sol, model_name=model_name, memory_budget=budget, optimizer=optimizer) for sol in solutions])
     log.info("mesh %s ZeRO-%d CDP %s: %d points", cand.mesh, cand.zero, cand.cdp, len(plans))
@@ -355,8 +355,7 @@ def _plan_configuration(
 def _describe(plan: Plan | Point) -> str:
     if not isinstance(plan, Plan):
         return getattr(plan, "label", "another configuration's")
-    mesh = " x ".join(f"{a}={d}" for a, d in plan.mesh.items())
-    return f"{mesh} ZeRO-{plan.zero_stage}" + (f" CDP {plan.cdp}" if plan.cdp != "off" else "")
+    return f"{mesh_text(plan.mesh)} ZeRO-{plan.zero_stage}" + (f" CDP {plan.cdp}" if plan.cdp != "off" else "")
 
 
 def _outcome_line(c: Candidate) -> str:

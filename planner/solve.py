@@ -277,7 +277,7 @@ def solve(
             least = _solve_once(problem, float("inf"), "memory", settings)
             if least.evaluation.peak_memory <= memory_budget:
                 return least
-            raise InfeasibleBudget(_infeasible_message(problem, memory_budget, least.evaluation), budget=memory_budget, least=least.evaluation) from exc
+            raise InfeasibleBudget(infeasible_message(problem, memory_budget, least.evaluation), budget=memory_budget, least=least.evaluation) from exc
         if budget == float("inf"):
             return solution
         overrun = solution.evaluation.peak_memory - memory_budget
@@ -290,7 +290,7 @@ def solve(
     least = _solve_once(problem, float("inf"), "memory", settings)
     if least.evaluation.peak_memory <= memory_budget:
         return least
-    raise InfeasibleBudget(_infeasible_message(problem, memory_budget, least.evaluation), budget=memory_budget, least=least.evaluation)
+    raise InfeasibleBudget(infeasible_message(problem, memory_budget, least.evaluation), budget=memory_budget, least=least.evaluation)
 
 
 class BudgetILP:
@@ -357,7 +357,7 @@ def _solve_once(problem: Problem, budget: float, objective: Literal["time", "mem
     solution = BudgetILP(problem, objective, settings).run(budget)
     if solution is None:
         least = _solve_once(problem, float("inf"), "memory", settings).evaluation
-        raise InfeasibleBudget(_infeasible_message(problem, budget, least), budget=budget, least=least)
+        raise InfeasibleBudget(infeasible_message(problem, budget, least), budget=budget, least=least)
     return solution
 
 
@@ -388,7 +388,7 @@ def sweep(
     least = _solve_once(problem, float("inf"), "memory", settings)
     floor = least.evaluation.peak_memory
     if floor > memory_budget:
-        raise InfeasibleBudget(_infeasible_message(problem, memory_budget, least.evaluation), budget=memory_budget, least=least.evaluation)
+        raise InfeasibleBudget(infeasible_message(problem, memory_budget, least.evaluation), budget=memory_budget, least=least.evaluation)
     ilp = BudgetILP(problem, "time", settings)
     points: list[Solution] = []
     budget = memory_budget
@@ -424,7 +424,7 @@ def sweep(
     return points
 
 
-def _infeasible_message(problem: Problem, budget: float, least: Evaluation) -> str:
+def infeasible_message(problem: Problem, budget: float, least: Evaluation) -> str:
     parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in sorted(least.memory.items(), key=lambda kv: -kv[1]))
     return (
         f"no plan on mesh {problem.mesh} fits {format_bytes(budget)} per device: the least any plan needs is "
