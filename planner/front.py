@@ -16,7 +16,7 @@ rule of Das 1999, "On characterizing the knee of the Pareto curve", which Kneedl
 configuration that cannot fit is dismissed in microseconds: the peak is PO + max(A + T, G + T,
 G + S) >= PO + G and >= PO + A (planner.solve), and each group's share of a sum is at least its
 smallest over its strategies. :func:`time_lower_bound` does the same for the step time (each
-group's fastest strategy, no conversion; with overlap, less every collective that could hide).
+group's fastest strategy, no conversion, less what overlap could hide).
 A configuration whose two bounds a point already found beats on both (:func:`dominated`) can add
 nothing to the front and is not solved.
 
@@ -29,7 +29,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol, TypeVar
 
-from planner.cost import comm_time
 from planner.problem import Problem
 
 
@@ -90,17 +89,14 @@ def reprices_overlap(problem: Problem) -> bool:
 
 def time_lower_bound(problem: Problem, *, overlap: bool = True) -> float:
     """Seconds per step no plan of ``problem`` goes below: every group at its fastest strategy,
-    conversions free; when the evaluation may hide communication behind compute (ZeRO-3 prefetch,
-    CDP's point-to-point messages: planner.problem.evaluate), each group's own collectives free too.
-    ``overlap=False`` leaves the collectives in (not a bound then, an estimate to order by)."""
-    overlaps = overlap and reprices_overlap(problem)
+    conversions free, less what the evaluation may hide behind compute (each strategy's
+    ``credit``: ZeRO-3 prefetch hides at most the forward compute it travels beside, CDP at most
+    its messages: planner.problem.evaluate). ``overlap=False`` leaves the credit out (not a bound
+    then, an estimate to order by)."""
     total = 0.0
     for group in problem.groups.values():
-        if overlaps:
-            total += min(t - sum(comm_time(c, problem.mesh, problem.hardware) * n for c, n in comms)
-                         for t, comms in zip(group.time, group.comms, strict=True))
-        else:
-            total += min(group.time)
+        credit = group.credit if overlap and group.credit else [0.0] * len(group.time)
+        total += min(t - c for t, c in zip(group.time, credit, strict=True))
     return max(total, 0.0)
 
 

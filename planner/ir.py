@@ -7,6 +7,7 @@ Produced by :func:`planner.trace.trace`. The fx graph is the ``torch.export`` tr
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -27,7 +28,7 @@ class TensorMeta:
     shape: tuple[int, ...]
     dtype: str
 
-    @property
+    @functools.cached_property
     def numel(self) -> int:
         n = 1
         for s in self.shape:
@@ -38,7 +39,7 @@ class TensorMeta:
     def itemsize(self) -> int:
         return DTYPE_BYTES.get(self.dtype, 4)
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
         return self.numel * self.itemsize
 

@@ -37,10 +37,26 @@ StepKind = Literal["all_reduce", "reduce_scatter", "all_gather", "slice", "zero"
 COLLECTIVE_STEPS: frozenset[str] = frozenset({"all_reduce", "reduce_scatter", "all_gather"})
 
 
+class _CachedHash:
+    """Layouts and specs are dict keys millions of times while a problem is built: their hash is
+    computed once (lazily, and never pickled: a string's hash differs between processes)."""
+
+    def __hash__(self) -> int:
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash(tuple(getattr(self, f) for f in self.__dataclass_fields__))  # type: ignore[attr-defined]
+            object.__setattr__(self, "_hash", h)
+        return h
+
+    def __getstate__(self) -> dict[str, object]:
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+
+
 @dataclass(frozen=True, order=True)
-class Layout:
+class Layout(_CachedHash):
     dims: tuple[tuple[str, ...], ...]
     partial: frozenset[str] = field(default_factory=frozenset)
+    __hash__ = _CachedHash.__hash__  # in the class body, or the dataclass writes its own
 
     def __post_init__(self) -> None:
         used = [a for d in self.dims for a in d] + sorted(self.partial)
@@ -106,11 +122,12 @@ def parse_layout(text: str) -> Layout:
 
 
 @dataclass(frozen=True, order=True)
-class Spec:
+class Spec(_CachedHash):
     """A tensor's forward layout and the partial axes of its gradient (see module docstring)."""
 
     layout: Layout
     grad_partial: frozenset[str] = field(default_factory=frozenset)
+    __hash__ = _CachedHash.__hash__
 
     def __post_init__(self) -> None:
         clash = self.grad_partial & (self.layout.shard_axes | self.layout.partial)

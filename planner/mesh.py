@@ -11,6 +11,7 @@ they only ever split activations along batch-like dimensions and never shard par
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass
 from functools import cached_property
@@ -73,7 +74,7 @@ class Mesh:
 
     def sort_axes(self, axes: frozenset[str] | set[str] | tuple[str, ...]) -> tuple[str, ...]:
         """Axes in mesh order (outermost first): the canonical order of a group."""
-        return tuple(a for a in self.axes if a in axes)
+        return _sorted_axes(self, axes if isinstance(axes, (frozenset, tuple)) else frozenset(axes))
 
     def stride(self, axis: str) -> int:
         """Distance in global rank between neighbours along ``axis``."""
@@ -113,3 +114,8 @@ class Mesh:
 def mesh_text(degrees: dict[str, int]) -> str:
     """``dp=8 x tp=8``: a mesh as plans store it (axis -> degree), as reports and errors print it."""
     return " x ".join(f"{a}={d}" for a, d in degrees.items())
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _sorted_axes(mesh: Mesh, axes: frozenset[str] | tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(a for a in mesh.axes if a in axes)

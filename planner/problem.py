@@ -18,6 +18,7 @@ and brute-force tests compare the two).
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections import defaultdict
@@ -50,6 +51,9 @@ class Group:
     comms: list[list[tuple[Comm, int]]] = field(default_factory=list)  # (comm, multiplicity) per strategy
     transient: list[float] = field(default_factory=list)
     step_transient: list[float] = field(default_factory=list)  # gradient sync / optimizer step temporaries
+    # the most of time[i] evaluate() may hide behind compute (ZeRO-3 prefetch: the forward compute
+    # of the group's ops; CDP: its point-to-point messages); 0 where nothing overlaps
+    credit: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -108,6 +112,7 @@ class Problem:
     cdp_owned: dict[str, list[float]] = field(default_factory=dict)  # CDP + ZeRO: owner bytes per strategy
     instances: dict[str, int] = field(default_factory=dict)  # template -> number of instances
     build_seconds: float = 0.0
+    edges_priced: bool = False  # conversion and hold terms built (price_edges)
 
     @property
     def num_choices(self) -> int:
@@ -129,8 +134,12 @@ def build_problem(
     cdp: str = "off",
     cdp_stages: int = 4,
     allow: StrategyFilter | None = None,
+    edges: bool = True,
 ) -> Problem:
-    """``allow(node, strategy)``, when given, pins choices: an anchor keeps only the strategies it
+    """``edges=False`` leaves out the conversion and hold terms (most of the building time):
+    enough for the bounds of :mod:`planner.front`; :func:`price_edges` adds them before a solve.
+
+    ``allow(node, strategy)``, when given, pins choices: an anchor keeps only the strategies it
     accepts (a ValueError names the node if it accepts none).
 
     ZeRO (Rajbhandari et al. 2020) over the data-parallel axes, for fp32 AdamW (4 B parameter,
@@ -222,7 +231,7 @@ def build_problem(
             n = len(strategies)
             groups[node.name] = Group(
                 node.name, strategies, instances[node.name], [0.0] * n, [0.0] * n, [(0.0, 0.0, 0.0)] * n,
-                [[] for _ in range(n)], [0.0] * n,
+                [[] for _ in range(n)], [0.0] * n, credit=[0.0] * n,
             )
     problem = Problem(mesh, hardware, graph, groups, node_group, choices, conversions={}, holds={}, instances=dict(instances))
     problem.zero_stage = zero_stage
@@ -231,8 +240,20 @@ def build_problem(
     problem.cdp, problem.cdp_stages, problem.param_stage = cdp, (cdp_stages if cdp != "off" else 0), param_stage
     master_itemsize = dtype_itemsize(master_dtype) if master_dtype else None
     _price_nodes(problem, optimizer, master_itemsize)
-    _price_edges(problem)
     problem.build_seconds = time.perf_counter() - t0
+    if edges:
+        price_edges(problem)
+    return problem
+
+
+def price_edges(problem: Problem) -> Problem:
+    """Add the conversion and hold terms (once; a problem built with ``edges=False`` needs them
+    before it is solved or evaluated)."""
+    if not problem.edges_priced:
+        t0 = time.perf_counter()
+        _price_edges(problem)
+        problem.edges_priced = True
+        problem.build_seconds += time.perf_counter() - t0
     return problem
 
 
@@ -330,7 +351,7 @@ def _price_nodes(problem: Problem, optimizer: str, master_itemsize: int | None) 
         count = problem.instances[node.name]
         for i, strategy in enumerate(problem.choices[node.name]):
             in_bytes = input_bytes(graph, node, strategy, mesh)
-            t = compute_time(node, strategy, mesh, hw, in_bytes) if node.kind == "op" else 0.0
+            compute = t = compute_time(node, strategy, mesh, hw, in_bytes) if node.kind == "op" else 0.0
             comms = list(strategy.comms)
             if node.kind == "param":
                 spec = strategy.outputs[0]
@@ -382,6 +403,12 @@ def _price_nodes(problem: Problem, optimizer: str, master_itemsize: int | None) 
                     comms.append(Comm("all_reduce", mesh.sort_axes(partial), node.out.itemsize, "fwd"))
             t += sum(comm_time(c, mesh, hw) for c in comms)
             group.time[i] += t * count
+            if problem.prefetch and node.kind == "op":  # a gather can travel during this op's forward
+                total_flops = node.flops_fwd + node.flops_bwd
+                share = node.flops_fwd / total_flops if total_flops else 1 / 3  # as planner.overlap.forward_compute
+                group.credit[i] += compute * share * count
+            if problem.cdp != "off":  # the messages evaluate() re-prices and overlaps
+                group.credit[i] += sum(comm_time(c, mesh, hw) for c in comms if c.kind == "send") * count
             group.comms[i].extend((c, count) for c in comms)
             out_local = sum(
                 m.nbytes // s.layout.shard_factor(mesh)
@@ -434,7 +461,6 @@ def _price_edges(problem: Problem) -> None:
             pending.setdefault((u.template, ref.index, v.template, p, signature), set()).add(u.name)
             if v.template == v.name:
                 _price_holds(problem, v, p, ref)
-    conv_cache: dict[tuple[Spec, Spec, int, bool], tuple[Comm, ...]] = {}
     for (ut, index, vt, p, signature), producers in pending.items():
         u, v = graph.nodes[ut], graph.nodes[vt]
         gu, gv = problem.node_group[ut], problem.node_group[vt]
@@ -461,10 +487,7 @@ def _price_edges(problem: Problem) -> None:
             key = ("conv", ut, index, src, dst, signature)
             term = problem.conversions.get(key)
             if term is None:
-                ck = (src, dst, meta.nbytes, u.requires_grad)
-                if ck not in conv_cache:
-                    conv_cache[ck] = _conversion_comms(src, dst, meta.nbytes, u.requires_grad and meta.is_float, mesh)
-                term = ConversionTerm(key, 0.0, conv_cache[ck])
+                term = ConversionTerm(key, 0.0, _conversion_comms(src, dst, meta.nbytes, u.requires_grad and meta.is_float, mesh))
                 problem.conversions[key] = term
             term.producers |= producers
             cond = (gu, iu, gv, iv)
@@ -472,10 +495,14 @@ def _price_edges(problem: Problem) -> None:
                 term.conditions.append(cond)
             if edge is not None:
                 edge.conversions.setdefault((src, dst), set()).add(key)
+    seconds: dict[tuple[Comm, ...], float] = {}
     for term in problem.conversions.values():
-        term.cost = sum(comm_time(c, mesh, hw) for c in term.comms) * term.count
+        if term.comms not in seconds:
+            seconds[term.comms] = sum(comm_time(c, mesh, hw) for c in term.comms)
+        term.cost = seconds[term.comms] * term.count
 
 
+@functools.lru_cache(maxsize=1 << 16)  # shared by the problems of one mesh (ZeRO stages, CDP modes)
 def _conversion_comms(src: Spec, dst: Spec, nbytes: int, with_grad: bool, mesh: Mesh) -> tuple[Comm, ...]:
     conv = spec_conversion(src, dst, mesh)
     fwd = steps_comms(conv.forward, nbytes // src.layout.shard_factor(mesh), mesh, "fwd")
@@ -564,6 +591,7 @@ def layer_volume(problem: Problem, assignment: dict[str, int]) -> float:
 
 def evaluate(problem: Problem, assignment: dict[str, int]) -> Evaluation:
     """Exact time, memory and collectives of one strategy per group."""
+    price_edges(problem)
     mesh, hw = problem.mesh, problem.hardware
     total = 0.0
     comm_t = 0.0

@@ -32,7 +32,7 @@ from planner.mesh import Mesh, mesh_text
 from planner.plan import CommRecord, MemoryBreakdown, NodePlan, Plan, SolverInfo, TPFamily, fingerprint
 from planner.problem import Evaluation, Problem, StrategyFilter, build_problem
 from planner.rules import FALLBACK
-from planner.solve import InfeasibleBudget, Solution, SolverSettings, infeasible_message, solve, sweep
+from planner.solve import BudgetILP, InfeasibleBudget, Solution, SolverSettings, infeasible_message, solve, solve_within, sweep
 from planner.units import format_bytes, format_seconds
 
 log = logging.getLogger(__name__)
@@ -193,8 +193,9 @@ def search(
     problems = {}
     for k, cand in enumerate(configs):
         if not cand.reason:
+            # conversions and holds are priced when a configuration is solved, not for its bounds
             problems[k] = build_problem(graph, cand.mesh, hardware, optimizer=optimizer, zero_stage=cand.zero, master_dtype=master_dtype,
-                                        prefetch=prefetch, cdp=cand.cdp, cdp_stages=space.cdp_stages, allow=allow)
+                                        prefetch=prefetch, cdp=cand.cdp, cdp_stages=space.cdp_stages, allow=allow, edges=False)
     bounds = {k: (time_lower_bound(pb), memory_lower_bound(pb)) for k, pb in problems.items()}
     outcome: dict[int, Candidate] = {k: c for k, c in enumerate(configs) if c.reason}
     found: list[Plan] = []  # the front so far, across configurations
@@ -316,29 +317,44 @@ def _plan_configuration(
         return replace(done, reason=f"no plan on mesh {cand.mesh} fits {format_bytes(budget)} per device: every plan needs at least "
                          f"{format_bytes(m_lb)} (a bound without an ILP), {format_bytes(m_lb - budget)} over",
                          least_memory=m_lb, least_is_bound=True, seconds=time.perf_counter() - t0)
+    dismissed = _dismissed(done, t_lb, m_lb, [] if exhaustive else found(), objective=objective, front=front, what="bounds")
+    if dismissed is not None:
+        return replace(dismissed, seconds=time.perf_counter() - t0)
+    settings = settings or SolverSettings()
+    overlaps = reprices_overlap(problem)
+    ilp = BudgetILP(problem, "time", settings) if front or objective != "memory" else None
+    fastest: Solution | None = None
     now = [] if exhaustive else found()
-    if not front and now and objective != "knee":
-        # one plan: a configuration whose bound cannot beat the best plan found is not solved
-        best = now[0] if objective == "time" else now[-1]
-        if (t_lb >= best.step_time_s) if objective == "time" else (m_lb >= best.peak_memory_bytes):
-            what = f"faster than {format_seconds(t_lb)}" if objective == "time" else f"smaller than {format_bytes(m_lb)}"
-            return replace(done, reason=f"dominated: no plan here is {what} (a bound), and the {_describe(best)} plan takes "
-                           f"{format_seconds(best.step_time_s)} with {format_bytes(best.peak_memory_bytes)}", seconds=time.perf_counter() - t0)
-    if front:
-        better = dominated(now, t_lb, m_lb)
-        if better is not None:
-            return replace(done, reason=f"dominated: no plan here is faster than {format_seconds(t_lb)} or smaller than "
-                             f"{format_bytes(m_lb)} (bounds), and the {_describe(better)} plan takes {format_seconds(better.step_time_s)} "
-                             f"with {format_bytes(better.peak_memory_bytes)}", seconds=time.perf_counter() - t0)
+    if ilp is not None and now:
+        # the LP relaxation within the budget bounds the time of every plan that fits (of the
+        # credited objective, where the evaluation may hide communication: the evaluated time)
+        limit = min(budget, covered_below(now, t_lb) * (1 - 1e-6)) if front else budget
+        relaxed = (BudgetILP(problem, "time", settings, credited=True) if overlaps else ilp).relaxation(limit)
+        if relaxed is not None:
+            t_lb = max(t_lb, relaxed * (1 - settings.relative_gap))
+        dismissed = _dismissed(done, t_lb, m_lb, now, objective=objective, front=front, what="the LP relaxation within the budget")
+        if dismissed is not None:
+            return replace(dismissed, seconds=time.perf_counter() - t0)
+    if ilp is not None:
+        fastest = ilp.run(float("inf"))
+        assert fastest is not None  # no budget row binds: every assignment is feasible
+        if not overlaps and fastest.status == "optimal" and now:
+            # the fastest plan without a budget bounds every plan of the configuration
+            t_lb = max(t_lb, fastest.objective * (1 - settings.relative_gap))
+            dismissed = _dismissed(done, t_lb, m_lb, found(), objective=objective, front=front, what="its fastest plan without a budget")
+            if dismissed is not None:
+                return replace(dismissed, seconds=time.perf_counter() - t0)
+    now = [] if exhaustive else found()
     # only a plan smaller than what is already found at its speed can join the front
     useful = min(budget, covered_below(now, t_lb) * (1 - 1e-6)) if front else budget
-    overlaps = reprices_overlap(problem)
     try:
-        if front:
-            solutions = sweep(problem, memory_budget=useful, settings=settings, resolution=resolution, max_points=max_points,
+        if ilp is None:
+            solutions = [solve(problem, memory_budget=budget, objective="memory", settings=settings)]
+        elif front:
+            solutions = sweep(problem, memory_budget=useful, resolution=resolution, max_points=max_points, ilp=ilp, fastest=fastest,
                               covered=None if overlaps or exhaustive else (lambda t: covered_below(found(), t)))
         else:
-            solutions = [solve(problem, memory_budget=budget, objective="memory" if objective == "memory" else "time", settings=settings)]
+            solutions = [solve_within(ilp, budget, fastest)]
     except InfeasibleBudget as exc:
         least = exc.least.peak_memory if exc.least else None
         if useful < budget and least is not None and least <= budget:
@@ -350,6 +366,26 @@ def _plan_configuration(
     plans = merge([make_plan(graph, problem, sol, model_name=model_name, memory_budget=budget, optimizer=optimizer) for sol in solutions])
     log.info("mesh %s ZeRO-%d CDP %s: %d points", cand.mesh, cand.zero, cand.cdp, len(plans))
     return replace(done, family=plans[0].tp, plan=plans[0], front=tuple(plans), seconds=time.perf_counter() - t0)
+
+
+def _dismissed(done: Candidate, t_lb: float, m_lb: float, now: Sequence[Point], *, objective: Objective, front: bool,
+               what: str) -> Candidate | None:
+    """The configuration, dismissed with its reason, when no plan of it faster than ``t_lb`` or
+    smaller than ``m_lb`` (lower bounds, from ``what``) can beat the points found so far."""
+    if not front and now and objective != "knee":
+        # one plan: a configuration whose bound cannot beat the best plan found is not solved
+        best = now[0] if objective == "time" else now[-1]
+        if (t_lb >= best.step_time_s) if objective == "time" else (m_lb >= best.peak_memory_bytes):
+            bound = f"faster than {format_seconds(t_lb)}" if objective == "time" else f"smaller than {format_bytes(m_lb)}"
+            return replace(done, reason=f"dominated: no plan here is {bound} ({what}), and the {_describe(best)} plan takes "
+                           f"{format_seconds(best.step_time_s)} with {format_bytes(best.peak_memory_bytes)}")
+    if front:
+        better = dominated(now, t_lb, m_lb)
+        if better is not None:
+            return replace(done, reason=f"dominated: no plan here is faster than {format_seconds(t_lb)} ({what}) or smaller than "
+                             f"{format_bytes(m_lb)} (a bound), and the {_describe(better)} plan takes {format_seconds(better.step_time_s)} "
+                             f"with {format_bytes(better.peak_memory_bytes)}")
+    return None
 
 
 def _describe(plan: Plan | Point) -> str:

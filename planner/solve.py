@@ -48,13 +48,15 @@ import logging
 import os
 import sys
 import time
+from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Literal
 
+import highspy
 import pulp
 
-from planner.problem import Evaluation, Problem, evaluate
+from planner.problem import Evaluation, Group, Problem, evaluate, price_edges
 from planner.units import format_bytes
 
 log = logging.getLogger(__name__)
@@ -98,7 +100,7 @@ class InfeasibleBudget(ValueError):
 
 class _Model:
     def __init__(self, problem: Problem, name: str) -> None:
-        self.problem = problem
+        self.problem = price_edges(problem)
         self.lp = pulp.LpProblem(name, pulp.LpMinimize)
         self.gid = {g: k for k, g in enumerate(problem.groups)}
         lp = self.lp
@@ -106,7 +108,7 @@ class _Model:
             g: [lp.add_variable(f"x_{self.gid[g]}_{i}", 0, 1, cat="Binary") for i in range(len(grp.strategies))]
             for g, grp in problem.groups.items()
         }
-        self.y = {key: lp.add_variable(f"y_{k}", 0, 1) for k, key in enumerate(problem.conversions)}
+        self.y: dict[tuple[object, ...], pulp.LpVariable] = {}  # conversion executed (conversion() makes them)
         self.z = {key: lp.add_variable(f"z_{k}", 0, 1) for k, key in enumerate(problem.holds)}
         self.transient = lp.add_variable("transient", 0)
         self.step_transient = lp.add_variable("step_transient", 0)
@@ -122,11 +124,17 @@ class _Model:
         self.transient_bound()
         self.peak_bound()
 
-    def time_expr(self) -> pulp.LpAffineExpression:
+    def time_expr(self, credited: bool = False) -> pulp.LpAffineExpression:
+        """Seconds per step (in ``t_unit``); ``credited``: less each strategy's credit, the most the
+        evaluation may hide behind compute, so its minimum bounds the evaluated step time from below."""
         p = self.problem
         u = self.t_unit
-        terms = [(v, grp.time[i] / u) for g, grp in p.groups.items() for i, v in enumerate(self.x[g]) if grp.time[i]]
-        terms += [(self.y[key], term.cost / u) for key, term in p.conversions.items() if term.cost]
+
+        def seconds(grp: Group, i: int) -> float:
+            return grp.time[i] - (grp.credit[i] if credited and grp.credit else 0.0)
+
+        terms = [(v, seconds(grp, i) / u) for g, grp in p.groups.items() for i, v in enumerate(self.x[g]) if seconds(grp, i)]
+        terms += [(self.y[key], term.cost / u) for key, term in p.conversions.items() if term.cost and key in self.y]
         return pulp.LpAffineExpression(terms)
 
     def _terms(self, part: str) -> pulp.LpAffineExpression:
@@ -163,12 +171,24 @@ class _Model:
         """Within a group: y >= x[i] for the strategies whose two ends disagree. Between groups,
         the transportation form: e[S,T] >= 0 with sum_T e[S,T] = (producer outputs S) and
         sum_S e[S,T] = (consumer needs T), and y >= e[S,T]; with one-hot x, e is the indicator
-        of the pair chosen, and the LP relaxation is far tighter than y >= x_u + x_v - 1."""
-        for k, (key, term) in enumerate(self.problem.conversions.items()):
+        of the pair chosen, and the LP relaxation is far tighter than y >= x_u + x_v - 1.
+        A conversion that costs nothing gets no variable; one that only a single pair of a single
+        edge can cause is that pair's e itself (y = e at the optimum, without the row)."""
+        p = self.problem
+        uses: dict[tuple[object, ...], int] = defaultdict(int)
+        for key, term in p.conversions.items():
+            uses[key] += sum(1 for gu, _, gv, _ in term.conditions if gu == gv)
+        for edge in p.edges.values():
+            for keys in edge.conversions.values():
+                for key in keys:
+                    uses[key] += 1
+        for k, (key, term) in enumerate(p.conversions.items()):
+            if term.cost and (uses[key] > 1 or any(gu == gv for gu, _, gv, _ in term.conditions)):
+                self.y[key] = self.lp.add_variable(f"y_{k}", 0, 1)
             for m, (gu, iu, gv, iv) in enumerate(term.conditions):
-                if gu == gv:
+                if gu == gv and key in self.y:
                     self.lp += self.y[key] >= self._sum(gu, iu & iv), f"conversion_{k}_{m}"
-        for k, edge in enumerate(self.problem.edges.values()):
+        for k, edge in enumerate(p.edges.values()):
             e = {
                 (a, b): self.lp.add_variable(f"e_{k}_{m}", 0)
                 for m, (a, b) in enumerate((a, b) for a in edge.src_sets for b in edge.dst_sets)
@@ -179,7 +199,10 @@ class _Model:
                 self.lp += pulp.lpSum(e[(a, b)] for a in edge.src_sets) == self._sum(edge.group_v, iv), f"edge_{k}_dst_{min(iv)}_{len(iv)}"
             for pair, keys in edge.conversions.items():
                 for key in keys:
-                    self.lp += self.y[key] >= e[pair], f"edge_{k}_conv_{id(key) % 10**9}_{id(pair) % 10**9}"
+                    if key in self.y:
+                        self.lp += self.y[key] >= e[pair], f"edge_{k}_conv_{id(key) % 10**9}_{id(pair) % 10**9}"
+                    elif p.conversions[key].cost:
+                        self.y[key] = e[pair]
 
     def hold(self) -> None:
         for k, (key, term) in enumerate(self.problem.holds.items()):
@@ -266,18 +289,25 @@ def solve(
             return least
         better = fastest.evaluation.peak_memory <= least.evaluation.peak_memory and fastest.evaluation.step_time < least.evaluation.step_time
         return replace(fastest, objective=fastest.evaluation.peak_memory) if better else least
+    return solve_within(BudgetILP(problem, "time", settings), memory_budget)
+
+
+def solve_within(ilp: BudgetILP, memory_budget: float, fastest: Solution | None = None) -> Solution:
+    """The fastest plan within ``memory_budget`` from a built time ILP (``fastest``: its answer
+    without a budget, when already solved: it answers at once if it fits). An answer whose exact
+    memory exceeds the budget (a tolerance slip, or a term the ILP does not price) is re-solved
+    with the budget lowered by the overrun; raises :class:`InfeasibleBudget` when nothing fits."""
+    problem, settings = ilp.problem, ilp.settings
+    if fastest is not None and fastest.evaluation.peak_memory <= memory_budget:
+        return fastest
     budget = memory_budget
     for attempt in range(MAX_RESOLVES):
-        try:
-            solution = _solve_once(problem, budget, objective, settings)
-        except InfeasibleBudget as exc:
-            if budget == memory_budget:
-                raise
-            # the lowered budget excluded every plan: the least-memory plan, if it fits, is the answer
+        solution = ilp.run(budget)
+        if solution is None:
             least = _solve_once(problem, float("inf"), "memory", settings)
-            if least.evaluation.peak_memory <= memory_budget:
-                return least
-            raise InfeasibleBudget(infeasible_message(problem, memory_budget, least.evaluation), budget=memory_budget, least=least.evaluation) from exc
+            if budget != memory_budget and least.evaluation.peak_memory <= memory_budget:
+                return least  # the lowered budget excluded every plan: the least-memory plan fits
+            raise InfeasibleBudget(infeasible_message(problem, memory_budget, least.evaluation), budget=memory_budget, least=least.evaluation)
         if budget == float("inf"):
             return solution
         overrun = solution.evaluation.peak_memory - memory_budget
@@ -296,13 +326,15 @@ def solve(
 class BudgetILP:
     """One problem's ILP, built once and handed to the solver once, then solved for any number of
     budgets (HiGHS: only the memory row's bound moves between solves; CBC rebuilds its file).
-    ``objective="memory"`` has no budget row."""
+    ``objective="memory"`` has no budget row. ``credited``: the time objective less each strategy's
+    credit (:attr:`planner.problem.Group.credit`), so its optimum (``Solution.objective``) bounds the
+    evaluated step time of every plan from below where the evaluation hides communication."""
 
-    def __init__(self, problem: Problem, objective: Literal["time", "memory"], settings: SolverSettings) -> None:
+    def __init__(self, problem: Problem, objective: Literal["time", "memory"], settings: SolverSettings, *, credited: bool = False) -> None:
         t0 = time.perf_counter()
         self.problem, self.objective, self.settings = problem, objective, settings
         self.model = _Model(problem, f"plan_{problem.mesh}".replace(" ", "").replace("=", "").replace("x", "_"))
-        self.time_e, self.mem_e = self.model.time_expr(), self.model.memory_expr()
+        self.time_e, self.mem_e = self.model.time_expr(credited), self.model.memory_expr()
         self.model.lp += (self.time_e + TIE_BREAK * self.mem_e) if objective == "time" else (self.mem_e + TIE_BREAK * self.time_e)
         if objective == "time":
             self.model.memory_budget(float("inf"))
@@ -310,17 +342,49 @@ class BudgetILP:
         self.build_seconds = time.perf_counter() - t0
         self.solves = 0
 
+    def _highs(self) -> highspy.Highs | None:
+        """The HiGHS model, built on first use (None for CBC, which pulp runs from a file)."""
+        lp = self.model.lp
+        if not isinstance(self.solver, pulp.HiGHS):
+            return None
+        if getattr(lp, "solverModel", None) is None:
+            self.solver.createAndConfigureSolver(lp)
+            self.solver.buildSolverModel(lp)
+        return lp.solverModel
+
     def _run(self, budget: float) -> None:
         lp = self.model.lp
-        if self.objective == "time":
-            row = self.model.memory_budget(budget)
-            highs = getattr(lp, "solverModel", None)
-            if self.solves and highs is not None and isinstance(self.solver, pulp.HiGHS):
-                highs.changeRowBounds(row.index, -NO_BUDGET, -row.constant)
+        row = self.model.memory_budget(budget) if self.objective == "time" else None
+        highs = self._highs()
+        if highs is None:
+            lp.solve(self.solver)
+            return
+        if row is not None:
+            highs.changeRowBounds(row.index, -NO_BUDGET, -row.constant)
+        highs.run()
+        lp.assignStatus(*self.solver.findSolutionValues(lp))
+
+    def relaxation(self, budget: float) -> float | None:
+        """A lower bound on the objective of every plan within ``budget`` (seconds, or bytes): the
+        LP relaxation's optimum (integrality dropped), less the most the tie-break adds. None
+        when the relaxation is infeasible (no plan fits) or the backend is not HiGHS."""
+        highs = self._highs()
+        if highs is None or self.objective != "time":
+            return None
+        row = self.model.memory_budget(budget)
+        highs.changeRowBounds(row.index, -NO_BUDGET, -row.constant)
+        highs.setOptionValue("solve_relaxation", True)
+        highs.setOptionValue("presolve", "off")  # measured: the LP alone is faster than its presolve
+        try:
+            with _quiet_stdout():
                 highs.run()
-                lp.assignStatus(*self.solver.findSolutionValues(lp))
-                return
-        lp.solve(self.solver)
+        finally:
+            highs.setOptionValue("solve_relaxation", False)
+            highs.setOptionValue("presolve", "choose")
+        if highs.getModelStatus() != highspy.HighsModelStatus.kOptimal:
+            return None
+        value = highs.getInfo().objective_function_value - TIE_BREAK * min(budget, NO_BUDGET) / self.model.m_unit
+        return max(value, 0.0) * self.model.t_unit
 
     def run(self, budget: float) -> Solution | None:
         """The fastest plan within ``budget`` bytes per device (the smallest, for the memory
@@ -369,6 +433,8 @@ def sweep(
     resolution: float = 0.0,
     max_points: int | None = None,
     covered: Callable[[float], float] | None = None,
+    ilp: BudgetILP | None = None,
+    fastest: Solution | None = None,
 ) -> list[Solution]:
     """The configuration's time/memory Pareto front within ``memory_budget``, fastest first, by the
     epsilon-constraint method (Haimes, Lasdon & Wismer 1971): the least memory any plan needs
@@ -383,20 +449,23 @@ def sweep(
     plan slower than ``t`` seconds beats every point found elsewhere
     (:func:`planner.front.covered_below`): the next budget jumps below it. It must only be given
     when the evaluated step time is the ILP's (no overlap re-pricing), so later solves are slower.
-    Raises :class:`InfeasibleBudget` when ``m_min`` exceeds the budget."""
-    settings = settings or SolverSettings()
+    ``ilp``: the problem's time ILP, when already built; ``fastest``: its answer without a budget,
+    when already solved (the first point, if it fits). Raises :class:`InfeasibleBudget` when
+    ``m_min`` exceeds the budget."""
+    settings = ilp.settings if ilp is not None else settings or SolverSettings()
     least = _solve_once(problem, float("inf"), "memory", settings)
     floor = least.evaluation.peak_memory
     if floor > memory_budget:
         raise InfeasibleBudget(infeasible_message(problem, memory_budget, least.evaluation), budget=memory_budget, least=least.evaluation)
-    ilp = BudgetILP(problem, "time", settings)
+    ilp = ilp or BudgetILP(problem, "time", settings)
     points: list[Solution] = []
     budget = memory_budget
     slips = 0
     while True:
         if max_points is not None and len(points) >= max_points - 1:
             budget = min(budget, floor)
-        sol = ilp.run(budget)
+        sol = fastest if fastest is not None and fastest.evaluation.peak_memory <= budget else ilp.run(budget)
+        fastest = None
         if sol is None:  # only a tolerance slip below m_min can do this: the least-memory plan ends the front
             points.append(least)
             break
