@@ -363,6 +363,9 @@ def _plan_configuration(
         terms = tuple(exc.least.memory.items()) if exc.least else ()
         reason = infeasible_message(problem, budget, exc.least) if exc.least else str(exc)
         return replace(done, reason=reason, least_memory=least, least_terms=terms, seconds=time.perf_counter() - t0)
+    if not solutions:  # the sweep's LP bounds showed every plan that fits covered by points found before
+        return replace(done, reason=f"dominated: the LP relaxation shows its plans within {format_bytes(budget)} all slower and larger "
+                       "than plans of the configurations above", seconds=time.perf_counter() - t0)
     plans = merge([make_plan(graph, problem, sol, model_name=model_name, memory_budget=budget, optimizer=optimizer) for sol in solutions])
     log.info("mesh %s ZeRO-%d CDP %s: %d points", cand.mesh, cand.zero, cand.cdp, len(plans))
     return replace(done, family=plans[0].tp, plan=plans[0], front=tuple(plans), seconds=time.perf_counter() - t0)

@@ -44,6 +44,7 @@ exceeds the budget (a tolerance slip) is re-solved with the budget lowered by th
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import sys
@@ -54,6 +55,7 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 import highspy
+import numpy as np
 import pulp
 
 from planner.problem import Evaluation, Group, Problem, evaluate, price_edges
@@ -368,23 +370,60 @@ class BudgetILP:
         """A lower bound on the objective of every plan within ``budget`` (seconds, or bytes): the
         LP relaxation's optimum (integrality dropped), less the most the tie-break adds. None
         when the relaxation is infeasible (no plan fits) or the backend is not HiGHS."""
+        t0 = time.perf_counter()
         highs = self._highs()
         if highs is None or self.objective != "time":
             return None
         row = self.model.memory_budget(budget)
         highs.changeRowBounds(row.index, -NO_BUDGET, -row.constant)
-        highs.setOptionValue("solve_relaxation", True)
-        highs.setOptionValue("presolve", "off")  # measured: the LP alone is faster than its presolve
+        # measured: interior point without presolve takes a steady ~0.4 s on a 3-D GPT-3 model, where
+        # dual simplex took 0.1 s to 5 s depending on the basis the last solve left
+        options = {"solve_relaxation": True, "presolve": "off", "solver": "ipm"}
+        saved: dict[str, bool | str] = {k: highs.getOptionValue(k)[1] for k in options}
+        for k, v in options.items():
+            highs.setOptionValue(k, v)
         try:
             with _quiet_stdout():
                 highs.run()
         finally:
-            highs.setOptionValue("solve_relaxation", False)
-            highs.setOptionValue("presolve", "choose")
+            for k, v in saved.items():
+                highs.setOptionValue(k, v)
+        log.debug("mesh %s: LP relaxation within %s took %.2f s", self.problem.mesh, format_bytes(budget), time.perf_counter() - t0)
         if highs.getModelStatus() != highspy.HighsModelStatus.kOptimal:
             return None
         value = highs.getInfo().objective_function_value - TIE_BREAK * min(budget, NO_BUDGET) / self.model.m_unit
         return max(value, 0.0) * self.model.t_unit
+
+    def weighted(self, weight: float) -> Solution:
+        """The plan minimising time + ``weight`` x memory (both in the model's normalised units),
+        without a budget: a supported point of the front (on its convex hull), solved without the
+        budget row whose knapsack makes the epsilon-constraint MIPs hard (measured, GPT-3 13B on
+        4x4x4: about 1 s each, where a budgeted solve took up to 19 s)."""
+        assert self.objective == "time"
+        lp = self.model.lp
+        objective = self.time_e + (weight + TIE_BREAK) * self.mem_e
+        highs = self._highs()
+        if highs is None:  # CBC: a new objective, a new file
+            lp.setObjective(objective)
+            try:
+                solution = self.run(float("inf"))
+            finally:
+                lp.setObjective(self.time_e + TIE_BREAK * self.mem_e)
+        else:
+            base = self._costs(self.time_e + TIE_BREAK * self.mem_e)
+            highs.changeColsCost(len(base), np.arange(len(base), dtype=np.int32), self._costs(objective))
+            try:
+                solution = self.run(float("inf"))
+            finally:
+                highs.changeColsCost(len(base), np.arange(len(base), dtype=np.int32), base)
+        assert solution is not None  # no budget binds
+        return solution
+
+    def _costs(self, expr: pulp.LpAffineExpression) -> np.ndarray:
+        costs = np.zeros(len(self.model.lp.variables()))
+        for var, coef in expr.items():
+            costs[var.index] += coef
+        return costs
 
     def run(self, budget: float) -> Solution | None:
         """The fastest plan within ``budget`` bytes per device (the smallest, for the memory
@@ -393,6 +432,7 @@ class BudgetILP:
         with _quiet_stdout():
             self._run(budget)
         elapsed = time.perf_counter() - t0
+        log.debug("mesh %s: %s solve within %s took %.2f s", self.problem.mesh, self.objective, format_bytes(budget), elapsed)
         build = self.build_seconds if not self.solves else 0.0
         self.solves += 1
         lp = self.model.lp
@@ -436,61 +476,122 @@ def sweep(
     ilp: BudgetILP | None = None,
     fastest: Solution | None = None,
 ) -> list[Solution]:
-    """The configuration's time/memory Pareto front within ``memory_budget``, fastest first, by the
-    epsilon-constraint method (Haimes, Lasdon & Wismer 1971): the least memory any plan needs
-    (``m_min``, one memory-objective solve), then the fastest plan within the budget, then the
-    fastest within ``m - step`` of the last plan's memory ``m``, ..., down to ``m_min``. One model,
-    one solver instance: each solve only lowers the budget row's bound.
+    """The configuration's time/memory Pareto front within ``memory_budget``, fastest first.
+
+    1. The two ends: the fastest plan (no budget) and the least memory any plan needs (``m_min``).
+    2. The supported points (on the front's convex hull) by weighted sums (the dichotomic scheme
+       of Aneja & Nair 1979): between two points A and B, minimise time + w x memory with w the
+       slope of AB; a plan strictly below the segment is a new point, and both halves are
+       searched again. These solves have no budget row and are fast.
+    3. The points between two neighbours by the epsilon-constraint method (Haimes, Lasdon &
+       Wismer 1971): the fastest plan within ``m - step`` of the larger neighbour's memory ``m``,
+       and so on down to the smaller neighbour: the plans above the hull, whose budgeted MIPs are
+       the hard ones. Where the budget cuts the hull, the fastest plan within it starts the front.
 
     ``step = max(resolution * m, 1e-6 * m)``: ``resolution = 0`` finds every front point more than
-    a millionth apart in memory (the exact front; the tests compare it with brute force), 0.02
-    one per 2 % of memory. ``max_points`` caps the solves; the last one is always at ``m_min``,
-    so both ends of the front are in it. ``covered(t)``, when given, is the memory below which a
-    plan slower than ``t`` seconds beats every point found elsewhere
-    (:func:`planner.front.covered_below`): the next budget jumps below it. It must only be given
-    when the evaluated step time is the ILP's (no overlap re-pricing), so later solves are slower.
-    ``ilp``: the problem's time ILP, when already built; ``fastest``: its answer without a budget,
-    when already solved (the first point, if it fits). Raises :class:`InfeasibleBudget` when
-    ``m_min`` exceeds the budget."""
+    a millionth apart in memory (the exact front; the tests compare it with brute force), 0.05
+    leaves out points within 5 % of memory of a neighbour. ``max_points`` caps the points: the ends
+    first, then the supported points, then the gaps, largest first. ``covered(t)``, when given, is
+    the memory below which a plan slower than ``t`` seconds beats every point found elsewhere
+    (:func:`planner.front.covered_below`): a gap's next budget jumps below it, and further while
+    the LP relaxation within the budget (a lower bound on the time of every plan that fits,
+    solved in a fraction of the MIP's time) is itself covered. It must only be given when the
+    evaluated step time is the ILP's (no overlap re-pricing). ``ilp``: the problem's time ILP, when
+    already built; ``fastest``: its answer without a budget, when already solved. Raises
+    :class:`InfeasibleBudget` when ``m_min`` exceeds the budget."""
     settings = ilp.settings if ilp is not None else settings or SolverSettings()
     least = _solve_once(problem, float("inf"), "memory", settings)
     floor = least.evaluation.peak_memory
     if floor > memory_budget:
         raise InfeasibleBudget(infeasible_message(problem, memory_budget, least.evaluation), budget=memory_budget, least=least.evaluation)
     ilp = ilp or BudgetILP(problem, "time", settings)
-    points: list[Solution] = []
-    budget = memory_budget
-    slips = 0
-    while True:
-        if max_points is not None and len(points) >= max_points - 1:
-            budget = min(budget, floor)
-        sol = fastest if fastest is not None and fastest.evaluation.peak_memory <= budget else ilp.run(budget)
-        fastest = None
-        if sol is None:  # only a tolerance slip below m_min can do this: the least-memory plan ends the front
-            points.append(least)
-            break
-        overrun = sol.evaluation.peak_memory - budget
-        if overrun > 0:  # the row slipped (solver tolerance, or a term the ILP does not price): tighten, re-solve
-            slips += 1
-            if slips > MAX_RESOLVES:
-                if not points or least.evaluation.peak_memory < points[-1].evaluation.peak_memory:
-                    points.append(least)
-                break
-            budget -= overrun * 2 ** (slips - 1)
+    cap = max_points if max_points is not None else float("inf")
+    top = fastest or ilp.run(float("inf"))
+    assert top is not None
+    # the least-memory end: the fastest plan of that memory (the memory objective only breaks ties),
+    # unless a bound shows it covered by points found elsewhere
+    end = _fill(ilp, floor, covered, floor * (1 - 1e-6))
+    least = end or least  # when covered: the memory objective's plan, to end the hull, not to report
+    if covered is not None and top.evaluation.peak_memory > memory_budget:
+        covered_at_budget = covered(ilp.relaxation(memory_budget) or 0.0)
+        if covered_at_budget <= floor:  # a bound shows every plan that fits covered already
+            return []
+
+    def memory(sol: Solution) -> float:
+        return sol.evaluation.peak_memory
+
+    def seconds(sol: Solution) -> float:
+        return sol.evaluation.step_time  # the ILP's, unless the evaluation re-prices overlap
+
+    # 2. supported points, breadth first so a cap keeps them spread
+    hull = [top, least] if memory(least) < memory(top) else [least]
+    segments = [(top, least)] if len(hull) == 2 else []
+    while segments and len(hull) < cap:
+        a, b = segments.pop(0)
+        if memory(a) - memory(b) <= max(resolution * memory(a), 1e-6 * memory(a)):
             continue
-        slips = 0
-        points.append(sol)
-        m = sol.evaluation.peak_memory
-        if m <= floor or (max_points is not None and len(points) >= max_points):
-            break
-        limit = covered(sol.evaluation.step_time) * (1 - 1e-6) if covered is not None else float("inf")
-        budget = min(m - max(resolution * m, 1e-6 * m), limit)
-        if budget < floor:
-            if floor < min(m * (1 - 1e-6), limit):
-                budget = floor  # the step jumped past the least-memory end: solve the end itself
-            else:
+        if covered is not None and covered(a.evaluation.step_time) <= memory(b):
+            continue  # a plan between a and b is slower than a, larger than b: covered already
+        dt, dm = (seconds(b) - seconds(a)) / ilp.model.t_unit, (memory(a) - memory(b)) / ilp.model.m_unit
+        if dt <= 0:
+            continue  # b is as fast as a with less memory: a is not on the front (tolerances)
+        w = dt / dm
+        r = ilp.weighted(w)
+        line = seconds(a) / ilp.model.t_unit + w * memory(a) / ilp.model.m_unit
+        value = seconds(r) / ilp.model.t_unit + w * memory(r) / ilp.model.m_unit
+        if memory(b) < memory(r) < memory(a) and value < line - 1e-9 * max(abs(line), 1.0):
+            hull.append(r)
+            segments += [(a, r), (r, b)]
+    hull.sort(key=memory, reverse=True)
+    points = [p for p in hull if memory(p) <= memory_budget and (p is not least or end is not None)]
+    # 3. the gaps: the budget's cut of the hull first, then the widest
+    gaps: list[tuple[float, Solution]] = []
+    if memory(hull[0]) > memory_budget:
+        gaps.append((memory_budget, points[0] if points else least))
+    neighbours = points if end is not None else [*points, least]  # a covered end still bounds the last gap
+    gaps += [(memory(a) - max(resolution * memory(a), 1e-6 * memory(a)), b) for a, b in itertools.pairwise(neighbours)]
+    gaps.sort(key=lambda g: g[0] - memory(g[1]), reverse=True)
+    for budget, lower in gaps:
+        while budget > memory(lower) and len(points) < cap:
+            sol = _fill(ilp, budget, covered, memory(lower))
+            if sol is None or memory(sol) <= memory(lower) or sol.evaluation.step_time >= lower.evaluation.step_time:
                 break
-    return points
+            points.append(sol)
+            budget = memory(sol) - max(resolution * memory(sol), 1e-6 * memory(sol))
+    if not points:
+        return []
+    points.sort(key=lambda p: (p.evaluation.step_time, memory(p)))
+    front = [points[0]]
+    for p in points[1:]:
+        if memory(p) < memory(front[-1]):
+            front.append(p)
+    return front
+
+
+def _fill(ilp: BudgetILP, budget: float, covered: Callable[[float], float] | None, floor: float) -> Solution | None:
+    """The fastest plan within ``budget``, or None when a bound shows every plan between
+    ``floor`` and the budget covered (``covered``: see :func:`sweep`). An answer whose exact memory
+    exceeds the budget (solver tolerance, or a term the ILP does not price) is re-solved below."""
+    while covered is not None:
+        bound = ilp.relaxation(budget)
+        if bound is None:
+            break
+        below = covered(bound * (1 - ilp.settings.relative_gap)) * (1 - 1e-6)
+        if below >= budget:
+            break
+        if below <= floor:
+            return None
+        budget = below
+    target = budget
+    for attempt in range(MAX_RESOLVES):
+        sol = ilp.run(budget)
+        if sol is None:
+            return None
+        overrun = sol.evaluation.peak_memory - target
+        if overrun <= 0:
+            return sol
+        budget -= overrun * 2**attempt
+    return None
 
 
 def infeasible_message(problem: Problem, budget: float, least: Evaluation) -> str:
