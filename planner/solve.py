@@ -378,8 +378,8 @@ class BudgetILP:
         highs.changeRowBounds(row.index, -NO_BUDGET, -row.constant)
         # measured: interior point without presolve takes a steady ~0.4 s on a 3-D GPT-3 model, where
         # dual simplex took 0.1 s to 5 s depending on the basis the last solve left
-        options = {"solve_relaxation": True, "presolve": "off", "solver": "ipm"}
-        saved: dict[str, bool | str] = {k: highs.getOptionValue(k)[1] for k in options}
+        options: dict[str, bool | str | float] = {"solve_relaxation": True, "presolve": "off", "solver": "ipm"}
+        saved: dict[str, bool | str | float] = {k: highs.getOptionValue(k)[1] for k in options}
         for k, v in options.items():
             highs.setOptionValue(k, v)
         try:
