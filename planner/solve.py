@@ -21,10 +21,11 @@ where      Time = sum_{g,i} time[g,i] x[g,i] + sum_c cost[c] y[c]          (seco
 
 subject to (each family is one function below; constraints carry their family's name)
     one_strategy:  sum_i x[g,i] = 1                                     for every g
-    conversion:    y[c] >= sum_{i in I} x[gu,i] + sum_{j in J} x[gv,j] - 1
-                   for every (producer group gu, its strategies I whose output is S;
-                   consumer group gv, its strategies J that need T) of term c;
-                   when gu = gv the pair collapses to y[c] >= sum_{i in I and J} x[gu,i]
+    conversion:    between groups, the transportation form (see _Model.conversion): e[S,T] >= 0,
+                   sum_T e[S,T] = sum_{i outputs S} x[gu,i], sum_S e[S,T] = sum_{j needs T} x[gv,j],
+                   y[c] >= e[S,T] for the pairs (S, T) of term c (y is e itself when one pair of
+                   one edge is its only cause; a conversion that costs nothing has no variable);
+                   within a group: y[c] >= sum_{i in I and J} x[g,i]
     hold:          z[h] >= sum_{j in J} x[gv,j]       (or the pair form, for gathered weights)
     transient:     T >= sum_i transient[g,i] x[g,i]                     for every g
                    S >= sum_i step_transient[g,i] x[g,i]                for every g
@@ -39,6 +40,12 @@ the fastest plan within exactly that memory. Feasibility tolerances are 1e-9, th
 absolute gap 0. Time and memory of the answer are re-computed exactly by
 :func:`planner.problem.evaluate`, not read off the relaxed y/z, and an answer whose exact memory
 exceeds the budget (a tolerance slip) is re-solved with the budget lowered by the overrun.
+
+Beside the budgeted solve, one built model answers (:class:`BudgetILP`): the weighted sum
+min Time / t_unit + w M / m_unit without a budget (a supported point of the front; no knapsack row,
+so far faster), and the LP relaxation within a budget (a lower bound on the time of every plan
+that fits, which lets the search skip configurations and budgets without a MIP). ``credited``
+models subtract what the evaluation may hide behind compute, so their optima bound evaluated times.
 """
 
 from __future__ import annotations
