@@ -8,11 +8,13 @@ Produced by :func:`planner.trace.trace`. The fx graph is the ``torch.export`` tr
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, TypeVar
 
 import torch.fx
 
+T = TypeVar("T")
 NodeKind = Literal["param", "buffer", "input", "constant", "op", "output"]
 SavedSource = Literal["input", "output", "internal"]
 
@@ -115,6 +117,18 @@ class IRGraph:
     repeated: tuple[RepeatedLayers, ...] = ()
     in_spec: object = None  # pytree spec of (args, kwargs)
     timings: dict[str, float] = field(default_factory=dict)
+    # what planning derives from the graph alone, shared by the problems of a search (consumers,
+    # strategies per node and mesh); dropped when the nodes change
+    derived: dict[object, object] = field(default_factory=dict, repr=False, compare=False)
+
+    def memo(self, key: object, make: Callable[[], T]) -> T:
+        """``make()``, once per key while the nodes stay the same."""
+        if self.derived.get("_nodes") != len(self.nodes):
+            self.derived.clear()
+            self.derived["_nodes"] = len(self.nodes)
+        if key not in self.derived:
+            self.derived[key] = make()
+        return self.derived[key]  # type: ignore[return-value]
 
     def __iter__(self):  # type: ignore[no-untyped-def]
         return iter(self.nodes.values())
@@ -124,12 +138,17 @@ class IRGraph:
         return [n for n in self.nodes.values() if n.kind == "param"]
 
     def consumers(self) -> dict[str, list[tuple[str, int]]]:
-        """For each node, the (consumer, argument position) pairs reading its outputs."""
-        out: dict[str, list[tuple[str, int]]] = {n: [] for n in self.nodes}
-        for node in self.nodes.values():
-            for pos, ref in enumerate(node.inputs):
-                out[ref.node].append((node.name, pos))
-        return out
+        """For each node, the (consumer, argument position) pairs reading its outputs (shared: do
+        not modify)."""
+
+        def make() -> dict[str, list[tuple[str, int]]]:
+            out: dict[str, list[tuple[str, int]]] = {n: [] for n in self.nodes}
+            for node in self.nodes.values():
+                for pos, ref in enumerate(node.inputs):
+                    out[ref.node].append((node.name, pos))
+            return out
+
+        return self.memo("consumers", make)
 
     def num_params(self) -> int:
         return sum(n.out.numel for n in self.params)

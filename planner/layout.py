@@ -28,6 +28,7 @@ steps, which the cost model prices and the runtime executes: the same list in bo
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -71,7 +72,7 @@ class Layout(_CachedHash):
     def ndim(self) -> int:
         return len(self.dims)
 
-    @property
+    @functools.cached_property
     def shard_axes(self) -> frozenset[str]:
         return frozenset(a for d in self.dims for a in d)
 

@@ -163,7 +163,7 @@ def build_problem(
     for node in graph.nodes.values():
         instances[node.template] += 1
     op_anchors = {
-        node.name: anchor_strategies(node, graph, mesh)
+        node.name: graph.memo(("anchors", node.name, mesh), lambda node=node: anchor_strategies(node, graph, mesh))  # type: ignore[misc]
         for node in graph.nodes.values()
         if node.kind == "op" and node.template == node.name and not is_follower(node, graph)
     }

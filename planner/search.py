@@ -216,9 +216,20 @@ def search(
     order = sorted(problems, key=lambda k: (time_lower_bound(problems[k], overlap=False), bounds[k][1]))
     workers = _workers(workers, len(order))
     if workers <= 1:
+        # one plan: a budgeted MIP (the slow solve) waits until every configuration has its bounds,
+        # then runs in bound order, so the most promising is solved first and dismisses the rest
+        deferred: list[tuple[int, Deferred]] = []
+        incumbents: list[_Seen] = []  # plans the first pass met on the way (rounded LP answers that fit)
         for k in order:
             t_lb, m_lb = bounds[k]
-            finished(k, _plan_configuration(graph, problems.pop(k), configs[k], t_lb, m_lb, budget, lambda: found, **options))  # type: ignore[arg-type]
+            outcome_k = _plan_configuration(graph, problems.pop(k), configs[k], t_lb, m_lb, budget, lambda: merge([*found, *incumbents]),
+                                            defer=not front and not exhaustive, incumbents=incumbents, **options)  # type: ignore[arg-type]
+            if isinstance(outcome_k, Deferred):
+                deferred.append((k, outcome_k))
+            else:
+                finished(k, outcome_k)
+        for k, d in sorted(deferred, key=lambda kd: kd[1].t_lb):
+            finished(k, d.finish(merge([*found, *incumbents]), objective=objective, front=front))
     else:
         _run_parallel(workers, order, finished, (graph, problems, configs, bounds, budget, options))
     result.candidates = [outcome[k] for k in range(len(configs))]
@@ -263,7 +274,9 @@ class _Seen(NamedTuple):
 def _solve_shared(k: int, seen: Any) -> Candidate:
     graph, problems, configs, bounds, budget, options = _SHARED
     t_lb, m_lb = bounds[k]
-    return _plan_configuration(graph, problems[k], configs[k], t_lb, m_lb, budget, lambda: [_Seen(*p) for p in list(seen)], **options)
+    done = _plan_configuration(graph, problems[k], configs[k], t_lb, m_lb, budget, lambda: [_Seen(*p) for p in list(seen)], **options)
+    assert isinstance(done, Candidate)  # workers do not defer
+    return done
 
 
 def _run_parallel(workers: int, order: list[int], finished: Callable[[int, Candidate], None], shared: tuple[Any, ...]) -> None:
@@ -309,8 +322,12 @@ def _plan_configuration(
     resolution: float,
     max_points: int | None,
     exhaustive: bool = False,
-) -> Candidate:
-    """One configuration: dismissed by its bounds, or its front (its fastest plan, ``front=False``)."""
+    defer: bool = False,
+    incumbents: list[_Seen] | None = None,
+) -> Candidate | Deferred:
+    """One configuration: dismissed by its bounds, or its front (its fastest plan, ``front=False``).
+    ``defer`` (one plan, the time objective): only bounds now, the MIP in :meth:`Deferred.finish`;
+    a rounded LP answer that fits goes to ``incumbents``."""
     t0 = time.perf_counter()
     done = Candidate(cand.mesh, cand.family, cand.zero, cand.cdp)
     if m_lb > budget:
@@ -322,6 +339,21 @@ def _plan_configuration(
         return replace(dismissed, seconds=time.perf_counter() - t0)
     settings = settings or SolverSettings()
     overlaps = reprices_overlap(problem)
+    if defer and objective == "time":
+        # one plan: the LP relaxation within the budget is all the first pass solves (its rounded
+        # answer, when it fits, is a plan that dismisses others); the MIP waits for the second
+        bounding = BudgetILP(problem, "time", settings, credited=overlaps)
+        relaxation = bounding.relax(budget)
+        if relaxation.bound is not None:
+            t_lb = max(t_lb, relaxation.bound * (1 - settings.relative_gap))
+        if relaxation.plan is not None and incumbents is not None:
+            incumbents.append(_Seen(relaxation.plan.step_time, int(relaxation.plan.peak_memory),
+                                    f"{done.mesh} ZeRO-{done.zero}" + (f" CDP {done.cdp}" if done.cdp != "off" else "") + " (the LP relaxation rounded)"))
+        dismissed = _dismissed(done, t_lb, m_lb, found(), objective=objective, front=front, what="the LP relaxation within the budget")
+        if dismissed is not None:
+            return replace(dismissed, seconds=time.perf_counter() - t0)
+        return Deferred(graph, problem, done, None if overlaps else bounding, settings, t_lb, m_lb, budget, time.perf_counter() - t0,
+                        model_name, optimizer)
     ilp = BudgetILP(problem, "time", settings) if front or objective != "memory" else None
     fastest: Solution | None = None
     now = [] if exhaustive else found()
@@ -329,9 +361,9 @@ def _plan_configuration(
         # the LP relaxation within the budget bounds the time of every plan that fits (of the
         # credited objective, where the evaluation may hide communication: the evaluated time)
         limit = min(budget, covered_below(now, t_lb) * (1 - 1e-6)) if front else budget
-        relaxed = (BudgetILP(problem, "time", settings, credited=True) if overlaps else ilp).relaxation(limit)
-        if relaxed is not None:
-            t_lb = max(t_lb, relaxed * (1 - settings.relative_gap))
+        bound = (BudgetILP(problem, "time", settings, credited=True) if overlaps else ilp).relaxation(limit)
+        if bound is not None:
+            t_lb = max(t_lb, bound * (1 - settings.relative_gap))
         dismissed = _dismissed(done, t_lb, m_lb, now, objective=objective, front=front, what="the LP relaxation within the budget")
         if dismissed is not None:
             return replace(dismissed, seconds=time.perf_counter() - t0)
@@ -369,6 +401,40 @@ def _plan_configuration(
     plans = merge([make_plan(graph, problem, sol, model_name=model_name, memory_budget=budget, optimizer=optimizer) for sol in solutions])
     log.info("mesh %s ZeRO-%d CDP %s: %d points", cand.mesh, cand.zero, cand.cdp, len(plans))
     return replace(done, family=plans[0].tp, plan=plans[0], front=tuple(plans), seconds=time.perf_counter() - t0)
+
+
+@dataclass
+class Deferred:
+    """A configuration left for the second pass of a one-plan search, with its bounds and (where
+    the LP relaxation's model is the time ILP itself) its built model."""
+
+    graph: IRGraph
+    problem: Problem
+    done: Candidate
+    ilp: BudgetILP | None
+    settings: SolverSettings
+    t_lb: float
+    m_lb: float
+    budget: float
+    seconds: float  # spent on it so far
+    model_name: str
+    optimizer: str
+
+    def finish(self, found: Sequence[Point], *, objective: Objective, front: bool) -> Candidate:
+        start = time.perf_counter()
+        dismissed = _dismissed(self.done, self.t_lb, self.m_lb, found, objective=objective, front=front,
+                               what="the LP relaxation within the budget")
+        if dismissed is not None:
+            return replace(dismissed, seconds=self.seconds)
+        try:
+            sol = solve_within(self.ilp or BudgetILP(self.problem, "time", self.settings), self.budget)
+        except InfeasibleBudget as exc:
+            least = exc.least.peak_memory if exc.least else None
+            terms = tuple(exc.least.memory.items()) if exc.least else ()
+            reason = infeasible_message(self.problem, self.budget, exc.least) if exc.least else str(exc)
+            return replace(self.done, reason=reason, least_memory=least, least_terms=terms, seconds=self.seconds + time.perf_counter() - start)
+        plan = make_plan(self.graph, self.problem, sol, model_name=self.model_name, memory_budget=self.budget, optimizer=self.optimizer)
+        return replace(self.done, family=plan.tp, plan=plan, front=(plan,), seconds=self.seconds + time.perf_counter() - start)
 
 
 def _dismissed(done: Candidate, t_lb: float, m_lb: float, now: Sequence[Point], *, objective: Objective, front: bool,

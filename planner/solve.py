@@ -59,7 +59,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import highspy
 import numpy as np
@@ -332,6 +332,11 @@ def solve_within(ilp: BudgetILP, memory_budget: float, fastest: Solution | None 
     raise InfeasibleBudget(infeasible_message(problem, memory_budget, least.evaluation), budget=memory_budget, least=least.evaluation)
 
 
+class Relaxation(NamedTuple):
+    bound: float | None  # seconds no plan within the budget goes below; None: nothing fits
+    plan: Evaluation | None  # the relaxation's answer rounded, when it fits the budget
+
+
 class BudgetILP:
     """One problem's ILP, built once and handed to the solver once, then solved for any number of
     budgets (HiGHS: only the memory row's bound moves between solves; CBC rebuilds its file).
@@ -374,13 +379,18 @@ class BudgetILP:
         lp.assignStatus(*self.solver.findSolutionValues(lp))
 
     def relaxation(self, budget: float) -> float | None:
-        """A lower bound on the objective of every plan within ``budget`` (seconds, or bytes): the
-        LP relaxation's optimum (integrality dropped), less the most the tie-break adds. None
-        when the relaxation is infeasible (no plan fits) or the backend is not HiGHS."""
+        """A lower bound on the objective of every plan within ``budget`` (seconds): the LP
+        relaxation's optimum (integrality dropped), less the most the tie-break adds. None when
+        the relaxation is infeasible (no plan fits) or the backend is not HiGHS."""
+        return self.relax(budget).bound
+
+    def relax(self, budget: float) -> Relaxation:
+        """:meth:`relaxation`, and its answer rounded (each group's largest x) and evaluated
+        exactly: a plan, when it fits the budget (often near the MIP's, where the bound is tight)."""
         t0 = time.perf_counter()
         highs = self._highs()
         if highs is None or self.objective != "time":
-            return None
+            return Relaxation(None, None)
         row = self.model.memory_budget(budget)
         highs.changeRowBounds(row.index, -NO_BUDGET, -row.constant)
         # measured: interior point without presolve takes a steady ~0.4 s on a 3-D GPT-3 model, where
@@ -397,9 +407,12 @@ class BudgetILP:
                 highs.setOptionValue(k, v)
         log.debug("mesh %s: LP relaxation within %s took %.2f s", self.problem.mesh, format_bytes(budget), time.perf_counter() - t0)
         if highs.getModelStatus() != highspy.HighsModelStatus.kOptimal:
-            return None
+            return Relaxation(None, None)
         value = highs.getInfo().objective_function_value - TIE_BREAK * min(budget, NO_BUDGET) / self.model.m_unit
-        return max(value, 0.0) * self.model.t_unit
+        values = highs.getSolution().col_value
+        assignment = {g: max(range(len(xs)), key=lambda i, xs=xs: values[xs[i].index]) for g, xs in self.model.x.items()}  # type: ignore[misc]
+        rounded = evaluate(self.problem, assignment)
+        return Relaxation(max(value, 0.0) * self.model.t_unit, rounded if rounded.peak_memory <= budget else None)
 
     def weighted(self, weight: float) -> Solution:
         """The plan minimising time + ``weight`` x memory (both in the model's normalised units),
