@@ -229,7 +229,8 @@ def search(
             else:
                 finished(k, outcome_k)
         for k, d in sorted(deferred, key=lambda kd: kd[1].t_lb):
-            finished(k, d.finish(merge([*found, *incumbents]), objective=objective, front=front))
+            others = [p for p in incumbents if p is not d.own]  # a rounded plan of its own stands for it, unsolved
+            finished(k, d.finish(merge([*found, *others]), objective=objective, front=front))
     else:
         _run_parallel(workers, order, finished, (graph, problems, configs, bounds, budget, options))
     result.candidates = [outcome[k] for k in range(len(configs))]
@@ -346,14 +347,16 @@ def _plan_configuration(
         relaxation = bounding.relax(budget)
         if relaxation.bound is not None:
             t_lb = max(t_lb, relaxation.bound * (1 - settings.relative_gap))
-        if relaxation.plan is not None and incumbents is not None:
-            incumbents.append(_Seen(relaxation.plan.step_time, int(relaxation.plan.peak_memory),
-                                    f"{done.mesh} ZeRO-{done.zero}" + (f" CDP {done.cdp}" if done.cdp != "off" else "") + " (the LP relaxation rounded)"))
         dismissed = _dismissed(done, t_lb, m_lb, found(), objective=objective, front=front, what="the LP relaxation within the budget")
         if dismissed is not None:
             return replace(dismissed, seconds=time.perf_counter() - t0)
+        own = None
+        if relaxation.plan is not None and incumbents is not None:  # dismisses others, never its own configuration
+            own = _Seen(relaxation.plan.step_time, int(relaxation.plan.peak_memory),
+                        f"{done.mesh} ZeRO-{done.zero}" + (f" CDP {done.cdp}" if done.cdp != "off" else "") + " (the LP relaxation rounded)")
+            incumbents.append(own)
         return Deferred(graph, problem, done, None if overlaps else bounding, settings, t_lb, m_lb, budget, time.perf_counter() - t0,
-                        model_name, optimizer)
+                        model_name, optimizer, own)
     ilp = BudgetILP(problem, "time", settings) if front or objective != "memory" else None
     fastest: Solution | None = None
     now = [] if exhaustive else found()
@@ -419,6 +422,7 @@ class Deferred:
     seconds: float  # spent on it so far
     model_name: str
     optimizer: str
+    own: _Seen | None = None  # the plan its LP relaxation rounded to, among the search's incumbents
 
     def finish(self, found: Sequence[Point], *, objective: Objective, front: bool) -> Candidate:
         start = time.perf_counter()

@@ -138,6 +138,22 @@ def test_the_searched_front_is_the_merged_brute_force_front(workers: int) -> Non
     assert any(c.reason.startswith("dominated") or c.front for c in result.candidates)
 
 
+def test_one_plan_is_the_brute_force_fastest_within_each_budget() -> None:
+    """The one-plan search (bounds first, rounded LP answers dismissing others, MIPs in bound
+    order) returns the fastest plan across every configuration within the budget, for budgets
+    along the brute-force front (and says nothing fits below its least memory)."""
+    graph = _graph("two-linear")
+    space = SearchSpace(devices=4, tp=("none", "1d"), zero=(0, 1))
+    every = [pt for cand in candidate_meshes(space, 4) if not cand.reason for pt in _brute_front(graph, cand.mesh, cand.zero)]
+    for budget in sorted({m for _, m in every})[:: max(1, len({m for _, m in every}) // 5)]:
+        fastest = min(t for t, m in every if m <= budget)
+        result = search(graph, space, A100_80G, model_name="two-linear", memory_budget=budget, front=False, settings=EXACT)
+        assert result.best is not None and result.best.peak_memory_bytes <= budget
+        assert result.best.step_time_s == pytest.approx(fastest, rel=1e-6)
+    below = search(graph, space, A100_80G, model_name="two-linear", memory_budget=min(m for _, m in every) * 0.99, front=False)
+    assert below.best is None and below.infeasible
+
+
 def test_the_knee_is_the_point_farthest_below_the_chord() -> None:
     class P:
         def __init__(self, t: float, m: int) -> None:
