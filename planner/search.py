@@ -358,13 +358,15 @@ def _plan_configuration(
         return Deferred(graph, problem, done, None if overlaps else bounding, settings, t_lb, m_lb, budget, time.perf_counter() - t0,
                         model_name, optimizer, own)
     ilp = BudgetILP(problem, "time", settings) if front or objective != "memory" else None
+    # where the evaluation hides communication, the credited model's relaxation bounds evaluated times
+    credited = BudgetILP(problem, "time", settings, credited=True) if overlaps and ilp is not None and not exhaustive else None
     fastest: Solution | None = None
     now = [] if exhaustive else found()
     if ilp is not None and now:
         # the LP relaxation within the budget bounds the time of every plan that fits (of the
         # credited objective, where the evaluation may hide communication: the evaluated time)
         limit = min(budget, covered_below(now, t_lb) * (1 - 1e-6)) if front else budget
-        bound = (BudgetILP(problem, "time", settings, credited=True) if overlaps else ilp).relaxation(limit)
+        bound = (credited if credited is not None else ilp).relaxation(limit)
         if bound is not None:
             t_lb = max(t_lb, bound * (1 - settings.relative_gap))
         dismissed = _dismissed(done, t_lb, m_lb, now, objective=objective, front=front, what="the LP relaxation within the budget")
@@ -387,7 +389,8 @@ def _plan_configuration(
             solutions = [solve(problem, memory_budget=budget, objective="memory", settings=settings)]
         elif front:
             solutions = sweep(problem, memory_budget=useful, resolution=resolution, max_points=max_points, ilp=ilp, fastest=fastest,
-                              covered=None if overlaps or exhaustive else (lambda t: covered_below(found(), t)))
+                              covered=None if exhaustive else (lambda t: covered_below(found(), t)),
+                              bounding=credited)
         else:
             solutions = [solve_within(ilp, budget, fastest)]
     except InfeasibleBudget as exc:

@@ -495,6 +495,7 @@ def sweep(
     covered: Callable[[float], float] | None = None,
     ilp: BudgetILP | None = None,
     fastest: Solution | None = None,
+    bounding: BudgetILP | None = None,
 ) -> list[Solution]:
     """The configuration's time/memory Pareto front within ``memory_budget``, fastest first.
 
@@ -515,9 +516,11 @@ def sweep(
     the memory below which a plan slower than ``t`` seconds beats every point found elsewhere
     (:func:`planner.front.covered_below`): a gap's next budget jumps below it, and further while
     the LP relaxation within the budget (a lower bound on the time of every plan that fits,
-    solved in a fraction of the MIP's time) is itself covered. It must only be given when the
-    evaluated step time is the ILP's (no overlap re-pricing). ``ilp``: the problem's time ILP, when
-    already built; ``fastest``: its answer without a budget, when already solved. Raises
+    solved in a fraction of the MIP's time) is itself covered. Where the evaluation re-prices
+    overlap (ZeRO-3 prefetch, CDP), the ILP's time bounds nothing: ``bounding`` must then be the
+    credited model (``BudgetILP(..., credited=True)``), whose relaxation bounds evaluated times,
+    and only those bounds are used. ``ilp``: the problem's time ILP, when already built;
+    ``fastest``: its answer without a budget, when already solved. Raises
     :class:`InfeasibleBudget` when ``m_min`` exceeds the budget."""
     settings = ilp.settings if ilp is not None else settings or SolverSettings()
     least = _solve_once(problem, float("inf"), "memory", settings)
@@ -525,15 +528,17 @@ def sweep(
     if floor > memory_budget:
         raise InfeasibleBudget(infeasible_message(problem, memory_budget, least.evaluation), budget=memory_budget, least=least.evaluation)
     ilp = ilp or BudgetILP(problem, "time", settings)
+    overlaps = bounding is not None and bounding is not ilp
+    bounding = bounding or ilp
     cap = max_points if max_points is not None else float("inf")
     top = fastest or ilp.run(float("inf"))
     assert top is not None
     # the least-memory end: the fastest plan of that memory (the memory objective only breaks ties),
     # unless a bound shows it covered by points found elsewhere
-    end = _fill(ilp, floor, covered, floor * (1 - 1e-6))
+    end = _fill(ilp, floor, covered, floor * (1 - 1e-6), bounding)
     least = end or least  # when covered: the memory objective's plan, to end the hull, not to report
     if covered is not None and top.evaluation.peak_memory > memory_budget:
-        covered_at_budget = covered(ilp.relaxation(memory_budget) or 0.0)
+        covered_at_budget = covered(bounding.relaxation(memory_budget) or 0.0)
         if covered_at_budget <= floor:  # a bound shows every plan that fits covered already
             return []
 
@@ -550,7 +555,7 @@ def sweep(
         a, b = segments.pop(0)
         if memory(a) - memory(b) <= max(resolution * memory(a), 1e-6 * memory(a)):
             continue
-        if covered is not None and covered(a.evaluation.step_time) <= memory(b):
+        if covered is not None and not overlaps and covered(a.evaluation.step_time) <= memory(b):
             continue  # a plan between a and b is slower than a, larger than b: covered already
         dt, dm = (seconds(b) - seconds(a)) / ilp.model.t_unit, (memory(a) - memory(b)) / ilp.model.m_unit
         if dt <= 0:
@@ -573,7 +578,7 @@ def sweep(
     gaps.sort(key=lambda g: g[0] - memory(g[1]), reverse=True)
     for budget, lower in gaps:
         while budget > memory(lower) and len(points) < cap:
-            sol = _fill(ilp, budget, covered, memory(lower))
+            sol = _fill(ilp, budget, covered, memory(lower), bounding)
             if sol is None or memory(sol) <= memory(lower) or sol.evaluation.step_time >= lower.evaluation.step_time:
                 break
             points.append(sol)
@@ -588,12 +593,12 @@ def sweep(
     return front
 
 
-def _fill(ilp: BudgetILP, budget: float, covered: Callable[[float], float] | None, floor: float) -> Solution | None:
+def _fill(ilp: BudgetILP, budget: float, covered: Callable[[float], float] | None, floor: float, bounding: BudgetILP | None = None) -> Solution | None:
     """The fastest plan within ``budget``, or None when a bound shows every plan between
     ``floor`` and the budget covered (``covered``: see :func:`sweep`). An answer whose exact memory
     exceeds the budget (solver tolerance, or a term the ILP does not price) is re-solved below."""
     while covered is not None:
-        bound = ilp.relaxation(budget)
+        bound = (bounding or ilp).relaxation(budget)
         if bound is None:
             break
         below = covered(bound * (1 - ilp.settings.relative_gap)) * (1 - 1e-6)
