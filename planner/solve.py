@@ -362,8 +362,9 @@ class BudgetILP:
         if not isinstance(self.solver, pulp.HiGHS):
             return None
         if getattr(lp, "solverModel", None) is None:
-            self.solver.createAndConfigureSolver(lp)
-            self.solver.buildSolverModel(lp)
+            with _quiet_stdout():  # HiGHS prints a banner when its first instance is made
+                self.solver.createAndConfigureSolver(lp)
+                self.solver.buildSolverModel(lp)
         return lp.solverModel
 
     def _run(self, budget: float) -> None:
