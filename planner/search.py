@@ -208,8 +208,7 @@ def search(
         found = merge([*found, *cand.front])
         if progress:
             c = configs[k]
-            progress(f"[{len(outcome) - len(configs) + len(bounds)}/{len(bounds)}] {c.mesh} ZeRO-{c.zero}"
-                     + (f" CDP {c.cdp}" if c.cdp != "off" else "") + f": {_outcome_line(cand)}")
+            progress(f"[{len(outcome) - len(configs) + len(bounds)}/{len(bounds)}] {_configuration_text(c)}: {_outcome_line(cand)}")
 
     # the configurations that could be fastest first (overlap aside, which only ZeRO-3 and CDP get
     # and which the bound counts as if it hid every collective): their points dismiss the others sooner
@@ -352,8 +351,7 @@ def _plan_configuration(
             return replace(dismissed, seconds=time.perf_counter() - t0)
         own = None
         if relaxation.plan is not None and incumbents is not None:  # dismisses others, never its own configuration
-            own = _Seen(relaxation.plan.step_time, int(relaxation.plan.peak_memory),
-                        f"{done.mesh} ZeRO-{done.zero}" + (f" CDP {done.cdp}" if done.cdp != "off" else "") + " (the LP relaxation rounded)")
+            own = _Seen(relaxation.plan.step_time, int(relaxation.plan.peak_memory), f"{_configuration_text(done)} (the LP relaxation rounded)")
             incumbents.append(own)
         return Deferred(graph, problem, done, None if overlaps else bounding, settings, t_lb, m_lb, budget, time.perf_counter() - t0,
                         model_name, optimizer, own)
@@ -398,9 +396,7 @@ def _plan_configuration(
         if useful < budget and least is not None and least <= budget:
             return replace(done, reason=f"dominated: its plans within {format_bytes(budget)} are all slower and larger than plans "
                              "of the configurations above", least_memory=least, seconds=time.perf_counter() - t0)
-        terms = tuple(exc.least.memory.items()) if exc.least else ()
-        reason = infeasible_message(problem, budget, exc.least) if exc.least else str(exc)
-        return replace(done, reason=reason, least_memory=least, least_terms=terms, seconds=time.perf_counter() - t0)
+        return _infeasible(done, problem, budget, exc, time.perf_counter() - t0)
     if not solutions:  # the sweep's LP bounds showed every plan that fits covered by points found before
         return replace(done, reason=f"dominated: the LP relaxation shows its plans within {format_bytes(budget)} all slower and larger "
                        "than plans of the configurations above", seconds=time.perf_counter() - t0)
@@ -436,12 +432,17 @@ class Deferred:
         try:
             sol = solve_within(self.ilp or BudgetILP(self.problem, "time", self.settings), self.budget)
         except InfeasibleBudget as exc:
-            least = exc.least.peak_memory if exc.least else None
-            terms = tuple(exc.least.memory.items()) if exc.least else ()
-            reason = infeasible_message(self.problem, self.budget, exc.least) if exc.least else str(exc)
-            return replace(self.done, reason=reason, least_memory=least, least_terms=terms, seconds=self.seconds + time.perf_counter() - start)
+            return _infeasible(self.done, self.problem, self.budget, exc, self.seconds + time.perf_counter() - start)
         plan = make_plan(self.graph, self.problem, sol, model_name=self.model_name, memory_budget=self.budget, optimizer=self.optimizer)
         return replace(self.done, family=plan.tp, plan=plan, front=(plan,), seconds=self.seconds + time.perf_counter() - start)
+
+
+def _infeasible(done: Candidate, problem: Problem, budget: float, exc: InfeasibleBudget, seconds: float) -> Candidate:
+    """The configuration, when nothing fits: the least memory any plan needs, its terms, what to change."""
+    least = exc.least.peak_memory if exc.least else None
+    terms = tuple(exc.least.memory.items()) if exc.least else ()
+    reason = infeasible_message(problem, budget, exc.least) if exc.least else str(exc)
+    return replace(done, reason=reason, least_memory=least, least_terms=terms, seconds=seconds)
 
 
 def _dismissed(done: Candidate, t_lb: float, m_lb: float, now: Sequence[Point], *, objective: Objective, front: bool,
@@ -467,7 +468,15 @@ def _dismissed(done: Candidate, t_lb: float, m_lb: float, now: Sequence[Point], 
 def _describe(plan: Plan | Point) -> str:
     if not isinstance(plan, Plan):
         return getattr(plan, "label", "another configuration's")
-    return f"{mesh_text(plan.mesh)} ZeRO-{plan.zero_stage}" + (f" CDP {plan.cdp}" if plan.cdp != "off" else "")
+    return _label(mesh_text(plan.mesh), plan.zero_stage, plan.cdp)
+
+
+def _configuration_text(c: Candidate) -> str:
+    return _label(str(c.mesh), c.zero, c.cdp)
+
+
+def _label(mesh: str, zero: int, cdp: str) -> str:
+    return f"{mesh} ZeRO-{zero}" + (f" CDP {cdp}" if cdp != "off" else "")
 
 
 def _outcome_line(c: Candidate) -> str:
