@@ -309,27 +309,33 @@ def solve_within(ilp: BudgetILP, memory_budget: float, fastest: Solution | None 
     problem, settings = ilp.problem, ilp.settings
     if fastest is not None and fastest.evaluation.peak_memory <= memory_budget:
         return fastest
-    budget = memory_budget
-    for attempt in range(MAX_RESOLVES):
-        solution = ilp.run(budget)
-        if solution is None:
-            least = _solve_once(problem, float("inf"), "memory", settings)
-            if budget != memory_budget and least.evaluation.peak_memory <= memory_budget:
-                return least  # the lowered budget excluded every plan: the least-memory plan fits
-            raise InfeasibleBudget(infeasible_message(problem, memory_budget, least.evaluation), budget=memory_budget, least=least.evaluation)
-        if budget == float("inf"):
-            return solution
-        overrun = solution.evaluation.peak_memory - memory_budget
-        if overrun <= 0:
-            return solution
-        log.info("mesh %s: answer exceeds the budget by %.0f B (solver tolerance); re-solving", problem.mesh, overrun)
-        budget = min(budget, memory_budget) - overrun * 2**attempt
-    # the exact evaluation keeps exceeding what the ILP priced (a term it does not model, such as
-    # the ZeRO-3 prefetch's in-flight gather): the least-memory plan answers if it fits
+    solution = _within(ilp, memory_budget)
+    if solution is not None:
+        return solution
+    # nothing within the budget, or the exact evaluation kept exceeding what the ILP priced (a term
+    # it does not model, such as the ZeRO-3 prefetch's in-flight gather): the least-memory plan
+    # answers if it fits
     least = _solve_once(problem, float("inf"), "memory", settings)
     if least.evaluation.peak_memory <= memory_budget:
         return least
     raise InfeasibleBudget(infeasible_message(problem, memory_budget, least.evaluation), budget=memory_budget, least=least.evaluation)
+
+
+def _within(ilp: BudgetILP, memory_budget: float) -> Solution | None:
+    """The fastest plan within ``memory_budget``, or None. An answer whose exact memory exceeds the
+    budget (a tolerance slip, or a term the ILP does not price) is re-solved with the budget lowered
+    by twice the last overrun each time, :data:`MAX_RESOLVES` times at most."""
+    budget = memory_budget
+    for attempt in range(MAX_RESOLVES):
+        solution = ilp.run(budget)
+        if solution is None:
+            return None
+        overrun = solution.evaluation.peak_memory - memory_budget
+        if overrun <= 0:
+            return solution
+        log.info("mesh %s: answer exceeds the budget by %.0f B (solver tolerance); re-solving", ilp.problem.mesh, overrun)
+        budget -= overrun * 2**attempt
+    return None
 
 
 class Relaxation(NamedTuple):
@@ -608,16 +614,7 @@ def _fill(ilp: BudgetILP, budget: float, covered: Callable[[float], float] | Non
         if below <= floor:
             return None
         budget = below
-    target = budget
-    for attempt in range(MAX_RESOLVES):
-        sol = ilp.run(budget)
-        if sol is None:
-            return None
-        overrun = sol.evaluation.peak_memory - target
-        if overrun <= 0:
-            return sol
-        budget -= overrun * 2**attempt
-    return None
+    return _within(ilp, budget)
 
 
 def infeasible_message(problem: Problem, budget: float, least: Evaluation) -> str:
