@@ -22,7 +22,7 @@ from planner.plan import Plan
 from planner.report import format_search
 from planner.search import ALL_TP, Objective, SearchResult, SearchSpace, search
 from planner.solve import SolverSettings
-from planner.trace import trace
+from planner.trace import micro_batch_inputs, trace
 
 if TYPE_CHECKING:
     from runtime.module import ParallelModule
@@ -71,6 +71,7 @@ def plan_model(
     cdp: tuple[str, ...] = ("off",),
     cdp_stages: int = 4,
     dp: int | None = None,
+    micro_batches: tuple[int, ...] = (1,),
     objective: Objective = "time",
     optimizer: str = "adamw",
     master_dtype: str | None = None,
@@ -90,19 +91,25 @@ def plan_model(
     among those). ``resolution``, ``max_points``, ``workers``, ``progress``: see
     :func:`planner.search.search`.
 
+    ``micro_batches``: gradient-accumulation counts to search (e.g. ``(1, 2, 4)``): a plan with
+    ``m`` runs ``m`` micro-batches of the batch / ``m`` one after another and syncs gradients once
+    (``ParallelModule.forward_backward`` runs one such step).
+
     Mixed precision: hand the model in its compute dtype (``model.to(torch.bfloat16)``) and set
     ``master_dtype="float32"``; the optimizer then keeps float32 master weights and states."""
     if example_inputs is None and not example_kwargs:
         raise ValueError("example_inputs is required: a full (global) batch such that model(*example_inputs) returns the loss")
     hw = load_profile(hardware) if isinstance(hardware, str) else hardware
-    space = SearchSpace(devices=devices, tp=tuple(tp), zero=tuple(zero), cdp=tuple(cdp), cdp_stages=cdp_stages, dp=dp)
+    space = SearchSpace(devices=devices, tp=tuple(tp), zero=tuple(zero), cdp=tuple(cdp), cdp_stages=cdp_stages, dp=dp,
+                        micro_batches=tuple(micro_batches))
     t0 = time.perf_counter()
     graph = trace(model, tuple(example_inputs or ()), dict(example_kwargs or {}))
     trace_s = time.perf_counter() - t0
     name = model_name or type(model).__name__
     result = search(graph, space, hw, model_name=name, memory_budget=memory_budget, objective=objective, optimizer=optimizer,
                     master_dtype=master_dtype, prefetch=prefetch, settings=solver, front=front, resolution=resolution,
-                    max_points=max_points, progress=progress, workers=workers)
+                    max_points=max_points, progress=progress, workers=workers,
+                    micro_graph=lambda m: trace(model, *micro_batch_inputs(tuple(example_inputs or ()), example_kwargs, m)))
     report = format_search(result, model_name=name, devices=devices, hardware=hw, trace_seconds=trace_s, graph=graph)
     return PlanningResult(result.best, result, report, graph)
 
@@ -121,7 +128,7 @@ def auto_parallelize(
 
     ``example_inputs``/``example_kwargs``: one full global batch (``model(*example_inputs,
     **example_kwargs)`` returns the training loss). Keyword arguments of :func:`plan_model`
-    (``hardware``, ``memory_budget``, ``tp``, ``zero``, ``cdp``, ``dp``, ``objective`` = ``"time"``,
+    (``hardware``, ``memory_budget``, ``tp``, ``zero``, ``cdp``, ``dp``, ``micro_batches``, ``objective`` = ``"time"``,
     ``"memory"`` or ``"knee"``, ...) pass through. Outside torchrun the :class:`PlanningResult`
     carries the chosen plan and the front (``.plan``, ``.front``, ``.knee``); under torchrun the
     module's ``.plan`` is the chosen point and ``.front`` the front, the same on every rank. Give

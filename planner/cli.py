@@ -6,7 +6,7 @@
     planner models
 
 SEARCH OPTIONS: [--batch B] [--hardware NAME|FILE] [--memory BYTES] [--tp none,1d,2d,3d] [--zero 0,1,2,3]
-[--cdp off,v1,v2] [--cdp-stages L] [--dp N] [--objective time|memory|knee] [--best-only] [--resolution 0.02]
+[--cdp off,v1,v2] [--cdp-stages L] [--micro-batches 1,2,4] [--dp N] [--objective time|memory|knee] [--best-only] [--resolution 0.02]
 [--max-points 12] [--precision fp32|bf16-mixed|fp16-mixed] [--optimizer adamw|sgd-momentum] [--no-prefetch]
 [--time-limit S] [--progress] [-v]
 
@@ -123,13 +123,15 @@ def _add_search_options(r: argparse.ArgumentParser) -> None:
     """The model, the device count and what to search: shared by ``report`` and ``explain``."""
     r.add_argument("model", help="preset name (see `planner models`) or package.module:factory")
     r.add_argument("--devices", type=int, required=True)
-    r.add_argument("--batch", type=int, default=8, help="global batch size of one step (default 8; no gradient accumulation)")
+    r.add_argument("--batch", type=int, default=8, help="global batch size of one step (default 8; --micro-batches splits it for gradient accumulation)")
     r.add_argument("--hardware", default="a100-80g", help=f"preset ({', '.join(PRESETS)}) or a JSON profile file")
     r.add_argument("--memory", type=_bytes_arg, default=None, help="memory budget per device (default: the device's memory), e.g. 40GiB")
     r.add_argument("--tp", type=_list(str, ALL_TP), default=ALL_TP, help="tensor-parallel families to search (comma list of none,1d,2d,3d)")
     r.add_argument("--zero", type=_list(int, (0, 1, 2, 3)), default=(0,), help="ZeRO stages to search (comma list)")
     r.add_argument("--cdp", type=_list(str, ("off", "v1", "v2")), default=("off",), help="CDP modes to search (comma list)")
     r.add_argument("--cdp-stages", type=int, default=4, help="CDP: stages the model is cut into (default 4)")
+    r.add_argument("--micro-batches", type=_list(int), default=(1,),
+                   help="gradient accumulation: micro-batch counts to search (comma list, e.g. 1,2,4; default 1)")
     r.add_argument("--dp", type=int, default=None, help="fix the data-parallel degree")
     r.add_argument("--objective", choices=("time", "memory", "knee"), default="time",
                    help="which front point is chosen: the fastest, the smallest, or the knee (best balance); default time")
@@ -194,10 +196,11 @@ def run_search(args: argparse.Namespace) -> Searched:
     """Load and trace the model, then search as the options say (``ValueError`` on bad input)."""
     from planner.search import SearchSpace, search
     from planner.solve import SolverSettings
-    from planner.trace import trace
+    from planner.trace import micro_batch_inputs, trace
 
     dtype, master_dtype = PRECISIONS[args.precision]
-    space = SearchSpace(devices=args.devices, tp=args.tp, zero=args.zero, cdp=args.cdp, cdp_stages=args.cdp_stages, dp=args.dp)
+    space = SearchSpace(devices=args.devices, tp=args.tp, zero=args.zero, cdp=args.cdp, cdp_stages=args.cdp_stages, dp=args.dp,
+                        micro_batches=args.micro_batches)
     model, m_args, m_kwargs, name = load_model(args.model, args.batch, dtype)
     hw = load_profile(args.hardware)
     progress = _progress(args)
@@ -208,7 +211,8 @@ def run_search(args: argparse.Namespace) -> Searched:
         progress(f"traced {name} in {trace_s:.1f} s: {graph.summary()}; searching {args.devices} devices")
     result = search(graph, space, hw, model_name=name, memory_budget=args.memory, objective=args.objective, optimizer=args.optimizer,
                     master_dtype=master_dtype, prefetch=not args.no_prefetch, settings=SolverSettings(time_limit_s=args.time_limit, relative_gap=args.gap),
-                    front=not args.best_only, resolution=args.resolution, max_points=args.max_points, progress=progress)
+                    front=not args.best_only, resolution=args.resolution, max_points=args.max_points, progress=progress,
+                    micro_graph=lambda m: trace(model, *micro_batch_inputs(m_args, m_kwargs, m)))
     if progress:
         progress(f"searched {len(result.candidates)} configurations in {result.seconds:.1f} s: {len(result.front)} front points")
     return Searched(name, graph, hw, result, trace_s)

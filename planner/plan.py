@@ -95,6 +95,7 @@ class Plan(_Frozen):
     hardware: str
     tp: TPFamily
     zero_stage: int = 0
+    micro_batches: int = Field(default=1, ge=1, description="gradient accumulation: micro-batches per step (nodes and shapes are one micro-batch's)")
     cdp: Literal["off", "v1", "v2"] = "off"
     cdp_stages: int = Field(default=0, description="CDP: stages the graph is cut into (planner.stages)")
     optimizer: str = "adamw"

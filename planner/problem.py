@@ -113,6 +113,13 @@ class Problem:
     instances: dict[str, int] = field(default_factory=dict)  # template -> number of instances
     build_seconds: float = 0.0
     edges_priced: bool = False  # conversion and hold terms built (price_edges)
+    # gradient accumulation: the graph is one micro-batch; a step runs this many of them one after
+    # another and syncs gradients once (forward/backward terms repeat, the step phase does not)
+    micro_batches: int = 1
+
+    def repeats(self, comm: Comm) -> int:
+        """How many times per step ``comm`` runs: once per micro-batch, except the step phase's."""
+        return 1 if comm.phase == "step" else self.micro_batches
 
     @property
     def num_choices(self) -> int:
@@ -135,8 +142,13 @@ def build_problem(
     cdp_stages: int = 4,
     allow: StrategyFilter | None = None,
     edges: bool = True,
+    micro_batches: int = 1,
 ) -> Problem:
-    """``edges=False`` leaves out the conversion and hold terms (most of the building time):
+    """``micro_batches`` (gradient accumulation): ``graph`` is traced on one micro-batch (the
+    global batch / ``micro_batches``); a step runs the forward and backward that many times,
+    holding one micro-batch's activations, and syncs gradients and steps the optimizer once.
+
+    ``edges=False`` leaves out the conversion and hold terms (most of the building time):
     enough for the bounds of :mod:`planner.front`; :func:`price_edges` adds them before a solve.
 
     ``allow(node, strategy)``, when given, pins choices: an anchor keeps only the strategies it
@@ -156,6 +168,10 @@ def build_problem(
     traced dtype, the optimizer adds a master copy and keeps its states in ``master_dtype``
     (:func:`planner.cost.optimizer_bytes_per_value`); everything else is priced in the traced dtype."""
     t0 = time.perf_counter()
+    if micro_batches < 1:
+        raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
+    if micro_batches > 1 and cdp != "off":
+        raise ValueError(f"CDP staggers its own micro-batches; micro_batches={micro_batches} needs cdp='off' (got {cdp!r})")
     choices: dict[str, list[Strategy]] = {}
     node_group: dict[str, str] = {}
     groups: dict[str, Group] = {}
@@ -235,6 +251,7 @@ def build_problem(
             )
     problem = Problem(mesh, hardware, graph, groups, node_group, choices, conversions={}, holds={}, instances=dict(instances))
     problem.zero_stage = zero_stage
+    problem.micro_batches = micro_batches
     problem.master_dtype = master_dtype
     problem.prefetch = prefetch and zero_stage == 3 and bool(dp_axes)
     problem.cdp, problem.cdp_stages, problem.param_stage = cdp, (cdp_stages if cdp != "off" else 0), param_stage
@@ -351,7 +368,8 @@ def _price_nodes(problem: Problem, optimizer: str, master_itemsize: int | None) 
         count = problem.instances[node.name]
         for i, strategy in enumerate(problem.choices[node.name]):
             in_bytes = input_bytes(graph, node, strategy, mesh)
-            compute = t = compute_time(node, strategy, mesh, hw, in_bytes) if node.kind == "op" else 0.0
+            # forward and backward run once per micro-batch
+            compute = t = (compute_time(node, strategy, mesh, hw, in_bytes) * problem.micro_batches) if node.kind == "op" else 0.0
             comms = list(strategy.comms)
             if node.kind == "param":
                 spec = strategy.outputs[0]
@@ -401,7 +419,7 @@ def _price_nodes(problem: Problem, optimizer: str, master_itemsize: int | None) 
                     partial = partial - set(mesh.dp_axes)
                 if partial:
                     comms.append(Comm("all_reduce", mesh.sort_axes(partial), node.out.itemsize, "fwd"))
-            t += sum(comm_time(c, mesh, hw) for c in comms)
+            t += sum(comm_time(c, mesh, hw) * problem.repeats(c) for c in comms)
             group.time[i] += t * count
             if problem.prefetch and node.kind == "op":  # a gather can travel during this op's forward
                 total_flops = node.flops_fwd + node.flops_bwd
@@ -409,7 +427,7 @@ def _price_nodes(problem: Problem, optimizer: str, master_itemsize: int | None) 
                 group.credit[i] += compute * share * count
             if problem.cdp != "off":  # the messages evaluate() re-prices and overlaps
                 group.credit[i] += sum(comm_time(c, mesh, hw) for c in comms if c.kind == "send") * count
-            group.comms[i].extend((c, count) for c in comms)
+            group.comms[i].extend((c, count * problem.repeats(c)) for c in comms)
             out_local = sum(
                 m.nbytes // s.layout.shard_factor(mesh)
                 for m, s in zip(node.outputs, strategy.outputs, strict=False)
@@ -499,7 +517,7 @@ def _price_edges(problem: Problem) -> None:
     for term in problem.conversions.values():
         if term.comms not in seconds:
             seconds[term.comms] = sum(comm_time(c, mesh, hw) for c in term.comms)
-        term.cost = seconds[term.comms] * term.count
+        term.cost = seconds[term.comms] * term.count * problem.micro_batches  # activations: every micro-batch
 
 
 @functools.lru_cache(maxsize=1 << 16)  # shared by the problems of one mesh (ZeRO stages, CDP modes)
@@ -585,7 +603,7 @@ def layer_volume(problem: Problem, assignment: dict[str, int]) -> float:
             total += sum(ring_volume(c, mesh) * n for c, n in group.comms[assignment[key]])
     for term in problem.conversions.values():
         if term.producers <= in_layer and any(assignment[gu] in iu and assignment[gv] in iv for gu, iu, gv, iv in term.conditions):
-            total += sum(ring_volume(c, mesh) for c in term.comms) * term.count
+            total += sum(ring_volume(c, mesh) for c in term.comms) * term.count * problem.micro_batches
     return total / layers
 
 
@@ -614,13 +632,14 @@ def evaluate(problem: Problem, assignment: dict[str, int]) -> Evaluation:
         if any(assignment[gu] in iu and assignment[gv] in iv for gu, iu, gv, iv in term.conditions):
             total += term.cost
             comm_t += term.cost
-            comms.extend((c, term.count) for c in term.comms)
+            comms.extend((c, term.count * problem.micro_batches) for c in term.comms)
     for hold in problem.holds.values():
         if any(assignment[gu] in iu and (gv is None or assignment[gv] in iv) for gu, iu, gv, iv in hold.conditions):
             act += hold.nbytes
     hidden = 0.0
     if problem.prefetch:
         hidden, in_flight = prefetch_terms(problem, assignment)
+        hidden *= problem.micro_batches  # the gathers repeat, and hide, in every micro-batch's forward
         transient = max(transient, in_flight)
     if problem.cdp != "off":
         # the ILP priced a message pair per parameter; the runtime sends one pair per stage, and

@@ -68,14 +68,14 @@ def point_marks(result: SearchResult, plan: Plan) -> str:
     return ", ".join(marks)
 
 
-FRONT_HEADER = ["#", "step time", "memory/device", "mesh", "tp", "zero", "cdp", ""]
+FRONT_HEADER = ["#", "step time", "memory/device", "mesh", "tp", "zero", "cdp", "micro-batches", ""]
 
 
 def front_rows(result: SearchResult) -> list[list[str]]:
     """One row per merged-front point, fastest first, numbered from 1 (``planner explain --point``)."""
     return [
         [str(i), format_seconds(p.step_time_s), format_bytes(p.peak_memory_bytes), mesh_text(p.mesh), p.tp, str(p.zero_stage), cdp_text(p),
-         point_marks(result, p)]
+         str(p.micro_batches), point_marks(result, p)]
         for i, p in enumerate(result.front, start=1)
     ]
 
@@ -88,7 +88,7 @@ def mesh_family(mesh: Mesh) -> str:
     return next((family for family, axes in TP_AXES.items() if set(axes) == set(mesh.tp_axes)), "mixed")
 
 
-CONFIG_HEADER = ["mesh", "tp", "zero", "cdp", "points", "on front", "fastest", "its memory", "least memory", "status"]
+CONFIG_HEADER = ["mesh", "tp", "zero", "cdp", "micro-batches", "points", "on front", "fastest", "its memory", "least memory", "status"]
 
 
 def candidate_status(c: Candidate, budget: float) -> str:
@@ -113,7 +113,7 @@ def _config_row(c: Candidate, on_front: set[int], budget: float) -> list[str]:
     """What happened to one configuration: its front's two ends, or why it has none."""
     cdp = c.cdp if c.cdp == "off" or c.plan is None else cdp_text(c.plan)
     status = candidate_status(c, budget)
-    head = [str(c.mesh), mesh_family(c.mesh), str(c.zero), cdp]
+    head = [str(c.mesh), mesh_family(c.mesh), str(c.zero), cdp, str(c.micro_batches)]
     if c.plan is None:
         return [*head, "0", "0", "-", "-", needs_text(c) if status == "infeasible" else "-", status]
     points = c.front or (c.plan,)
@@ -146,7 +146,8 @@ def format_configurations(result: SearchResult, *, markdown: bool = False) -> st
     if failed:
         out.append("")
         bullet = "- " if markdown else "  "
-        out += [f"{bullet}{c.mesh}" + (f" ZeRO-{c.zero}" if c.zero else "") + (f" CDP {c.cdp}" if c.cdp != "off" else "") + f": {c.reason}"
+        out += [f"{bullet}{c.mesh}" + (f" ZeRO-{c.zero}" if c.zero else "") + (f" CDP {c.cdp}" if c.cdp != "off" else "")
+                + (f" x{c.micro_batches} micro-batches" if c.micro_batches > 1 else "") + f": {c.reason}"
                 for c in failed]
     return "\n".join(out)
 
@@ -178,7 +179,10 @@ def format_search(
         out.append("")
     if graph is not None:
         shapes = ", ".join(str(list(graph.nodes[n].out.shape)) for n in graph.input_names)
-        out.append(f"model: {graph.summary()}; inputs {shapes} (one step's global batch, no gradient accumulation)")
+        counts = sorted({c.micro_batches for c in result.candidates})
+        accumulation = ("no gradient accumulation" if counts == [1] else
+                        f"split into {', '.join(map(str, counts))} micro-batch{'es' if len(counts) > 1 or counts[0] > 1 else ''} for gradient accumulation")
+        out.append(f"model: {graph.summary()}; inputs {shapes} (one step's global batch, {accumulation})")
     out.append(f"searched {len(result.candidates)} configurations in {result.seconds:.2f} s (trace {trace_seconds:.2f} s); "
                f"objective {result.objective}; memory budget {format_bytes(result.memory_budget)} per device")
     out += ["", format_front(result, markdown=markdown), "", format_configurations(result, markdown=markdown)]
@@ -214,6 +218,9 @@ def format_plan(plan: Plan, *, graph: IRGraph | None = None) -> str:
         f"  memory per device {format_bytes(plan.peak_memory_bytes)} of {format_bytes(plan.memory_budget_bytes) if plan.memory_budget_bytes else 'no budget'}: "
         f"params {format_bytes(m.params)}, grads {format_bytes(m.grads)}, optimizer {format_bytes(m.optimizer)}, activations {format_bytes(m.activations)}, transient {format_bytes(m.transient)}",
         *cdp,
+        *([f"  gradient accumulation: {plan.micro_batches} micro-batches of {plan.input_shapes[0][0] if plan.input_shapes else '?'} rows per step, "
+           "one after another, gradients synced and the optimizer stepped once (run a step with ParallelModule.forward_backward)"]
+          if plan.micro_batches > 1 else []),
         f"  solver: {plan.solver.status} ({plan.solver.backend}, {plan.solver.num_variables} variables, {plan.solver.num_constraints} constraints, "
         f"build {plan.solver.build_s:.2f} s, solve {plan.solver.solve_s:.2f} s)",
         "",
@@ -274,6 +281,7 @@ def search_json(result: SearchResult, *, model_name: str, devices: int, hardware
             "zero_stage": p.zero_stage,
             "cdp": p.cdp,
             "cdp_stages": p.cdp_stages,
+            "micro_batches": p.micro_batches,
             "compute_time_s": p.compute_time_s,
             "comm_time_s": p.comm_time_s,
             "overlap_time_s": p.overlap_time_s,
@@ -284,7 +292,7 @@ def search_json(result: SearchResult, *, model_name: str, devices: int, hardware
 
     def candidate(c: Candidate) -> dict[str, Any]:
         points = c.front or ((c.plan,) if c.plan is not None else ())
-        return {"mesh": c.mesh.as_dict(), "tp": mesh_family(c.mesh), "zero_stage": c.zero, "cdp": c.cdp, "feasible": c.plan is not None,
+        return {"mesh": c.mesh.as_dict(), "tp": mesh_family(c.mesh), "zero_stage": c.zero, "cdp": c.cdp, "micro_batches": c.micro_batches, "feasible": c.plan is not None,
                 "status": candidate_status(c, result.memory_budget), "reason": c.reason,
                 "least_memory_bytes": c.least_memory, "least_is_bound": c.least_is_bound, "front_points": len(points),
                 "front": [point(p) for p in points], "seconds": c.seconds}

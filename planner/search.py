@@ -8,7 +8,9 @@ Each remaining one gives its time/memory Pareto front within the budget (:func:`
 or, ``front=False``, only its fastest plan), unless a bound without an ILP already shows it cannot
 fit (:func:`planner.front.memory_lower_bound`). The fronts are merged (:func:`planner.front.merge`)
 and the objective picks a point: the fastest, the smallest, or the knee. CDP modes v1/v2 are
-configurations too (meshes with dp > 1, ZeRO 0 or 1; planner.cdp).
+configurations too (meshes with dp > 1, ZeRO 0 or 1; planner.cdp), and so are micro-batch counts
+(gradient accumulation: ``m`` micro-batches of batch / m rows, one after another, gradients synced
+once; the graph of one micro-batch comes from the caller's ``micro_graph``).
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ class SearchSpace:
     cdp: tuple[str, ...] = ("off",)
     cdp_stages: int = 4
     dp: int | None = None
+    micro_batches: tuple[int, ...] = (1,)  # gradient accumulation: micro-batches per step
 
     def __post_init__(self) -> None:
         if self.devices < 1:
@@ -64,6 +67,8 @@ class SearchSpace:
             raise ValueError(f"CDP modes are off, v1, v2; got {self.cdp}")
         if self.cdp_stages < 1:
             raise ValueError(f"cdp_stages must be >= 1, got {self.cdp_stages}")
+        if not self.micro_batches or any(m < 1 for m in self.micro_batches):
+            raise ValueError(f"micro-batch counts must be >= 1, got {self.micro_batches}")
         if self.dp is not None and (self.dp < 1 or self.devices % self.dp):
             raise ValueError(f"--dp {self.dp} does not divide the device count {self.devices}")
 
@@ -74,6 +79,7 @@ class Candidate:
     family: str
     zero: int = 0
     cdp: str = "off"
+    micro_batches: int = 1
     plan: Plan | None = None  # the configuration's fastest plan within the budget
     reason: str = ""  # why pruned or infeasible
     least_memory: float | None = None
@@ -129,20 +135,25 @@ def candidate_meshes(space: SearchSpace, batch: int) -> list[Candidate]:
             dp = mesh.degree("dp")
             if space.dp is not None and dp != space.dp:
                 continue
-            if batch % dp:
-                out.append(Candidate(mesh, family, reason=f"batch {batch} does not split {dp} ways"))
-                continue
-            stages = [z for z in space.zero if z == 0 or dp > 1]
-            if not stages:  # ZeRO shards over data-parallel axes: with dp = 1 every stage is stage 0
-                stages = [0]
-            for cdp in space.cdp:
-                for zero in stages:
-                    if cdp != "off" and dp == 1:
-                        out.append(Candidate(mesh, family, zero, cdp, reason="CDP runs over the data-parallel axis: needs dp > 1"))
-                    elif cdp != "off" and zero > 1:
-                        out.append(Candidate(mesh, family, zero, cdp, reason=f"CDP with ZeRO-{zero} is not built in the runtime; CDP runs with ZeRO 0 or 1"))
-                    else:
-                        out.append(Candidate(mesh, family, zero, cdp))
+            for m in space.micro_batches:
+                if batch % (dp * m):
+                    what = f"batch {batch} does not split {dp} ways" if m == 1 else f"batch {batch} does not split into {m} micro-batches x {dp} ways"
+                    out.append(Candidate(mesh, family, micro_batches=m, reason=what))
+                    continue
+                stages = [z for z in space.zero if z == 0 or dp > 1]
+                if not stages:  # ZeRO shards over data-parallel axes: with dp = 1 every stage is stage 0
+                    stages = [0]
+                for cdp in space.cdp:
+                    for zero in stages:
+                        if cdp != "off" and dp == 1:
+                            reason = "CDP runs over the data-parallel axis: needs dp > 1"
+                        elif cdp != "off" and zero > 1:
+                            reason = f"CDP with ZeRO-{zero} is not built in the runtime; CDP runs with ZeRO 0 or 1"
+                        elif cdp != "off" and m > 1:
+                            reason = "CDP staggers its own micro-batches; gradient accumulation runs with CDP off"
+                        else:
+                            reason = ""
+                        out.append(Candidate(mesh, family, zero, cdp, micro_batches=m, reason=reason))
     return out
 
 
@@ -165,6 +176,7 @@ def search(
     progress: Callable[[str], None] | None = None,
     workers: int | None = None,
     exhaustive: bool = False,
+    micro_graph: Callable[[int], IRGraph] | None = None,
 ) -> SearchResult:
     """Plan every candidate configuration of ``space``; merge their fronts and pick by ``objective``.
 
@@ -182,20 +194,25 @@ def search(
     process group, e.g. a script); each new configuration
     starts with the front found so far, so the order the solves finish in can change which points
     are skipped as dominated, never the merged front's non-dominated points up to the sweep's
-    resolution."""
+    resolution.
+
+    ``micro_graph(m)``: the graph of one micro-batch (the traced batch / ``m``), for each count
+    ``m`` > 1 of ``space.micro_batches`` (:func:`planner.trace.micro_batch_inputs` cuts the inputs)."""
     if objective not in ("time", "memory", "knee"):
         raise ValueError(f"objective must be time, memory or knee; got {objective!r}")
     t0 = time.perf_counter()
     budget = float(memory_budget if memory_budget is not None else hardware.device_memory)
-    batch = graph.nodes[graph.input_names[0]].out.shape[0] if graph.input_names else 1
+    batch = batch_rows(graph)
     result = SearchResult(best=None, objective=objective, memory_budget=budget)
     configs = candidate_meshes(space, batch)
+    graphs = _micro_graphs(graph, batch, {c.micro_batches for c in configs if not c.reason}, micro_graph)
     problems = {}
     for k, cand in enumerate(configs):
         if not cand.reason:
             # conversions and holds are priced when a configuration is solved, not for its bounds
-            problems[k] = build_problem(graph, cand.mesh, hardware, optimizer=optimizer, zero_stage=cand.zero, master_dtype=master_dtype,
-                                        prefetch=prefetch, cdp=cand.cdp, cdp_stages=space.cdp_stages, allow=allow, edges=False)
+            problems[k] = build_problem(graphs[cand.micro_batches], cand.mesh, hardware, optimizer=optimizer, zero_stage=cand.zero,
+                                        master_dtype=master_dtype, prefetch=prefetch, cdp=cand.cdp, cdp_stages=space.cdp_stages, allow=allow,
+                                        edges=False, micro_batches=cand.micro_batches)
     bounds = {k: (time_lower_bound(pb), memory_lower_bound(pb)) for k, pb in problems.items()}
     outcome: dict[int, Candidate] = {k: c for k, c in enumerate(configs) if c.reason}
     found: list[Plan] = []  # the front so far, across configurations
@@ -221,7 +238,7 @@ def search(
         incumbents: list[_Seen] = []  # plans the first pass met on the way (rounded LP answers that fit)
         for k in order:
             t_lb, m_lb = bounds[k]
-            outcome_k = _plan_configuration(graph, problems.pop(k), configs[k], t_lb, m_lb, budget, lambda: merge([*found, *incumbents]),
+            outcome_k = _plan_configuration(problems.pop(k), configs[k], t_lb, m_lb, budget, lambda: merge([*found, *incumbents]),
                                             defer=not front and not exhaustive, incumbents=incumbents, **options)  # type: ignore[arg-type]
             if isinstance(outcome_k, Deferred):
                 deferred.append((k, outcome_k))
@@ -231,7 +248,7 @@ def search(
             others = [p for p in incumbents if p is not d.own]  # a rounded plan of its own stands for it, unsolved
             finished(k, d.finish(merge([*found, *others]), objective=objective, front=front))
     else:
-        _run_parallel(workers, order, finished, (graph, problems, configs, bounds, budget, options))
+        _run_parallel(workers, order, finished, (problems, configs, bounds, budget, options))
     result.candidates = [outcome[k] for k in range(len(configs))]
     if any(c != "off" for c in space.cdp) and batch % space.devices == 0:
         ops = sum(1 for n in graph.nodes.values() if n.kind == "op")
@@ -245,13 +262,33 @@ def search(
     if result.front:
         result.best = {"time": result.front[0], "memory": result.front[-1], "knee": result.knee}[objective]
     elif any(c.least_memory is not None for c in result.candidates):
-        result.infeasible = least_memory_message(graph, space, hardware, result, budget, optimizer=optimizer,
+        result.infeasible = least_memory_message(graphs, space, hardware, result, budget, optimizer=optimizer,
                                                  master_dtype=master_dtype, prefetch=prefetch, settings=settings, allow=allow)
     result.seconds = time.perf_counter() - t0
     return result
 
 
-_SHARED: tuple[Any, ...] = ()  # what forked workers read: graph, problems, configurations, bounds, budget, options
+def batch_rows(graph: IRGraph) -> int:
+    """The traced batch: dim 0 of the first input (1 without inputs)."""
+    return graph.nodes[graph.input_names[0]].out.shape[0] if graph.input_names else 1
+
+
+def _micro_graphs(graph: IRGraph, batch: int, counts: set[int], micro_graph: Callable[[int], IRGraph] | None) -> dict[int, IRGraph]:
+    """The graph of one micro-batch for each micro-batch count (1: ``graph`` itself), checked."""
+    graphs = {1: graph}
+    for m in sorted(counts - {1}):
+        if micro_graph is None:
+            raise ValueError(f"micro-batch count {m} needs the graph of one micro-batch: pass micro_graph= (e.g. "
+                             "lambda m: trace(model, *micro_batch_inputs(args, kwargs, m)))")
+        g = micro_graph(m)
+        rows = batch_rows(g)
+        if rows * m != batch:
+            raise ValueError(f"micro_graph({m}) traced a batch of {rows}; one of {m} micro-batches of {batch} has {batch // m}")
+        graphs[m] = g
+    return graphs
+
+
+_SHARED: tuple[Any, ...] = ()  # what forked workers read: problems, configurations, bounds, budget, options
 
 
 def _workers(requested: int | None, configurations: int) -> int:
@@ -272,9 +309,9 @@ class _Seen(NamedTuple):
 
 
 def _solve_shared(k: int, seen: Any) -> Candidate:
-    graph, problems, configs, bounds, budget, options = _SHARED
+    problems, configs, bounds, budget, options = _SHARED
     t_lb, m_lb = bounds[k]
-    done = _plan_configuration(graph, problems[k], configs[k], t_lb, m_lb, budget, lambda: [_Seen(*p) for p in list(seen)], **options)
+    done = _plan_configuration(problems[k], configs[k], t_lb, m_lb, budget, lambda: [_Seen(*p) for p in list(seen)], **options)
     assert isinstance(done, Candidate)  # workers do not defer
     return done
 
@@ -306,7 +343,6 @@ def _run_parallel(workers: int, order: list[int], finished: Callable[[int, Candi
 
 
 def _plan_configuration(
-    graph: IRGraph,
     problem: Problem,
     cand: Candidate,
     t_lb: float,
@@ -329,7 +365,7 @@ def _plan_configuration(
     ``defer`` (one plan, the time objective): only bounds now, the MIP in :meth:`Deferred.finish`;
     a rounded LP answer that fits goes to ``incumbents``."""
     t0 = time.perf_counter()
-    done = Candidate(cand.mesh, cand.family, cand.zero, cand.cdp)
+    done = Candidate(cand.mesh, cand.family, cand.zero, cand.cdp, cand.micro_batches)
     if m_lb > budget:
         return replace(done, reason=f"no plan on mesh {cand.mesh} fits {format_bytes(budget)} per device: every plan needs at least "
                          f"{format_bytes(m_lb)} (a bound without an ILP), {format_bytes(m_lb - budget)} over",
@@ -353,7 +389,7 @@ def _plan_configuration(
         if relaxation.plan is not None and incumbents is not None:  # dismisses others, never its own configuration
             own = _Seen(relaxation.plan.step_time, int(relaxation.plan.peak_memory), f"{_configuration_text(done)} (the LP relaxation rounded)")
             incumbents.append(own)
-        return Deferred(graph, problem, done, None if overlaps else bounding, settings, t_lb, m_lb, budget, time.perf_counter() - t0,
+        return Deferred(problem, done, None if overlaps else bounding, settings, t_lb, m_lb, budget, time.perf_counter() - t0,
                         model_name, optimizer, own)
     ilp = BudgetILP(problem, "time", settings) if front or objective != "memory" else None
     # where the evaluation hides communication, the credited model's relaxation bounds evaluated times
@@ -400,7 +436,7 @@ def _plan_configuration(
     if not solutions:  # the sweep's LP bounds showed every plan that fits covered by points found before
         return replace(done, reason=f"dominated: the LP relaxation shows its plans within {format_bytes(budget)} all slower and larger "
                        "than plans of the configurations above", seconds=time.perf_counter() - t0)
-    plans = merge([make_plan(graph, problem, sol, model_name=model_name, memory_budget=budget, optimizer=optimizer) for sol in solutions])
+    plans = merge([make_plan(problem.graph, problem, sol, model_name=model_name, memory_budget=budget, optimizer=optimizer) for sol in solutions])
     log.info("mesh %s ZeRO-%d CDP %s: %d points", cand.mesh, cand.zero, cand.cdp, len(plans))
     return replace(done, family=plans[0].tp, plan=plans[0], front=tuple(plans), seconds=time.perf_counter() - t0)
 
@@ -410,7 +446,6 @@ class Deferred:
     """A configuration left for the second pass of a one-plan search, with its bounds and (where
     the LP relaxation's model is the time ILP itself) its built model."""
 
-    graph: IRGraph
     problem: Problem
     done: Candidate
     ilp: BudgetILP | None
@@ -433,7 +468,7 @@ class Deferred:
             sol = solve_within(self.ilp or BudgetILP(self.problem, "time", self.settings), self.budget)
         except InfeasibleBudget as exc:
             return _infeasible(self.done, self.problem, self.budget, exc, self.seconds + time.perf_counter() - start)
-        plan = make_plan(self.graph, self.problem, sol, model_name=self.model_name, memory_budget=self.budget, optimizer=self.optimizer)
+        plan = make_plan(self.problem.graph, self.problem, sol, model_name=self.model_name, memory_budget=self.budget, optimizer=self.optimizer)
         return replace(self.done, family=plan.tp, plan=plan, front=(plan,), seconds=self.seconds + time.perf_counter() - start)
 
 
@@ -468,15 +503,15 @@ def _dismissed(done: Candidate, t_lb: float, m_lb: float, now: Sequence[Point], 
 def _describe(plan: Plan | Point) -> str:
     if not isinstance(plan, Plan):
         return getattr(plan, "label", "another configuration's")
-    return _label(mesh_text(plan.mesh), plan.zero_stage, plan.cdp)
+    return _label(mesh_text(plan.mesh), plan.zero_stage, plan.cdp, plan.micro_batches)
 
 
 def _configuration_text(c: Candidate) -> str:
-    return _label(str(c.mesh), c.zero, c.cdp)
+    return _label(str(c.mesh), c.zero, c.cdp, c.micro_batches)
 
 
-def _label(mesh: str, zero: int, cdp: str) -> str:
-    return f"{mesh} ZeRO-{zero}" + (f" CDP {cdp}" if cdp != "off" else "")
+def _label(mesh: str, zero: int, cdp: str, micro_batches: int = 1) -> str:
+    return f"{mesh} ZeRO-{zero}" + (f" CDP {cdp}" if cdp != "off" else "") + (f" x{micro_batches} micro-batches" if micro_batches > 1 else "")
 
 
 def _outcome_line(c: Candidate) -> str:
@@ -492,7 +527,7 @@ def _outcome_line(c: Candidate) -> str:
 
 
 def least_memory_message(
-    graph: IRGraph,
+    graphs: dict[int, IRGraph],
     space: SearchSpace,
     hardware: HardwareProfile,
     result: SearchResult,
@@ -515,8 +550,8 @@ def least_memory_message(
     for c in sorted((c for c in result.candidates if c.least_is_bound), key=lambda c: c.least_memory or 0.0):
         if best is not None and (c.least_memory or 0.0) >= best[0]:
             break
-        problem = build_problem(graph, c.mesh, hardware, optimizer=optimizer, zero_stage=c.zero, master_dtype=master_dtype,
-                                prefetch=prefetch, cdp=c.cdp, cdp_stages=space.cdp_stages, allow=allow)
+        problem = build_problem(graphs[c.micro_batches], c.mesh, hardware, optimizer=optimizer, zero_stage=c.zero, master_dtype=master_dtype,
+                                prefetch=prefetch, cdp=c.cdp, cdp_stages=space.cdp_stages, allow=allow, micro_batches=c.micro_batches)
         ev = solve(problem, memory_budget=float("inf"), objective="memory", settings=settings).evaluation
         if best is None or ev.peak_memory < best[0]:
             best = (ev.peak_memory, c, ev.memory)
@@ -531,13 +566,16 @@ def least_memory_message(
         advice.append("ZeRO (--zero 1,2,3: stage 3 divides parameters, gradients and optimizer states by the data-parallel degree)")
     if memory["activations"] >= state / 2:
         advice.append("a smaller batch per step (--batch), since activations are a large share")
+        if max(space.micro_batches) * 2 <= batch_rows(graphs[1]) and batch_rows(graphs[1]) % (max(space.micro_batches) * 2) == 0:
+            advice.append(f"gradient accumulation (--micro-batches {max(space.micro_batches) * 2}: each micro-batch holds a share of the activations)")
         if all(m == "off" for m in space.cdp):
             advice.append("CDP (--cdp v1: staggered micro-batches hold about half the activations)")
     advice.append(f"more devices (at least {least / budget:.1f}x the memory in all: more tensor or data parallelism spreads the "
                   f"{'parameter, gradient and optimizer state' if state >= memory['activations'] else 'activation'} bytes)")
     return (f"No plan on {space.devices} devices fits {format_bytes(budget)} per device. The least memory any plan needs is "
             f"{format_bytes(least)} ({format_bytes(least - budget)} over), on mesh {cand.mesh} with ZeRO-{cand.zero}"
-            + (f" and CDP {cand.cdp}" if cand.cdp != "off" else "") + f": {parts}. To fit, try " + "; or ".join(advice) + ".")
+            + (f" and CDP {cand.cdp}" if cand.cdp != "off" else "")
+            + (f" in {cand.micro_batches} micro-batches" if cand.micro_batches > 1 else "") + f": {parts}. To fit, try " + "; or ".join(advice) + ".")
 
 
 def tp_family(problem: Problem, assignment: dict[str, int]) -> TPFamily:
@@ -592,6 +630,7 @@ def make_plan(
         hardware=problem.hardware.name,
         tp=tp_family(problem, solution.assignment),
         zero_stage=problem.zero_stage,
+        micro_batches=problem.micro_batches,
         optimizer=optimizer,
         master_dtype=problem.master_dtype,
         zero_prefetch=problem.prefetch,

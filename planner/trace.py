@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 import torch.fx
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from torch.utils.flop_counter import FlopCounterMode
 
 from planner.ir import InputRef, IRGraph, Node, RepeatedLayers, Saved, TensorMeta
@@ -75,6 +75,25 @@ def trace(model: torch.nn.Module, args: tuple[Any, ...] = (), kwargs: dict[str, 
     )
     log.info("traced %s: %s (%s)", type(model).__name__, graph.summary(), timings)
     return graph
+
+
+def micro_batch_inputs(args: tuple[Any, ...], kwargs: dict[str, Any] | None, micro_batches: int, index: int = 0) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Micro-batch ``index`` of ``micro_batches`` cut from one batch: every tensor split along dim 0
+    (the batch dim, as the runtime splits it over data parallelism), other values kept. A
+    ValueError names the input whose dim 0 does not split."""
+    if micro_batches < 1 or not 0 <= index < micro_batches:
+        raise ValueError(f"micro-batch {index} of {micro_batches} does not exist")
+    flat, spec = tree_flatten((tuple(args), dict(kwargs or {})))
+    out = []
+    for k, a in enumerate(flat):
+        if isinstance(a, torch.Tensor):
+            if a.dim() == 0 or a.shape[0] % micro_batches:
+                raise ValueError(f"input {k} of shape {tuple(a.shape)} does not split into {micro_batches} micro-batches along dim 0 "
+                                 f"(the batch dim): use a batch that {micro_batches} divides, or fewer micro-batches")
+            a = a.chunk(micro_batches)[index]
+        out.append(a)
+    mb_args, mb_kwargs = tree_unflatten(out, spec)
+    return tuple(mb_args), dict(mb_kwargs)
 
 
 def _to_meta(x: Any) -> Any:

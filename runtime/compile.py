@@ -28,7 +28,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from planner.ir import IRGraph, Node
 from planner.layout import Layout, Spec, parse_spec, spec_conversion
 from planner.plan import NodePlan, Plan, fingerprint
-from planner.trace import trace
+from planner.trace import micro_batch_inputs, trace
 from runtime.collectives import CommRecorder, Convert, relayout
 from runtime.groups import MeshGroups, build_groups
 from runtime.kernels import (
@@ -66,6 +66,8 @@ def compile_plan(
     ``loss_partial_over``: mesh axes over which the returned loss stays a partial sum (this rank's
     contribution) instead of being all-reduced; CDP sums over the data-parallel axis itself."""
     example_kwargs = dict(example_kwargs or {})
+    if plan.micro_batches > 1:  # the plan is one micro-batch's (gradient accumulation): trace one
+        example_args, example_kwargs = micro_batch_inputs(example_args, example_kwargs, plan.micro_batches)
     graph = trace(model, example_args, example_kwargs)
     if fingerprint(graph) != plan.model_fingerprint:
         raise ValueError(

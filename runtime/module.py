@@ -10,11 +10,20 @@ rank its slice without loading the rest.
 The forward returns the global loss (identical on every rank); ``loss.backward()`` computes the
 local gradient shards, and when backward finishes, gradients that are partial sums over the
 data-parallel axes are all-reduced (one collective per parameter, the ``step`` phase).
+
+**Gradient accumulation.** A plan with ``micro_batches = m`` > 1 was made for one micro-batch (its
+shapes are the batch / m): ``pm.forward_backward(*local)`` runs a step's m micro-batches of this
+rank's shard one after another, each loss scaled by 1/m, and syncs gradients once, after the last
+(:meth:`no_sync` keeps the others local, as DDP's ``no_sync``; ZeRO-2 still reduce-scatters each
+micro-batch's gradients into its slice as backward produces them, and ZeRO-3's reduce-scatters are
+part of every backward: both are priced per micro-batch).
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -24,6 +33,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from planner.ir import IRGraph
 from planner.layout import Layout, Spec
 from planner.plan import Plan
+from planner.trace import micro_batch_inputs
 from runtime.collectives import CommRecorder, all_reduce, relayout
 from runtime.groups import MeshGroups
 from runtime.precision import MasterWeights, find_master_weights
@@ -65,6 +75,7 @@ class ParallelModule(torch.nn.Module):
         self.param_names = param_names
         self.input_specs = input_specs
         self.zero: ZeroShards | None = None
+        self._sync = True  # no_sync() turns the data-parallel sync at backward end off
         self.node_origin: dict[str, str] = {}  # rank-local fx node name -> traced node name (set by compile)
         if plan.zero_stage in (1, 2) and plan.cdp == "off":  # CDP shards optimizer states its own way (runtime.cdp)
             dp_axes = {attr: mesh_groups.mesh.sort_axes(spec.grad_partial) for attr, spec in param_specs.items()}
@@ -122,9 +133,37 @@ class ParallelModule(torch.nn.Module):
             loss = _SyncAtBackwardEnd.apply(loss, self)
         return loss  # type: ignore[no-any-return]
 
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside leave data-parallel gradients local: they sum up, and the first
+        backward after the block syncs the sum (gradient accumulation)."""
+        self._sync = False
+        try:
+            yield
+        finally:
+            self._sync = True
+
+    def forward_backward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """One training step's forward and backward on this rank's shard of the batch (as
+        :meth:`shard_batch` cuts it), in the plan's ``micro_batches`` micro-batches (dim 0 split),
+        each loss scaled by 1/m, gradients synced after the last. Returns the step's loss (the mean
+        of the micro-batches' losses, detached); then step the optimizer as usual."""
+        m = self.plan.micro_batches
+        total: torch.Tensor | None = None
+        for k in range(m):
+            mb_args, mb_kwargs = micro_batch_inputs(args, kwargs, m, k)
+            with self.no_sync() if k < m - 1 else contextlib.nullcontext():
+                loss = self(*mb_args, **mb_kwargs)
+                (loss / m if m > 1 else loss).backward()
+            total = loss.detach() if total is None else total + loss.detach()
+        assert total is not None
+        return total / m
+
     def sync_grads(self) -> None:
         """All-reduce gradients that are partial sums over the data-parallel axes (ZeRO-1/2:
-        reduce-scatter them into this rank's slice)."""
+        reduce-scatter them into this rank's slice); nothing inside :meth:`no_sync`."""
+        if not self._sync:
+            return
         if self.zero is not None:
             self.zero.reduce_at_backward_end()
             return

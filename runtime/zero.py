@@ -56,8 +56,8 @@ class ZeroShards:
         if p.grad is None:
             return
         g = reduce_scatter(p.grad, self.axes[name], self.dims[name], self.mg, self.rec, phase)
-        if self.stage == 2:  # the full gradient is freed; only the reduced slice stays
-            shard.grad = g
+        if self.stage == 2:  # the full gradient is freed; only the reduced slice stays (and sums micro-batches)
+            shard.grad = g if shard.grad is None else shard.grad.add_(g)
             p.grad = None
         else:  # stage 1 keeps the gradient buffer and reduces into its own slice of it
             view = self.slice_of(p.grad, name)

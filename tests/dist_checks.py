@@ -95,8 +95,11 @@ def train_and_compare(rank: int, world: int, plans_json: list[tuple[str, ...]]) 
             local_args, local_kwargs = pm.shard_batch(*args, **kwargs)
             pm.recorder.records.clear()
             pm.recorder.enabled = True  # one whole step: forward, backward, optimizer step
-            loss = pm(*local_args, **local_kwargs)
-            loss.backward()
+            if plan.micro_batches > 1:  # gradient accumulation: the plan's micro-batches, one sync
+                loss = pm.forward_backward(*local_args, **local_kwargs)
+            else:
+                loss = pm(*local_args, **local_kwargs)
+                loss.backward()
             grads = pm.full_grads()
             opt.step()
             pm.recorder.enabled = False

@@ -96,8 +96,8 @@ def test_credited_bounds_hold_where_the_evaluation_hides_communication() -> None
     assert plain is not None and plain.objective > fastest  # why the credit: the ILP's own time is no bound here
 
 
-def _brute_front(graph, mesh, zero: int) -> list[tuple[float, float]]:
-    problem = build_problem(graph, mesh, A100_80G, zero_stage=zero)
+def _brute_front(graph, mesh, zero: int, micro_batches: int = 1) -> list[tuple[float, float]]:
+    problem = build_problem(graph, mesh, A100_80G, zero_stage=zero, micro_batches=micro_batches)
     keys = list(problem.groups)
     sizes = [len(problem.groups[k].strategies) for k in keys]
     assert np.prod(sizes) <= 300_000, sizes

@@ -59,10 +59,24 @@ def test_report_prints_the_front_table_fastest_first_with_knee_and_best_marked(c
 def test_markdown_prints_github_tables(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run(capsys, "report", *TINY, "--markdown")
     assert code == 0
-    assert "| # | step time | memory/device | mesh | tp | zero | cdp |  |" in out
-    assert "| mesh | tp | zero | cdp | points | on front | fastest | its memory | least memory | status |" in out
+    assert "| # | step time | memory/device | mesh | tp | zero | cdp | micro-batches |  |" in out
+    assert "| mesh | tp | zero | cdp | micro-batches | points | on front | fastest | its memory | least memory | status |" in out
     assert out.count("| --- |") >= 2
     assert "| knee |" in out or ", knee |" in out
+
+
+def test_micro_batch_counts_are_searched_and_reported(capsys: pytest.CaptureFixture[str]) -> None:
+    """--micro-batches 1,2: every configuration in each count (the table's micro-batches column),
+    a count the batch does not split into pruned with its reason, and the JSON says each point's."""
+    code, out, _ = run(capsys, "report", *TINY, "--batch", "4", "--micro-batches", "1,2,8")
+    assert code == 0
+    assert "split into 1, 2, 8 micro-batches for gradient accumulation" in out
+    assert "does not split into 8 micro-batches" in out
+    code, out, _ = run(capsys, "report", *TINY, "--batch", "4", "--micro-batches", "1,2", "--json")
+    doc = json.loads(out)
+    assert {c["micro_batches"] for c in doc["candidates"]} == {1, 2}
+    assert any(c["micro_batches"] == 2 and c["status"] != "pruned" for c in doc["candidates"])  # searched, not skipped
+    assert all(p["micro_batches"] in (1, 2) for p in doc["pareto"])
 
 
 def test_plot_writes_a_png_and_says_where_on_stderr(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
