@@ -16,7 +16,10 @@ rule of Das 1999, "On characterizing the knee of the Pareto curve", which Kneedl
 configuration that cannot fit is dismissed in microseconds: the peak is PO + max(A + T, G + T,
 G + S) >= PO + G and >= PO + A (planner.solve), and each group's share of a sum is at least its
 smallest over its strategies. :func:`time_lower_bound` does the same for the step time (each
-group's fastest strategy, no conversion, less what overlap could hide).
+group's fastest strategy, no conversion, less what overlap could hide), and
+:func:`conversion_time_bound` a tighter one once conversions are priced (each group's strategy
+with the cheapest conversion any producer leaves it: on 3-D meshes conversions are most of a
+step, and this bound dismisses configurations without building their ILP).
 A configuration whose two bounds a point already found beats on both (:func:`dominated`) can add
 nothing to the front and is not solved.
 
@@ -26,10 +29,13 @@ plans are slower still, so only memory below every already-found point at least 
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from typing import Protocol, TypeVar
 
-from planner.problem import Problem
+import numpy as np
+
+from planner.problem import Problem, price_edges
 
 
 class Point(Protocol):
@@ -98,6 +104,43 @@ def time_lower_bound(problem: Problem, *, overlap: bool = True) -> float:
         credit = group.credit if overlap and group.credit else [0.0] * len(group.time)
         total += min(t - c for t, c in zip(group.time, credit, strict=True))
     return max(total, 0.0)
+
+
+def conversion_time_bound(problem: Problem) -> float:
+    """Seconds per step no plan of ``problem`` goes below, conversions counted (prices them first):
+
+        T >= sum_v min_j [ t_v(j) - credit_v(j) + sum_{edges u -> v} min_i c_e(i, j) ]
+
+    each edge's conversion charged to its consumer, at the cheapest producer strategy for the
+    consumer's strategy j. A conversion that several edges (or a group's own strategies) can
+    trigger is paid once, so each use is charged its cost / uses: the charges of the uses a plan
+    triggers add up to at most the cost. Credit as in :func:`time_lower_bound`."""
+    price_edges(problem)
+    uses: Counter[tuple[object, ...]] = Counter()
+    for key, term in problem.conversions.items():
+        uses[key] += sum(1 for gu, _, gv, _ in term.conditions if gu == gv)
+    for edge in problem.edges.values():
+        for keys in edge.conversions.values():
+            uses.update(keys)
+    own: dict[str, np.ndarray] = {}  # per group: seconds of each strategy, charges added
+    for g, group in problem.groups.items():
+        credit = group.credit if group.credit else [0.0] * len(group.time)
+        own[g] = np.asarray(group.time, dtype=float) - np.asarray(credit, dtype=float)
+    for key, term in problem.conversions.items():
+        for gu, iu, gv, iv in term.conditions:
+            if gu == gv and term.cost:
+                own[gu][np.fromiter(iu & iv, dtype=int)] += term.cost / uses[key]
+    for edge in problem.edges.values():
+        srcs, dsts = list(edge.src_sets), list(edge.dst_sets)
+        row, col = {s: k for k, s in enumerate(srcs)}, {t: k for k, t in enumerate(dsts)}
+        cost = np.zeros((len(srcs), len(dsts)))
+        for (a, b), keys in edge.conversions.items():
+            cost[row[a], col[b]] = sum(problem.conversions[k].cost / uses[k] for k in keys)
+        cheapest = cost.min(axis=0)
+        for b, k in col.items():
+            if cheapest[k]:
+                own[edge.group_v][np.fromiter(edge.dst_sets[b], dtype=int)] += cheapest[k]
+    return max(sum(float(t.min()) for t in own.values()), 0.0)
 
 
 def dominated(front: Sequence[P], step_time: float, memory: float) -> P | None:

@@ -27,7 +27,17 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal, NamedTuple
 
 from planner.cdp import PipelineEstimate, pipeline_estimate
-from planner.front import Point, covered_below, dominated, knee, memory_lower_bound, merge, reprices_overlap, time_lower_bound
+from planner.front import (
+    Point,
+    conversion_time_bound,
+    covered_below,
+    dominated,
+    knee,
+    memory_lower_bound,
+    merge,
+    reprices_overlap,
+    time_lower_bound,
+)
 from planner.hardware import HardwareProfile
 from planner.ir import IRGraph
 from planner.mesh import Mesh, mesh_text
@@ -373,6 +383,12 @@ def _plan_configuration(
     dismissed = _dismissed(done, t_lb, m_lb, [] if exhaustive else found(), objective=objective, front=front, what="bounds")
     if dismissed is not None:
         return replace(dismissed, seconds=time.perf_counter() - t0)
+    if not exhaustive and found():
+        # conversions priced (the solve needs them anyway): a bound that counts them, before any ILP
+        t_lb = max(t_lb, conversion_time_bound(problem) * (1 - 1e-9))
+        dismissed = _dismissed(done, t_lb, m_lb, found(), objective=objective, front=front, what="bounds with conversions")
+        if dismissed is not None:
+            return replace(dismissed, seconds=time.perf_counter() - t0)
     settings = settings or SolverSettings()
     overlaps = reprices_overlap(problem)
     if defer and objective == "time":
@@ -465,7 +481,10 @@ class Deferred:
         if dismissed is not None:
             return replace(dismissed, seconds=self.seconds)
         try:
-            sol = solve_within(self.ilp or BudgetILP(self.problem, "time", self.settings), self.budget)
+            # a plan of another configuration is known: this one's exact least memory is not needed
+            # when nothing fits (its ILP prices all the memory only without overlap: self.ilp set)
+            sol = solve_within(self.ilp or BudgetILP(self.problem, "time", self.settings), self.budget,
+                               exact_least=not (found and self.ilp is not None))
         except InfeasibleBudget as exc:
             return _infeasible(self.done, self.problem, self.budget, exc, self.seconds + time.perf_counter() - start)
         plan = make_plan(self.problem.graph, self.problem, sol, model_name=self.model_name, memory_budget=self.budget, optimizer=self.optimizer)
@@ -474,10 +493,10 @@ class Deferred:
 
 def _infeasible(done: Candidate, problem: Problem, budget: float, exc: InfeasibleBudget, seconds: float) -> Candidate:
     """The configuration, when nothing fits: the least memory any plan needs, its terms, what to change."""
-    least = exc.least.peak_memory if exc.least else None
-    terms = tuple(exc.least.memory.items()) if exc.least else ()
-    reason = infeasible_message(problem, budget, exc.least) if exc.least else str(exc)
-    return replace(done, reason=reason, least_memory=least, least_terms=terms, seconds=seconds)
+    if exc.least is None:  # the least memory was not solved for: more than the budget is all that is known
+        return replace(done, reason=str(exc), least_memory=budget, least_is_bound=True, seconds=seconds)
+    reason = infeasible_message(problem, budget, exc.least)
+    return replace(done, reason=reason, least_memory=exc.least.peak_memory, least_terms=tuple(exc.least.memory.items()), seconds=seconds)
 
 
 def _dismissed(done: Candidate, t_lb: float, m_lb: float, now: Sequence[Point], *, objective: Objective, front: bool,

@@ -301,17 +301,23 @@ def solve(
     return solve_within(BudgetILP(problem, "time", settings), memory_budget)
 
 
-def solve_within(ilp: BudgetILP, memory_budget: float, fastest: Solution | None = None) -> Solution:
+def solve_within(ilp: BudgetILP, memory_budget: float, fastest: Solution | None = None, *, exact_least: bool = True) -> Solution:
     """The fastest plan within ``memory_budget`` from a built time ILP (``fastest``: its answer
     without a budget, when already solved: it answers at once if it fits). An answer whose exact
     memory exceeds the budget (a tolerance slip, or a term the ILP does not price) is re-solved
-    with the budget lowered by the overrun; raises :class:`InfeasibleBudget` when nothing fits."""
+    with the budget lowered by the overrun; raises :class:`InfeasibleBudget` when nothing fits,
+    with the least memory a plan needs (``exact_least=False``: without it, one MIP saved, for a
+    search that has a plan elsewhere; only for problems whose evaluation adds no memory term
+    the ILP leaves out, where the ILP finding nothing means nothing fits)."""
     problem, settings = ilp.problem, ilp.settings
     if fastest is not None and fastest.evaluation.peak_memory <= memory_budget:
         return fastest
     solution = _within(ilp, memory_budget)
     if solution is not None:
         return solution
+    if not exact_least:
+        raise InfeasibleBudget(f"no plan on mesh {problem.mesh} fits {format_bytes(memory_budget)} per device (the ILP within the budget "
+                               "has no solution; the least memory a plan needs was not solved for)", budget=memory_budget, least=None)
     # nothing within the budget, or the exact evaluation kept exceeding what the ILP priced (a term
     # it does not model, such as the ZeRO-3 prefetch's in-flight gather): the least-memory plan
     # answers if it fits

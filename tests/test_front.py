@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from models import build_model, example_inputs
-from planner.front import covered_below, knee, memory_lower_bound, merge, reprices_overlap, time_lower_bound
+from planner.front import conversion_time_bound, covered_below, knee, memory_lower_bound, merge, reprices_overlap, time_lower_bound
 from planner.hardware import A100_80G
 from planner.mesh import Mesh
 from planner.problem import build_problem, evaluate
@@ -47,10 +47,16 @@ def test_the_sweep_finds_exactly_the_brute_force_front(name: str) -> None:
 
 
 def test_bounds_hold_for_every_assignment() -> None:
+    tighter = 0
     for name in CASES:
         c = case(name)
         assert memory_lower_bound(c.problem) <= c.least_memory * (1 + 1e-12)
         assert time_lower_bound(c.problem) <= float(c.time.min()) * (1 + 1e-12)
+        # conversions counted: still a bound, and at least the cheap one
+        with_conversions = conversion_time_bound(c.problem)
+        assert time_lower_bound(c.problem) * (1 - 1e-12) <= with_conversions <= float(c.time.min()) * (1 + 1e-12)
+        tighter += with_conversions > time_lower_bound(c.problem) * (1 + 1e-9)
+    assert tighter  # some case has a conversion every plan pays
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -87,6 +93,7 @@ def test_credited_bounds_hold_where_the_evaluation_hides_communication() -> None
     fastest = min(ev.step_time for ev in every)
     assert any(ev.overlap_time > 0 for ev in every)
     assert time_lower_bound(problem) <= fastest * (1 + 1e-12)
+    assert conversion_time_bound(problem) <= fastest * (1 + 1e-12)
     credited = BudgetILP(problem, "time", EXACT, credited=True)
     bound = credited.relaxation(float("inf"))
     assert bound is not None and bound <= fastest * (1 + 1e-9)
