@@ -1,6 +1,6 @@
 """How fast the search is at GPT-3 scale: the full front, one plan for a budget, 4096 devices.
 
-    python benchmarks/front_speed.py [--scenario NAME ...] [--workers N]
+    python benchmarks/front_speed.py [--scenario NAME ...] [--workers N] [--gap G]
 
 Each scenario traces a preset on the meta device (no memory for weights), then runs
 :func:`planner.search.search` and prints, per scenario: trace and search seconds, configurations
@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from planner.cli import load_model
 from planner.hardware import load_profile
 from planner.search import SearchSpace, search
+from planner.solve import SolverSettings
 from planner.trace import trace
 
 
@@ -40,13 +41,13 @@ SCENARIOS = {
 }
 
 
-def run(name: str, sc: Scenario, workers: int | None) -> list[str]:
+def run(name: str, sc: Scenario, workers: int | None, gap: float | None = None) -> list[str]:
     model, args, kwargs, _ = load_model(sc.model, sc.batch)
     t0 = time.perf_counter()
     graph = trace(model, args, kwargs)
     trace_s = time.perf_counter() - t0
     result = search(graph, SearchSpace(devices=sc.devices, zero=sc.zero, cdp=sc.cdp), load_profile("a100-80g"), model_name=sc.model,
-                    front=sc.front, workers=workers)
+                    front=sc.front, workers=workers, settings=SolverSettings(relative_gap=gap) if gap is not None else None)
     cands = result.candidates
     solved = sum(1 for c in cands if c.front)
     dominated = sum(1 for c in cands if c.reason.startswith("dominated"))
@@ -67,12 +68,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--scenario", nargs="*", default=list(SCENARIOS), choices=list(SCENARIOS))
     parser.add_argument("--workers", type=int, default=None, help="worker processes (default: the search's)")
+    parser.add_argument("--gap", type=float, default=None, help="the MIPs' relative gap (default: SolverSettings')")
     a = parser.parse_args()
     header = ["scenario", "trace s", "search s", "solved/dominated/bound/infeasible/pruned", "front", "largest ILP (vars x rows)",
               "time-limited", "chosen (objective time)"]
     rows = []
     for name in a.scenario:
-        rows.append(run(name, SCENARIOS[name], a.workers))
+        rows.append(run(name, SCENARIOS[name], a.workers, a.gap))
         print("  ".join(rows[-1]), flush=True)
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     print()
