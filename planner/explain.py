@@ -204,13 +204,15 @@ def alternative_line(plan: Plan, label: str, plans: list[Plan], cands: list[Cand
 
 
 def alternatives_section(result: SearchResult, index: int, plan: Plan) -> str:
-    """Neighbouring front points, then each other TP family, ZeRO stage and CDP mode searched."""
+    """Neighbouring front points, then each other TP family, ZeRO stage, CDP mode and micro-batch
+    count searched."""
     lines = ["  Neighbours on the front:", *neighbour_lines(result, index, plan), "",
              "  Other choices (each one's fastest plan, compared with this point):"]
     dimensions: list[tuple[str, Callable[[Plan], str], Callable[[Candidate], str]]] = [
         ("TP", lambda p: p.tp, lambda c: c.family),
         ("ZeRO", lambda p: str(p.zero_stage), lambda c: str(c.zero)),
         ("CDP", lambda p: p.cdp, lambda c: c.cdp),
+        ("micro-batches", lambda p: str(p.micro_batches), lambda c: str(c.micro_batches)),
     ]
     feasible = result.feasible
     others = 0
@@ -224,5 +226,6 @@ def alternatives_section(result: SearchResult, index: int, plan: Plan) -> str:
             cands = [c for c in result.candidates if c.plan is None and of_cand(c) == value]
             lines.append(alternative_line(plan, f"{name} {value}", plans, cands, result.memory_budget))
     if not others:
-        lines.append("    none: every plan found uses this point's TP family, ZeRO stage and CDP mode (widen --tp, --zero, --cdp)")
+        lines.append("    none: every plan found uses this point's TP family, ZeRO stage, CDP mode and micro-batch count "
+                     "(widen --tp, --zero, --cdp, --micro-batches)")
     return "\n".join(lines)

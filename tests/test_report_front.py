@@ -77,6 +77,8 @@ def test_micro_batch_counts_are_searched_and_reported(capsys: pytest.CaptureFixt
     assert {c["micro_batches"] for c in doc["candidates"]} == {1, 2}
     assert any(c["micro_batches"] == 2 and c["status"] != "pruned" for c in doc["candidates"])  # searched, not skipped
     assert all(p["micro_batches"] in (1, 2) for p in doc["pareto"])
+    code, out, _ = run(capsys, "explain", *TINY, "--batch", "4", "--micro-batches", "1,2")
+    assert code == 0 and "    micro-batches " in out  # the other count among the alternatives
 
 
 def test_plot_writes_a_png_and_says_where_on_stderr(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
