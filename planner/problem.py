@@ -516,8 +516,8 @@ def _price_edges(problem: Problem) -> None:
     seconds: dict[tuple[Comm, ...], float] = {}
     for term in problem.conversions.values():
         if term.comms not in seconds:
-            seconds[term.comms] = sum(comm_time(c, mesh, hw) for c in term.comms)
-        term.cost = seconds[term.comms] * term.count * problem.micro_batches  # activations: every micro-batch
+            seconds[term.comms] = sum(comm_time(c, mesh, hw) * problem.repeats(c) for c in term.comms)
+        term.cost = seconds[term.comms] * term.count
 
 
 @functools.lru_cache(maxsize=1 << 16)  # shared by the problems of one mesh (ZeRO stages, CDP modes)
@@ -603,7 +603,7 @@ def layer_volume(problem: Problem, assignment: dict[str, int]) -> float:
             total += sum(ring_volume(c, mesh) * n for c, n in group.comms[assignment[key]])
     for term in problem.conversions.values():
         if term.producers <= in_layer and any(assignment[gu] in iu and assignment[gv] in iv for gu, iu, gv, iv in term.conditions):
-            total += sum(ring_volume(c, mesh) for c in term.comms) * term.count * problem.micro_batches
+            total += sum(ring_volume(c, mesh) * problem.repeats(c) for c in term.comms) * term.count
     return total / layers
 
 
@@ -632,7 +632,7 @@ def evaluate(problem: Problem, assignment: dict[str, int]) -> Evaluation:
         if any(assignment[gu] in iu and assignment[gv] in iv for gu, iu, gv, iv in term.conditions):
             total += term.cost
             comm_t += term.cost
-            comms.extend((c, term.count * problem.micro_batches) for c in term.comms)
+            comms.extend((c, term.count * problem.repeats(c)) for c in term.comms)
     for hold in problem.holds.values():
         if any(assignment[gu] in iu and (gv is None or assignment[gv] in iv) for gu, iu, gv, iv in hold.conditions):
             act += hold.nbytes

@@ -383,10 +383,11 @@ def _plan_configuration(
     dismissed = _dismissed(done, t_lb, m_lb, [] if exhaustive else found(), objective=objective, front=front, what="bounds")
     if dismissed is not None:
         return replace(dismissed, seconds=time.perf_counter() - t0)
-    if not exhaustive and found():
+    now = [] if exhaustive else found()
+    if now:
         # conversions priced (the solve needs them anyway): a bound that counts them, before any ILP
         t_lb = max(t_lb, conversion_time_bound(problem) * (1 - 1e-9))
-        dismissed = _dismissed(done, t_lb, m_lb, found(), objective=objective, front=front, what="bounds with conversions")
+        dismissed = _dismissed(done, t_lb, m_lb, now, objective=objective, front=front, what="bounds with conversions")
         if dismissed is not None:
             return replace(dismissed, seconds=time.perf_counter() - t0)
     settings = settings or SolverSettings()
@@ -585,8 +586,9 @@ def least_memory_message(
         advice.append("ZeRO (--zero 1,2,3: stage 3 divides parameters, gradients and optimizer states by the data-parallel degree)")
     if memory["activations"] >= state / 2:
         advice.append("a smaller batch per step (--batch), since activations are a large share")
-        if max(space.micro_batches) * 2 <= batch_rows(graphs[1]) and batch_rows(graphs[1]) % (max(space.micro_batches) * 2) == 0:
-            advice.append(f"gradient accumulation (--micro-batches {max(space.micro_batches) * 2}: each micro-batch holds a share of the activations)")
+        more = max(space.micro_batches) * 2
+        if batch_rows(graphs[1]) % more == 0:
+            advice.append(f"gradient accumulation (--micro-batches {more}: each micro-batch holds a share of the activations)")
         if all(m == "off" for m in space.cdp):
             advice.append("CDP (--cdp v1: staggered micro-batches hold about half the activations)")
     advice.append(f"more devices (at least {least / budget:.1f}x the memory in all: more tensor or data parallelism spreads the "
