@@ -135,7 +135,7 @@ class Spec(_CachedHash):
         if clash:
             raise ValueError(f"gradient can be partial only over replicated axes; {sorted(clash)} in {self.layout}")
 
-    @property
+    @functools.cached_property
     def grad_layout(self) -> Layout:
         return Layout(self.layout.dims, self.grad_partial)
 

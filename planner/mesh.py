@@ -49,16 +49,27 @@ class Mesh:
             n *= d
         return n
 
+    @cached_property
+    def _degree_of(self) -> dict[str, int]:
+        return dict(zip(self.axes, self.degrees, strict=True))
+
+    @cached_property
+    def _group_sizes(self) -> dict[tuple[str, ...] | frozenset[str], int]:
+        return {}  # group_size's answers: a problem asks for the same few groups hundreds of thousands of times
+
     def degree(self, axis: str) -> int:
         try:
-            return self.degrees[self.axes.index(axis)]
-        except ValueError:
+            return self._degree_of[axis]
+        except KeyError:
             raise ValueError(f"mesh {self} has no axis {axis!r}") from None
 
     def group_size(self, axes: tuple[str, ...] | frozenset[str]) -> int:
-        n = 1
-        for a in axes:
-            n *= self.degree(a)
+        n = self._group_sizes.get(axes)
+        if n is None:
+            n = 1
+            for a in axes:
+                n *= self.degree(a)
+            self._group_sizes[axes] = n
         return n
 
     @cached_property

@@ -18,7 +18,6 @@ and brute-force tests compare the two).
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from collections import defaultdict
@@ -29,7 +28,7 @@ from planner.cdp import LOSS_TARGETS
 from planner.cost import comm_time, compute_time, dtype_itemsize, optimizer_bytes_per_value, optimizer_step_time, ring_volume, steps_comms
 from planner.hardware import HardwareProfile
 from planner.ir import InputRef, IRGraph, Node
-from planner.layout import Layout, Spec, spec_conversion
+from planner.layout import Conversion, Layout, Spec, spec_conversion
 from planner.mesh import Mesh
 from planner.overlap import prefetch_terms
 from planner.plan import peak_of
@@ -79,9 +78,9 @@ class EdgeTerm:
 
     group_u: str
     group_v: str
-    src_sets: dict[Spec, frozenset[int]]
-    dst_sets: dict[Spec, frozenset[int]]
-    conversions: dict[tuple[Spec, Spec], set[tuple[object, ...]]]
+    src_sets: dict[int, frozenset[int]]  # by the interned Spec id (spec_id; spec_of gives the Spec)
+    dst_sets: dict[int, frozenset[int]]
+    conversions: dict[tuple[int, int], set[tuple[object, ...]]]
 
 
 @dataclass
@@ -451,13 +450,75 @@ def _root(graph: IRGraph, ref: InputRef) -> InputRef:
     return ref
 
 
-def _spec_sets(specs: list[Spec | None]) -> dict[Spec, frozenset[int]]:
-    """Strategy indices grouped by the Spec they produce or need."""
-    sets: dict[Spec, set[int]] = defaultdict(set)
-    for i, spec in enumerate(specs):
-        if spec is not None:
-            sets[spec].add(i)
-    return {spec: frozenset(idx) for spec, idx in sets.items()}
+def _spec_sets(ids: tuple[int, ...]) -> dict[int, frozenset[int]]:
+    """Strategy indices grouped by the Spec (its interned id, :func:`spec_id`) they produce or need."""
+    sets: dict[int, list[int]] = defaultdict(list)
+    for i, sid in enumerate(ids):
+        if sid >= 0:
+            sets[sid].append(i)
+    return {sid: frozenset(idx) for sid, idx in sets.items()}
+
+
+_SPEC_IDS: dict[Spec, int] = {}
+_SPECS: list[Spec] = []
+
+
+def spec_id(spec: Spec | None) -> int:
+    """A small integer standing for ``spec`` (-1 for None), the same for equal Specs in this
+    process: edges and conversion keys hold these, so pricing a problem's tens of thousands of
+    (output, need) pairs hashes integers, not Specs."""
+    if spec is None:
+        return -1
+    sid = _SPEC_IDS.get(spec)
+    if sid is None:
+        sid = _SPEC_IDS[spec] = len(_SPECS)
+        _SPECS.append(spec)
+    return sid
+
+
+def spec_of(sid: int) -> Spec:
+    """The Spec an id of :func:`spec_id` stands for."""
+    return _SPECS[sid]
+
+
+class _ConversionCache:
+    """The conversions of one mesh by Spec ids, and their collectives by (ids, bytes, with gradient):
+    the problems of one mesh (ZeRO stages, CDP modes, micro-batch counts) share them, and tensors
+    of different sizes in the same pair of Specs share the steps."""
+
+    def __init__(self, mesh: Mesh) -> None:
+        self.mesh = mesh
+        self.steps: dict[tuple[int, int], Conversion] = {}
+        self.comms: dict[tuple[int, int, int, bool], tuple[Comm, ...]] = {}
+
+    def conversion_comms(self, a: int, b: int, nbytes: int, with_grad: bool) -> tuple[Comm, ...]:
+        key = (a, b, nbytes, with_grad)
+        comms = self.comms.get(key)
+        if comms is None:
+            conv = self.steps.get((a, b))
+            if conv is None:
+                conv = self.steps[(a, b)] = spec_conversion(spec_of(a), spec_of(b), self.mesh)
+            mesh, src, dst = self.mesh, spec_of(a), spec_of(b)
+            comms = steps_comms(conv.forward, nbytes // src.layout.shard_factor(mesh), mesh, "fwd")
+            if with_grad:
+                comms += steps_comms(conv.backward, nbytes // dst.layout.shard_factor(mesh), mesh, "bwd")
+            self.comms[key] = comms
+        return comms
+
+
+_CACHES: dict[Mesh, _ConversionCache] = {}
+_CACHED_MESHES = 8
+
+
+def _conversion_cache(mesh: Mesh) -> _ConversionCache:
+    """The mesh's cache (the last few meshes' are kept)."""
+    cache = _CACHES.pop(mesh, None)
+    if cache is None:
+        cache = _ConversionCache(mesh)
+        while len(_CACHES) >= _CACHED_MESHES:
+            del _CACHES[next(iter(_CACHES))]
+    _CACHES[mesh] = cache  # most recent last
+    return cache
 
 
 def _price_edges(problem: Problem) -> None:
@@ -465,6 +526,7 @@ def _price_edges(problem: Problem) -> None:
     repeated layer are gathered first and priced once (their producers counted together)."""
     graph, mesh, hw = problem.graph, problem.mesh, problem.hardware
     consumers = graph.consumers()
+    signatures: dict[str, tuple[tuple[str, int], ...]] = {}
     # (producer template, output index, consumer template, input position, signature) -> producers
     pending: dict[tuple[str, int, str, int, tuple[tuple[str, int], ...]], set[str]] = {}
     for v in graph.nodes.values():
@@ -474,59 +536,60 @@ def _price_edges(problem: Problem) -> None:
             u = graph.nodes[ref.node]
             if u.outputs[ref.index] is None:
                 continue
-            signature = tuple(sorted({(graph.nodes[c].template, q) for c, q in consumers[u.name]}))
+            signature = signatures.get(u.name)
+            if signature is None:
+                signature = signatures[u.name] = tuple(sorted({(graph.nodes[c].template, q) for c, q in consumers[u.name]}))
             # templates stand for their instances: same strategies, same groups
             pending.setdefault((u.template, ref.index, v.template, p, signature), set()).add(u.name)
             if v.template == v.name:
                 _price_holds(problem, v, p, ref)
+    outs: dict[tuple[str, int], tuple[int, ...]] = {}  # interned Spec ids per strategy, each end
+    ins: dict[tuple[str, int], tuple[int, ...]] = {}
+    cache = _conversion_cache(mesh)
+    sig_ids: dict[tuple[tuple[str, int], ...], int] = {}  # the conversion keys hold a consumer signature's id
     for (ut, index, vt, p, signature), producers in pending.items():
-        u, v = graph.nodes[ut], graph.nodes[vt]
+        u = graph.nodes[ut]
         gu, gv = problem.node_group[ut], problem.node_group[vt]
         meta = u.outputs[index]
         assert meta is not None
-        su, sv = problem.choices[ut], problem.choices[vt]
-        pairs: dict[tuple[Spec, Spec], tuple[frozenset[int], frozenset[int]]] = {}
+        with_grad = u.requires_grad and meta.is_float
+        if (ut, index) not in outs:
+            outs[(ut, index)] = tuple(spec_id(s.outputs[index]) for s in problem.choices[ut])
+        if (vt, p) not in ins:
+            ins[(vt, p)] = tuple(spec_id(t.inputs[p] if p < len(t.inputs) else None) for t in problem.choices[vt])
+        su, sv = outs[(ut, index)], ins[(vt, p)]
+        pairs: dict[tuple[int, int], tuple[frozenset[int], frozenset[int]]] = {}
         edge: EdgeTerm | None = None
         if gu == gv:  # one choice drives both ends: strategy i meets strategy i
-            for i, (s, t) in enumerate(zip(su, sv, strict=True)):
-                src, dst = s.outputs[index], t.inputs[p] if p < len(t.inputs) else None
-                if src is not None and dst is not None and src != dst:
-                    a, b = pairs.get((src, dst), (frozenset(), frozenset()))
-                    pairs[(src, dst)] = (a | {i}, b | {i})
+            for i, (a, b) in enumerate(zip(su, sv, strict=True)):
+                if a >= 0 and b >= 0 and a != b:
+                    ia, ib = pairs.get((a, b), (frozenset(), frozenset()))
+                    pairs[(a, b)] = (ia | {i}, ib | {i})
         else:
-            src_sets = _spec_sets([s.outputs[index] for s in su])
-            dst_sets = _spec_sets([t.inputs[p] if p < len(t.inputs) else None for t in sv])
+            src_sets, dst_sets = _spec_sets(su), _spec_sets(sv)
             edge_key = (gu, gv, tuple(src_sets.items()), tuple(dst_sets.items()))
-            if edge_key not in problem.edges:
-                problem.edges[edge_key] = EdgeTerm(gu, gv, src_sets, dst_sets, {})
-            edge = problem.edges[edge_key]
+            edge = problem.edges.get(edge_key)
+            if edge is None:
+                edge = problem.edges[edge_key] = EdgeTerm(gu, gv, src_sets, dst_sets, {})
             pairs = {(a, b): (ia, ib) for a, ia in src_sets.items() for b, ib in dst_sets.items() if a != b}
-        for (src, dst), (iu, iv) in pairs.items():
-            key = ("conv", ut, index, src, dst, signature)
+        sig = sig_ids.setdefault(signature, len(sig_ids))
+        for (a, b), (iu, iv) in pairs.items():
+            key = ("conv", ut, index, a, b, sig)
             term = problem.conversions.get(key)
             if term is None:
-                term = ConversionTerm(key, 0.0, _conversion_comms(src, dst, meta.nbytes, u.requires_grad and meta.is_float, mesh))
-                problem.conversions[key] = term
+                term = problem.conversions[key] = ConversionTerm(key, 0.0, cache.conversion_comms(a, b, meta.nbytes, with_grad))
             term.producers |= producers
             cond = (gu, iu, gv, iv)
             if cond not in term.conditions:
                 term.conditions.append(cond)
             if edge is not None:
-                edge.conversions.setdefault((src, dst), set()).add(key)
-    seconds: dict[tuple[Comm, ...], float] = {}
+                edge.conversions.setdefault((a, b), set()).add(key)
+    seconds: dict[int, float] = {}  # by the identity of a (shared) comms tuple
     for term in problem.conversions.values():
-        if term.comms not in seconds:
-            seconds[term.comms] = sum(comm_time(c, mesh, hw) * problem.repeats(c) for c in term.comms)
-        term.cost = seconds[term.comms] * term.count
-
-
-@functools.lru_cache(maxsize=1 << 16)  # shared by the problems of one mesh (ZeRO stages, CDP modes)
-def _conversion_comms(src: Spec, dst: Spec, nbytes: int, with_grad: bool, mesh: Mesh) -> tuple[Comm, ...]:
-    conv = spec_conversion(src, dst, mesh)
-    fwd = steps_comms(conv.forward, nbytes // src.layout.shard_factor(mesh), mesh, "fwd")
-    if not with_grad:
-        return fwd
-    return fwd + steps_comms(conv.backward, nbytes // dst.layout.shard_factor(mesh), mesh, "bwd")
+        t = seconds.get(id(term.comms))
+        if t is None:
+            t = seconds[id(term.comms)] = sum(comm_time(c, mesh, hw) * problem.repeats(c) for c in term.comms)
+        term.cost = t * term.count
 
 
 def _price_holds(problem: Problem, v: Node, p: int, ref: InputRef) -> None:

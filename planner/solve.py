@@ -203,9 +203,9 @@ class _Model:
                 for m, (a, b) in enumerate((a, b) for a in edge.src_sets for b in edge.dst_sets)
             }
             for a, iu in edge.src_sets.items():
-                self.lp += pulp.lpSum(e[(a, b)] for b in edge.dst_sets) == self._sum(edge.group_u, iu), f"edge_{k}_src_{id(a) % 10**9}_{len(iu)}_{min(iu)}"
+                self.lp += pulp.lpSum(e[(a, b)] for b in edge.dst_sets) == self._sum(edge.group_u, iu), f"edge_{k}_src_{a}"
             for b, iv in edge.dst_sets.items():
-                self.lp += pulp.lpSum(e[(a, b)] for a in edge.src_sets) == self._sum(edge.group_v, iv), f"edge_{k}_dst_{min(iv)}_{len(iv)}"
+                self.lp += pulp.lpSum(e[(a, b)] for a in edge.src_sets) == self._sum(edge.group_v, iv), f"edge_{k}_dst_{b}"
             for pair, keys in edge.conversions.items():
                 for key in keys:
                     if key in self.y:
