@@ -442,6 +442,8 @@ def _plan_configuration(
         # answer, when it fits, is a plan that dismisses others); the MIP waits for the second
         bounding = BudgetILP(problem, "time", settings, credited=overlaps)
         relaxation = bounding.relax(budget)
+        if relaxation.infeasible:
+            return _relaxation_infeasible(done, budget, time.perf_counter() - t0)
         if relaxation.bound is not None:
             t_lb = max(t_lb, relaxation.bound * (1 - settings.relative_gap))
         dismissed = _dismissed(done, t_lb, m_lb, found(), objective=objective, front=front, what="the LP relaxation within the budget")
@@ -462,7 +464,10 @@ def _plan_configuration(
         # the LP relaxation within the budget bounds the time of every plan that fits (of the
         # credited objective, where the evaluation may hide communication: the evaluated time)
         limit = min(budget, covered_below(now, t_lb) * (1 - 1e-6)) if front else budget
-        bound = (credited if credited is not None else ilp).relaxation(limit)
+        relaxation = (credited if credited is not None else ilp).relax(limit)
+        if relaxation.infeasible and limit >= budget:
+            return _relaxation_infeasible(done, budget, time.perf_counter() - t0)
+        bound = relaxation.bound
         if bound is not None:
             t_lb = max(t_lb, bound * (1 - settings.relative_gap))
         dismissed = _dismissed(done, t_lb, m_lb, now, objective=objective, front=front, what="the LP relaxation within the budget")
@@ -535,6 +540,13 @@ class Deferred:
             return _infeasible(self.done, self.problem, self.budget, exc, self.seconds + time.perf_counter() - start)
         plan = make_plan(self.problem.graph, self.problem, sol, model_name=self.model_name, memory_budget=self.budget, optimizer=self.optimizer)
         return replace(self.done, family=plan.tp, plan=plan, front=(plan,), seconds=self.seconds + time.perf_counter() - start)
+
+
+def _relaxation_infeasible(done: Candidate, budget: float, seconds: float) -> Candidate:
+    """The configuration, when even its LP relaxation has nothing within the budget (the ILP's
+    memory is a lower bound on every plan's: the evaluation only adds terms)."""
+    return replace(done, reason=f"no plan on mesh {done.mesh} fits {format_bytes(budget)} per device: even the LP relaxation "
+                   "(integrality dropped) has nothing within it", least_memory=budget, least_is_bound=True, seconds=seconds)
 
 
 def _infeasible(done: Candidate, problem: Problem, budget: float, exc: InfeasibleBudget, seconds: float) -> Candidate:

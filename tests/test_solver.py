@@ -331,3 +331,47 @@ def test_a_budget_row_slip_is_re_solved_without_losing_the_plan_that_fits(name: 
     sol = solve(c.problem, memory_budget=least)
     assert len(calls) >= 2  # the slip was seen and re-solved
     assert sol.evaluation.peak_memory <= least
+
+
+# --------------------------------------------------------------------------- the LP relaxation
+
+
+def _loose_pair(model: solve_module._Model, gu: str, iu: frozenset[int], gv: str, iv: frozenset[int]) -> object:
+    return model._sum(gu, iu) + model._sum(gv, iv) - 1
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_gathered_weight_holds_are_written_on_the_edges_transportation_variables(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A weight saved gathered (held only when its parameter is stored otherwise) is the product
+    of two groups' choices; its row sums the edge's transportation variables over the (stored,
+    saved) pairs instead of x_u + x_v - 1. Both are exact for one-hot x (the brute-force tests
+    above pass with it); the relaxation's least memory is at least the loose form's, and at most
+    the least memory of any plan."""
+    c = case(name)
+    model = solve_module._Model(c.problem, "pairs")
+    pairs = [(gu, iu, gv, iv) for term in c.problem.holds.values() for gu, iu, gv, iv in term.conditions if gv is not None]
+    assert pairs  # every case has gathered weights
+    assert all(model._pair(*cond).constant == 0 for cond in pairs)  # no "- 1": the edge form
+    tight = solve_module.BudgetILP(c.problem, "time", EXACT)
+    monkeypatch.setattr(solve_module._Model, "_pair", _loose_pair)
+    loose = solve_module.BudgetILP(c.problem, "time", EXACT)
+
+    def relaxed_least(ilp: solve_module.BudgetILP) -> float:
+        lo, hi = 0.0, c.least_memory
+        assert ilp.relax(hi).bound is not None  # every plan is a point of the relaxation
+        for _ in range(40):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if ilp.relax(mid).infeasible else (lo, mid)
+        return hi
+
+    assert relaxed_least(loose) * (1 - 1e-6) <= relaxed_least(tight) <= c.least_memory * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_a_relaxation_with_nothing_within_the_budget_says_so(name: str) -> None:
+    c = case(name)
+    ilp = solve_module.BudgetILP(c.problem, "time", EXACT)
+    relaxation = ilp.relax(c.least_memory / 4)
+    assert relaxation.infeasible and relaxation.bound is None and relaxation.plan is None
+    fits = ilp.relax(c.least_memory)
+    assert not fits.infeasible and fits.bound is not None
