@@ -218,24 +218,37 @@ class _Model:
 
     def hold(self) -> None:
         """z >= [gu in iu] for a tensor one group saves; for a gathered weight (saved by gv only when
-        its parameter gu is stored otherwise), the pair's indicator: the sum of the transportation
-        variables of an edge between the two groups over the pairs (stored as iu, needed as iv),
-        exact for one-hot x and far tighter in the relaxation than x_u + x_v - 1 (which is 0 at
-        x = 1/2; measured, GPT-3 175B on dp=4 x 4 x 4 ZeRO-2: the relaxation fitted 80 GiB, while
-        every plan needs 80.60 GiB); x_u + x_v - 1 where no edge's sets make up iu and iv."""
+        its parameter gu is stored otherwise) z >= x_u + x_v - 1, and beside it, where an edge
+        between the two groups has sets that make up iu and iv, the pair's indicator: the sum of
+        the edge's transportation variables over the pairs (stored as iu, needed as iv). Both are
+        exact for one-hot x; the second is far tighter in the relaxation (x_u + x_v - 1 is 0 at
+        x = 1/2; measured, GPT-3 175B on dp=4 x 4 x 4 ZeRO-2: with it the relaxation's least
+        memory is 80.60 GiB, the plans' least, and it fitted 80 GiB without), but it slowed
+        HiGHS' branch and bound up to tenfold (the same configuration's least-memory MIP: 2.9 s
+        -> 25.6 s): its rows (:attr:`pair_rows`) are on for the relaxations only (BudgetILP)."""
+        self.pair_rows: list[pulp.LpConstraint] = []
         for k, (key, term) in enumerate(self.problem.holds.items()):
             for m, (gu, iu, gv, iv) in enumerate(term.conditions):
-                rhs = self._sum(gu, iu) if gv is None else self._pair(gu, iu, gv, iv)
-                self.lp += self.z[key] >= rhs, f"hold_{k}_{m}"
+                if gv is None:
+                    self.lp += self.z[key] >= self._sum(gu, iu), f"hold_{k}_{m}"
+                    continue
+                self.lp += self.z[key] >= self._sum(gu, iu) + self._sum(gv, iv) - 1, f"hold_{k}_{m}"
+                pair = self._pair(gu, iu, gv, iv)
+                if pair is not None:
+                    row = self.z[key] >= pair
+                    self.lp.addConstraint(row, f"hold_{k}_{m}_pair")
+                    self.pair_rows.append(row)
 
-    def _pair(self, gu: str, iu: frozenset[int], gv: str, iv: frozenset[int]) -> pulp.LpAffineExpression:
-        """An expression equal to [x_gu in iu] * [x_gv in iv] for one-hot x (see :meth:`hold`)."""
+    def _pair(self, gu: str, iu: frozenset[int], gv: str, iv: frozenset[int]) -> pulp.LpAffineExpression | None:
+        """An expression equal to [x_gu in iu] * [x_gv in iv] for one-hot x, from the transportation
+        variables of an edge between the groups (see :meth:`hold`); None where no edge has sets
+        that make up ``iu`` and ``iv``."""
         for edge, e in self.e.get((gu, gv), ()):
             srcs = [a for a, idx in edge.src_sets.items() if idx <= iu]
             dsts = [b for b, idx in edge.dst_sets.items() if idx <= iv]
             if sum(len(edge.src_sets[a]) for a in srcs) == len(iu) and sum(len(edge.dst_sets[b]) for b in dsts) == len(iv):
                 return pulp.lpSum(e[(a, b)] for a in srcs for b in dsts)
-        return self._sum(gu, iu) + self._sum(gv, iv) - 1
+        return None
 
     def transient_bound(self) -> None:
         for g, grp in self.problem.groups.items():
@@ -396,7 +409,17 @@ class BudgetILP:
             with _quiet_stdout():  # HiGHS prints a banner when its first instance is made
                 self.solver.createAndConfigureSolver(lp)
                 self.solver.buildSolverModel(lp)
+            self._pair_rows(lp.solverModel, on=False)
         return lp.solverModel
+
+    def _pair_rows(self, highs: highspy.Highs, *, on: bool) -> None:
+        """The gathered weights' pair rows (:meth:`_Model.hold`): on for a relaxation, off (free
+        rows, which presolve drops) for the MIPs."""
+        rows = self.model.pair_rows
+        if rows:
+            index = np.array([r.index for r in rows], dtype=np.int32)
+            lower = np.full(len(rows), 0.0 if on else -np.inf)
+            highs.changeRowsBounds(len(rows), index, lower, np.full(len(rows), np.inf))  # type: ignore[attr-defined]
 
     def _run(self, budget: float) -> None:
         lp = self.model.lp
@@ -431,18 +454,20 @@ class BudgetILP:
         saved: dict[str, bool | str | float] = {k: highs.getOptionValue(k)[1] for k in options}
         for k, v in options.items():
             highs.setOptionValue(k, v)
+        self._pair_rows(highs, on=True)
         try:
             with _quiet_stdout():
                 highs.run()
-        finally:
+            status = highs.getModelStatus()
+            value = highs.getInfo().objective_function_value - TIE_BREAK * min(budget, NO_BUDGET) / self.model.m_unit
+            values = highs.getSolution().col_value
+        finally:  # after reading the answer: changing the model clears it
+            self._pair_rows(highs, on=False)
             for k, v in saved.items():
                 highs.setOptionValue(k, v)
         log.debug("mesh %s: LP relaxation within %s took %.2f s", self.problem.mesh, format_bytes(budget), time.perf_counter() - t0)
-        status = highs.getModelStatus()
         if status != highspy.HighsModelStatus.kOptimal:
             return Relaxation(None, None, infeasible=status == highspy.HighsModelStatus.kInfeasible)
-        value = highs.getInfo().objective_function_value - TIE_BREAK * min(budget, NO_BUDGET) / self.model.m_unit
-        values = highs.getSolution().col_value
         assignment = {g: max(range(len(xs)), key=lambda i, xs=xs: values[xs[i].index]) for g, xs in self.model.x.items()}  # type: ignore[misc]
         rounded = evaluate(self.problem, assignment)
         return Relaxation(max(value, 0.0) * self.model.t_unit, rounded if rounded.peak_memory <= budget else None)

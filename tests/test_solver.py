@@ -336,24 +336,24 @@ def test_a_budget_row_slip_is_re_solved_without_losing_the_plan_that_fits(name: 
 # --------------------------------------------------------------------------- the LP relaxation
 
 
-def _loose_pair(model: solve_module._Model, gu: str, iu: frozenset[int], gv: str, iv: frozenset[int]) -> object:
-    return model._sum(gu, iu) + model._sum(gv, iv) - 1
+def _no_pair(model: solve_module._Model, gu: str, iu: frozenset[int], gv: str, iv: frozenset[int]) -> None:
+    return None
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_gathered_weight_holds_are_written_on_the_edges_transportation_variables(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A weight saved gathered (held only when its parameter is stored otherwise) is the product
-    of two groups' choices; its row sums the edge's transportation variables over the (stored,
-    saved) pairs instead of x_u + x_v - 1. Both are exact for one-hot x (the brute-force tests
-    above pass with it); the relaxation's least memory is at least the loose form's, and at most
-    the least memory of any plan."""
+    of two groups' choices; beside x_u + x_v - 1, the relaxation has a row summing the edge's
+    transportation variables over the (stored, saved) pairs. Both are exact for one-hot x (the
+    brute-force tests above pass with both); the relaxation's least memory is at least the loose
+    form's alone, and at most the least memory of any plan."""
     c = case(name)
     model = solve_module._Model(c.problem, "pairs")
     pairs = [(gu, iu, gv, iv) for term in c.problem.holds.values() for gu, iu, gv, iv in term.conditions if gv is not None]
     assert pairs  # every case has gathered weights
-    assert all(model._pair(*cond).constant == 0 for cond in pairs)  # no "- 1": the edge form
+    assert all(model._pair(*cond) is not None for cond in pairs) and len(model.pair_rows) == len(pairs)
     tight = solve_module.BudgetILP(c.problem, "time", EXACT)
-    monkeypatch.setattr(solve_module._Model, "_pair", _loose_pair)
+    monkeypatch.setattr(solve_module._Model, "_pair", _no_pair)
     loose = solve_module.BudgetILP(c.problem, "time", EXACT)
 
     def relaxed_least(ilp: solve_module.BudgetILP) -> float:
