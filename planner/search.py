@@ -441,7 +441,7 @@ def _plan_configuration(
         # one plan: the LP relaxation within the budget is all the first pass solves (its rounded
         # answer, when it fits, is a plan that dismisses others); the MIP waits for the second
         bounding = BudgetILP(problem, "time", settings, credited=overlaps)
-        relaxation = bounding.relax(budget)
+        relaxation = bounding.relax(budget, simplex_first=True)  # a fresh model, the device's memory: likely loose
         if relaxation.infeasible:
             return _relaxation_infeasible(done, budget, time.perf_counter() - t0)
         if relaxation.bound is not None:
