@@ -323,11 +323,12 @@ def solve(
     if objective == "memory":
         # lexicographic: the least memory, then the fastest plan holding exactly that much
         least = _solve_once(problem, float("inf"), "memory", settings)
+        floor = least.evaluation.peak_memory * (1 + 1e-9)  # a rounding error above the least (see sweep)
         try:
-            fastest = solve(problem, memory_budget=least.evaluation.peak_memory, settings=settings)
+            fastest = solve(problem, memory_budget=floor, settings=settings)
         except InfeasibleBudget:
             return least
-        better = fastest.evaluation.peak_memory <= least.evaluation.peak_memory and fastest.evaluation.step_time < least.evaluation.step_time
+        better = fastest.evaluation.peak_memory <= floor and fastest.evaluation.step_time < least.evaluation.step_time
         return replace(fastest, objective=fastest.evaluation.peak_memory) if better else least
     return solve_within(BudgetILP(problem, "time", settings), memory_budget)
 
@@ -609,8 +610,11 @@ def sweep(
     top = fastest or ilp.run(float("inf"))
     assert top is not None
     # the least-memory end: the fastest plan of that memory (the memory objective only breaks ties),
-    # unless a bound shows it covered by points found elsewhere
-    end = _fill(ilp, floor, covered, floor * (1 - 1e-6), bounding)
+    # unless a bound shows it covered by points found elsewhere. The budget is the floor plus a
+    # billionth: the time model's memory row for the least plan can sum to the floor plus a
+    # rounding error, which HiGHS without presolve reads as infeasible (GPT-3 175B on 8 x 8: the
+    # least-memory point, 49.79 GiB, was lost from the front that way)
+    end = _fill(ilp, floor * (1 + 1e-9), covered, floor * (1 - 1e-6), bounding)
     least = end or least  # when covered: the memory objective's plan, to end the hull, not to report
     if covered is not None and top.evaluation.peak_memory > memory_budget:
         covered_at_budget = covered(bounding.relaxation(memory_budget) or 0.0)
