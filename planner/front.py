@@ -25,6 +25,8 @@ nothing to the front and is not solved.
 
 :func:`covered_below` lets a sweep jump: once a configuration's plan takes ``t`` seconds, its next
 plans are slower still, so only memory below every already-found point at least as fast can help.
+Both take the sweep's ``resolution``: across configurations as within one, a slower plan is worth
+a point only if it needs at least that fraction less memory than a faster point found already.
 """
 
 from __future__ import annotations
@@ -143,12 +145,15 @@ def conversion_time_bound(problem: Problem) -> float:
     return max(sum(float(t.min()) for t in own.values()), 0.0)
 
 
-def dominated(front: Sequence[P], step_time: float, memory: float) -> P | None:
-    """A point of ``front`` at least as fast as ``step_time`` and at most ``memory``, if any."""
-    return next((p for p in front if p.step_time_s <= step_time and p.peak_memory_bytes <= memory), None)
+def dominated(front: Sequence[P], step_time: float, memory: float, resolution: float = 0.0) -> P | None:
+    """A point of ``front`` at least as fast as ``step_time`` whose memory is at most ``memory``,
+    or within ``resolution`` of it (a plan at most that fraction smaller is not worth a point:
+    :func:`planner.solve.sweep`), if any."""
+    return next((p for p in front if p.step_time_s <= step_time and p.peak_memory_bytes * (1 - resolution) <= memory), None)
 
 
-def covered_below(front: Sequence[P], step_time: float) -> float:
-    """The least memory of the points of ``front`` at least as fast as ``step_time`` (inf if none):
-    a plan slower than ``step_time`` needs less than this to be on the front."""
-    return min((float(p.peak_memory_bytes) for p in front if p.step_time_s <= step_time), default=float("inf"))
+def covered_below(front: Sequence[P], step_time: float, resolution: float = 0.0) -> float:
+    """The least memory of the points of ``front`` at least as fast as ``step_time`` (inf if none),
+    less ``resolution`` of it: a plan slower than ``step_time`` needs less than this to be worth a
+    point of the front (with ``resolution`` 0, to be on it at all)."""
+    return min((float(p.peak_memory_bytes) for p in front if p.step_time_s <= step_time), default=float("inf")) * (1 - resolution)

@@ -193,7 +193,9 @@ def search(
     """Plan every candidate configuration of ``space``; merge their fronts and pick by ``objective``.
 
     ``front``: each configuration's Pareto front (``resolution``, ``max_points``: see
-    :func:`planner.solve.sweep`); otherwise only its fastest plan within the budget (its smallest,
+    :func:`planner.solve.sweep`; the resolution holds across configurations too: a plan slower
+    than a point already found is sought only if it needs at least ``resolution`` less memory,
+    so ``resolution=0`` gives the exact merged front); otherwise only its fastest plan within the budget (its smallest,
     ``objective="memory"``), which is what one plan for one budget needs. ``objective``: the
     fastest plan, the smallest, or the knee of the merged front (:func:`planner.front.knee`).
     ``master_dtype`` (mixed precision): the graph is priced in its traced dtype (trace the model in
@@ -425,14 +427,16 @@ def _plan_configuration(
         return replace(done, reason=f"no plan on mesh {cand.mesh} fits {format_bytes(budget)} per device: every plan needs at least "
                          f"{format_bytes(m_lb)} (a bound without an ILP), {format_bytes(m_lb - budget)} over",
                          least_memory=m_lb, least_is_bound=True, seconds=time.perf_counter() - t0)
-    dismissed = _dismissed(done, t_lb, m_lb, [] if exhaustive else found(), objective=objective, front=front, what="bounds")
+    dismissed = _dismissed(done, t_lb, m_lb, [] if exhaustive else found(), objective=objective, front=front, resolution=resolution,
+                           what="bounds")
     if dismissed is not None:
         return replace(dismissed, seconds=time.perf_counter() - t0)
     now = [] if exhaustive else found()
     if now:
         # conversions priced (the solve needs them anyway): a bound that counts them, before any ILP
         t_lb = max(t_lb, conversion_time_bound(problem) * (1 - 1e-9))
-        dismissed = _dismissed(done, t_lb, m_lb, now, objective=objective, front=front, what="bounds with conversions")
+        dismissed = _dismissed(done, t_lb, m_lb, now, objective=objective, front=front, resolution=resolution,
+                               what="bounds with conversions")
         if dismissed is not None:
             return replace(dismissed, seconds=time.perf_counter() - t0)
     settings = settings or SolverSettings()
@@ -446,7 +450,8 @@ def _plan_configuration(
             return _relaxation_infeasible(done, budget, time.perf_counter() - t0)
         if relaxation.bound is not None:
             t_lb = max(t_lb, relaxation.bound * (1 - settings.relative_gap))
-        dismissed = _dismissed(done, t_lb, m_lb, found(), objective=objective, front=front, what="the LP relaxation within the budget")
+        dismissed = _dismissed(done, t_lb, m_lb, found(), objective=objective, front=front, resolution=resolution,
+                               what="the LP relaxation within the budget")
         if dismissed is not None:
             return replace(dismissed, seconds=time.perf_counter() - t0)
         own = None
@@ -463,14 +468,15 @@ def _plan_configuration(
     if ilp is not None and now:
         # the LP relaxation within the budget bounds the time of every plan that fits (of the
         # credited objective, where the evaluation may hide communication: the evaluated time)
-        limit = min(budget, covered_below(now, t_lb) * (1 - 1e-6)) if front else budget
+        limit = min(budget, covered_below(now, t_lb, resolution) * (1 - 1e-6)) if front else budget
         relaxation = (credited if credited is not None else ilp).relax(limit)
         if relaxation.infeasible and limit >= budget:
             return _relaxation_infeasible(done, budget, time.perf_counter() - t0)
         bound = relaxation.bound
         if bound is not None:
             t_lb = max(t_lb, bound * (1 - settings.relative_gap))
-        dismissed = _dismissed(done, t_lb, m_lb, now, objective=objective, front=front, what="the LP relaxation within the budget")
+        dismissed = _dismissed(done, t_lb, m_lb, now, objective=objective, front=front, resolution=resolution,
+                               what="the LP relaxation within the budget")
         if dismissed is not None:
             return replace(dismissed, seconds=time.perf_counter() - t0)
     if ilp is not None:
@@ -479,18 +485,19 @@ def _plan_configuration(
         if not overlaps and fastest.status == "optimal" and now:
             # the fastest plan without a budget bounds every plan of the configuration
             t_lb = max(t_lb, fastest.objective * (1 - settings.relative_gap))
-            dismissed = _dismissed(done, t_lb, m_lb, found(), objective=objective, front=front, what="its fastest plan without a budget")
+            dismissed = _dismissed(done, t_lb, m_lb, found(), objective=objective, front=front, resolution=resolution,
+                                   what="its fastest plan without a budget")
             if dismissed is not None:
                 return replace(dismissed, seconds=time.perf_counter() - t0)
     now = [] if exhaustive else found()
     # only a plan smaller than what is already found at its speed can join the front
-    useful = min(budget, covered_below(now, t_lb) * (1 - 1e-6)) if front else budget
+    useful = min(budget, covered_below(now, t_lb, resolution) * (1 - 1e-6)) if front else budget
     try:
         if ilp is None:
             solutions = [solve(problem, memory_budget=budget, objective="memory", settings=settings)]
         elif front:
             solutions = sweep(problem, memory_budget=useful, resolution=resolution, max_points=max_points, ilp=ilp, fastest=fastest,
-                              covered=None if exhaustive else (lambda t: covered_below(found(), t)),
+                              covered=None if exhaustive else (lambda t: covered_below(found(), t, resolution)),
                               bounding=credited)
         else:
             solutions = [solve_within(ilp, budget, fastest)]
@@ -558,9 +565,10 @@ def _infeasible(done: Candidate, problem: Problem, budget: float, exc: Infeasibl
 
 
 def _dismissed(done: Candidate, t_lb: float, m_lb: float, now: Sequence[Point], *, objective: Objective, front: bool,
-               what: str) -> Candidate | None:
+               what: str, resolution: float = 0.0) -> Candidate | None:
     """The configuration, dismissed with its reason, when no plan of it faster than ``t_lb`` or
-    smaller than ``m_lb`` (lower bounds, from ``what``) can beat the points found so far."""
+    smaller than ``m_lb`` (lower bounds, from ``what``) can beat the points found so far (on
+    the front: be faster, or at least ``resolution`` smaller than a point as fast)."""
     if not front and now and objective != "knee":
         # one plan: a configuration whose bound cannot beat the best plan found is not solved
         best = now[0] if objective == "time" else now[-1]
@@ -569,11 +577,12 @@ def _dismissed(done: Candidate, t_lb: float, m_lb: float, now: Sequence[Point], 
             return replace(done, reason=f"dominated: no plan here is {bound} ({what}), and the {_describe(best)} plan takes "
                            f"{format_seconds(best.step_time_s)} with {format_bytes(best.peak_memory_bytes)}")
     if front:
-        better = dominated(now, t_lb, m_lb)
+        better = dominated(now, t_lb, m_lb, resolution)
         if better is not None:
+            within = f"; a plan less than {resolution:.0%} smaller is within the front's resolution" if better.peak_memory_bytes > m_lb else ""
             return replace(done, reason=f"dominated: no plan here is faster than {format_seconds(t_lb)} ({what}) or smaller than "
                              f"{format_bytes(m_lb)} (a bound), and the {_describe(better)} plan takes {format_seconds(better.step_time_s)} "
-                             f"with {format_bytes(better.peak_memory_bytes)}")
+                             f"with {format_bytes(better.peak_memory_bytes)}{within}")
     return None
 
 
