@@ -479,7 +479,9 @@ def _plan_configuration(
                                what="the LP relaxation within the budget")
         if dismissed is not None:
             return replace(dismissed, seconds=time.perf_counter() - t0)
-    if ilp is not None:
+    if ilp is not None and not (overlaps and front):
+        # (where the evaluation re-prices overlap it bounds nothing: a sweep solves it after its
+        # least memory, which may show the configuration cannot add a point)
         fastest = ilp.run(float("inf"))
         assert fastest is not None  # no budget row binds: every assignment is feasible
         if not overlaps and fastest.status == "optimal" and now:

@@ -375,3 +375,19 @@ def test_a_relaxation_with_nothing_within_the_budget_says_so(name: str) -> None:
     assert relaxation.infeasible and relaxation.bound is None and relaxation.plan is None
     fits = ilp.relax(c.least_memory)
     assert not fits.infeasible and fits.bound is not None
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_dual_simplex_first_gives_the_interior_points_bound(name: str) -> None:
+    """relax(simplex_first=True) (dual simplex, then interior point if it runs past its time) is
+    the same LP: the same bound within solver tolerance, the same verdict when nothing fits."""
+    c = case(name)
+    for budget in (c.least_memory / 4, c.least_memory, float(c.memory.max())):
+        a = solve_module.BudgetILP(c.problem, "time", EXACT).relax(budget)
+        b = solve_module.BudgetILP(c.problem, "time", EXACT).relax(budget, simplex_first=True)
+        assert a.infeasible == b.infeasible
+        if a.bound is None:
+            assert b.bound is None
+        else:
+            assert b.bound == pytest.approx(a.bound, rel=1e-6)
+            assert b.bound <= c.fastest_within(budget) * (1 + 1e-6)  # a lower bound on every plan that fits
