@@ -86,6 +86,16 @@ def _point(text: str) -> int:
     return value
 
 
+def _positive(option: str) -> Any:
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"{option} {text} must be >= 1")
+        return value
+
+    return parse
+
+
 def _max_points(text: str) -> int:
     value = int(text)
     if value < 2:
@@ -136,7 +146,8 @@ def _add_search_options(r: argparse.ArgumentParser) -> None:
     r.add_argument("--objective", choices=("time", "memory", "knee"), default="time",
                    help="which front point is chosen: the fastest, the smallest, or the knee (best balance); default time")
     r.add_argument("--best-only", action="store_true", help="only each configuration's fastest plan (no front sweep): a quicker answer")
-    r.add_argument("--resolution", type=_resolution, default=0.05, help="relative memory step between front points of a configuration (default 0.05; 0 for every point)")
+    r.add_argument("--resolution", type=_resolution, default=0.05,
+                   help="relative memory step between front points, within and across configurations (default 0.05; 0 for every point)")
     r.add_argument("--max-points", type=_max_points, default=8, help="front points per configuration at most (default 8)")
     r.add_argument("--precision", choices=tuple(PRECISIONS), default="fp32",
                    help="fp32, or mixed: compute in bf16/fp16 with float32 master weights and optimizer states (default fp32)")
@@ -144,6 +155,8 @@ def _add_search_options(r: argparse.ArgumentParser) -> None:
     r.add_argument("--optimizer", choices=("adamw", "sgd-momentum"), default="adamw", help="optimizer whose states are priced (default adamw)")
     r.add_argument("--gap", type=_fraction("--gap", "the relative MIP gap"), default=1e-6, help="relative MIP gap at which a solve stops as optimal (default 1e-6)")
     r.add_argument("--time-limit", type=float, default=120.0, help="time limit of each ILP solve, seconds (a solve stopped by it is reported as time_limit, not optimal)")
+    r.add_argument("--workers", type=_positive("--workers"), default=1,
+                   help="processes solving configurations at once (default 1; 2 on 2 cores: GPT-3 175B's front on 64 devices 20 s -> 15 s)")
     r.add_argument("--progress", action="store_true", help="print a line per configuration to stderr (the default when stderr is a terminal)")
     r.add_argument("-v", "--verbose", action="store_true", help="log each phase (and print progress) to stderr")
 
@@ -212,7 +225,7 @@ def run_search(args: argparse.Namespace) -> Searched:
     result = search(graph, space, hw, model_name=name, memory_budget=args.memory, objective=args.objective, optimizer=args.optimizer,
                     master_dtype=master_dtype, prefetch=not args.no_prefetch, settings=SolverSettings(time_limit_s=args.time_limit, relative_gap=args.gap),
                     front=not args.best_only, resolution=args.resolution, max_points=args.max_points, progress=progress,
-                    micro_graph=lambda m: trace(model, *micro_batch_inputs(m_args, m_kwargs, m)))
+                    workers=args.workers, micro_graph=lambda m: trace(model, *micro_batch_inputs(m_args, m_kwargs, m)))
     if progress:
         progress(f"searched {len(result.candidates)} configurations in {result.seconds:.1f} s: {len(result.front)} front points")
     return Searched(name, graph, hw, result, trace_s)

@@ -108,6 +108,22 @@ def test_json_front_is_non_dominated_fastest_first_and_marks_one_knee(capsys: py
         assert c["front_points"] == len(c["front"]) and (c["front_points"] > 0) == c["feasible"]
 
 
+def test_workers_find_the_same_exact_front(capsys: pytest.CaptureFixture[str]) -> None:
+    """--workers 2 solves configurations in two forked processes; with the exact front asked for
+    (resolution 0, no cap that binds) the front is the serial one; a bad count names the option."""
+    fronts = []
+    for workers in ("1", "2"):
+        code, out, _ = run(capsys, "report", *TINY, "--json", "--resolution", "0", "--max-points", "100", "--workers", workers)
+        assert code == 0
+        fronts.append([(e["step_time_s"], e["peak_memory_bytes"]) for e in json.loads(out)["pareto"]])
+    assert len(fronts[0]) >= 2
+    assert [m for _, m in fronts[1]] == [m for _, m in fronts[0]]
+    assert [t for t, _ in fronts[1]] == pytest.approx([t for t, _ in fronts[0]], rel=1e-6)
+    with pytest.raises(SystemExit):
+        main(["report", *TINY, "--workers", "0"])
+    assert "--workers 0 must be >= 1" in capsys.readouterr().err
+
+
 def test_objective_knee_chooses_the_knee(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run(capsys, "report", *TINY, "--json", "--objective", "knee")
     assert code == 0
