@@ -27,6 +27,8 @@ subject to (each family is one function below; constraints carry their family's 
                    one edge is its only cause; a conversion that costs nothing has no variable);
                    within a group: y[c] >= sum_{i in I and J} x[g,i]
     hold:          z[h] >= sum_{j in J} x[gv,j]       (or the pair form, for gathered weights)
+                   (the pair form: z >= x_u + x_v - 1; in the LP relaxations also z >= the
+                   sum of an edge's transportation variables over the pairs, see _Model.hold)
     transient:     T >= sum_i transient[g,i] x[g,i]                     for every g
                    S >= sum_i step_transient[g,i] x[g,i]                for every g
     peak:          Z >= A + T,  Z >= G + T,  Z >= G + S   (activations are freed in backward as
