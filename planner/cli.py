@@ -156,7 +156,8 @@ def _add_search_options(r: argparse.ArgumentParser) -> None:
     r.add_argument("--gap", type=_fraction("--gap", "the relative MIP gap"), default=1e-6, help="relative MIP gap at which a solve stops as optimal (default 1e-6)")
     r.add_argument("--time-limit", type=float, default=120.0, help="time limit of each ILP solve, seconds (a solve stopped by it is reported as time_limit, not optimal)")
     r.add_argument("--workers", type=_positive("--workers"), default=1,
-                   help="processes solving configurations at once (default 1; 2 on 2 cores: GPT-3 175B's front on 64 devices 20 s -> 15 s)")
+                   help="processes solving configurations of a front at once (default 1; 2 on 2 cores: GPT-3 175B's front on 64 devices 20 s -> 14 s; "
+                        "--best-only runs serially, which is faster)")
     r.add_argument("--progress", action="store_true", help="print a line per configuration to stderr (the default when stderr is a terminal)")
     r.add_argument("-v", "--verbose", action="store_true", help="log each phase (and print progress) to stderr")
 
