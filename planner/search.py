@@ -509,15 +509,20 @@ def _plan_configuration(
     except InfeasibleBudget as exc:
         least = exc.least.peak_memory if exc.least else None
         if useful < budget and least is not None and least <= budget:
-            return replace(done, reason=f"dominated: its plans within {format_bytes(budget)} are all slower and larger than plans "
+            return replace(done, reason=f"dominated: its plans within {format_bytes(budget)} are all slower and {_larger(resolution)} than plans "
                              "of the configurations above", least_memory=least, seconds=time.perf_counter() - t0)
         return _infeasible(done, problem, budget, exc, time.perf_counter() - t0)
     if not solutions:  # the sweep's LP bounds showed every plan that fits covered by points found before
-        return replace(done, reason=f"dominated: the LP relaxation shows its plans within {format_bytes(budget)} all slower and larger "
-                       "than plans of the configurations above", seconds=time.perf_counter() - t0)
+        return replace(done, reason=f"dominated: the LP relaxation shows its plans within {format_bytes(budget)} all slower and "
+                       f"{_larger(resolution)} than plans of the configurations above", seconds=time.perf_counter() - t0)
     plans = merge([make_plan(problem.graph, problem, sol, model_name=model_name, memory_budget=budget, optimizer=optimizer) for sol in solutions])
     log.info("mesh %s ZeRO-%d CDP %s: %d points", cand.mesh, cand.zero, cand.cdp, len(plans))
     return replace(done, family=plans[0].tp, plan=plans[0], front=tuple(plans), seconds=time.perf_counter() - t0)
+
+
+def _larger(resolution: float) -> str:
+    """How a dominated configuration's plans compare in memory with faster points (see ``resolution``)."""
+    return f"larger (or less than {resolution:.0%} smaller)" if resolution > 0 else "larger"
 
 
 @dataclass
