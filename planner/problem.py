@@ -495,10 +495,10 @@ class _ConversionCache:
         key = (a, b, nbytes, with_grad)
         comms = self.comms.get(key)
         if comms is None:
+            mesh, src, dst = self.mesh, spec_of(a), spec_of(b)
             conv = self.steps.get((a, b))
             if conv is None:
-                conv = self.steps[(a, b)] = spec_conversion(spec_of(a), spec_of(b), self.mesh)
-            mesh, src, dst = self.mesh, spec_of(a), spec_of(b)
+                conv = self.steps[(a, b)] = spec_conversion(src, dst, mesh)
             comms = steps_comms(conv.forward, nbytes // src.layout.shard_factor(mesh), mesh, "fwd")
             if with_grad:
                 comms += steps_comms(conv.backward, nbytes // dst.layout.shard_factor(mesh), mesh, "bwd")

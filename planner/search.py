@@ -15,7 +15,7 @@ once; the graph of one micro-batch comes from the caller's ``micro_graph``).
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import gc
 import itertools
 import logging
@@ -23,10 +23,10 @@ import multiprocessing
 import os
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple, TypeVar
 
 from planner.cdp import PipelineEstimate, pipeline_estimate
 from planner.front import (
@@ -169,6 +169,30 @@ def candidate_meshes(space: SearchSpace, batch: int) -> list[Candidate]:
     return out
 
 
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _collector_paused(fn: _F) -> _F:
+    """``fn`` with Python's cyclic garbage collector off while it runs. A search builds millions of
+    small objects (strategies, terms, ILP rows) that live until their configuration is done, and
+    the collector's full passes kept traversing them: measured, GPT-3 175B on 64 devices, one plan
+    8.3 s with it, 5.3 s without; the front 62.2 s and 57.7 s, with the same peak memory (1.22 GB:
+    what a search drops is freed by reference counting, not by the collector)."""
+
+    @functools.wraps(fn)
+    def paused(*args: Any, **kwargs: Any) -> Any:
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if enabled:
+                gc.enable()
+
+    return paused  # type: ignore[return-value]
+
+
+@_collector_paused
 def search(
     graph: IRGraph,
     space: SearchSpace,
@@ -195,8 +219,8 @@ def search(
     ``front``: each configuration's Pareto front (``resolution``, ``max_points``: see
     :func:`planner.solve.sweep`; the resolution holds across configurations too: a plan slower
     than a point already found is sought only if it needs at least ``resolution`` less memory,
-    so ``resolution=0`` gives the exact merged front); otherwise only its fastest plan within the budget (its smallest,
-    ``objective="memory"``), which is what one plan for one budget needs. ``objective``: the
+    so ``resolution=0`` gives the exact merged front); otherwise only its fastest plan within the
+    budget (its smallest, ``objective="memory"``), which is what one plan for one budget needs. ``objective``: the
     fastest plan, the smallest, or the knee of the merged front (:func:`planner.front.knee`).
     ``master_dtype`` (mixed precision): the graph is priced in its traced dtype (trace the model in
     bfloat16 for bf16 training) and the optimizer keeps master weights and states in this dtype.
@@ -206,58 +230,14 @@ def search(
     ``progress`` receives one line per configuration. ``workers``: processes solving configurations
     at once for a front (default 1: in this process; more fork workers, for a process without
     threads or a process group, e.g. a script; one plan is searched serially, which is faster);
-    each new configuration
-    starts with the front found so far, so the order the solves finish in can change which points
-    are skipped as dominated, never the merged front's non-dominated points up to the sweep's
-    resolution.
+    each new configuration starts with the front found so far, so the order the solves finish in
+    can change which points are skipped as dominated, never the merged front's non-dominated
+    points up to the sweep's resolution. The cyclic garbage collector is off while it runs.
 
     ``micro_graph(m)``: the graph of one micro-batch (the traced batch / ``m``), for each count
     ``m`` > 1 of ``space.micro_batches`` (:func:`planner.trace.micro_batch_inputs` cuts the inputs)."""
     if objective not in ("time", "memory", "knee"):
         raise ValueError(f"objective must be time, memory or knee; got {objective!r}")
-    with _collector_paused():
-        return _search(graph, space, hardware, model_name=model_name, memory_budget=memory_budget, objective=objective, optimizer=optimizer,
-                       master_dtype=master_dtype, prefetch=prefetch, settings=settings, allow=allow, front=front, resolution=resolution,
-                       max_points=max_points, progress=progress, workers=workers, exhaustive=exhaustive, micro_graph=micro_graph)
-
-
-@contextlib.contextmanager
-def _collector_paused() -> Iterator[None]:
-    """Python's cyclic garbage collector off while searching. A search builds millions of small
-    objects (strategies, terms, ILP rows) that live until their configuration is done, and the
-    collector's full passes kept traversing them: measured, GPT-3 175B on 64 devices, one plan
-    8.3 s with it, 5.3 s without; the front 62.2 s and 57.7 s, with the same peak memory (1.22 GB:
-    what a search drops is freed by reference counting, not by the collector)."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
-
-
-def _search(
-    graph: IRGraph,
-    space: SearchSpace,
-    hardware: HardwareProfile,
-    *,
-    model_name: str,
-    memory_budget: float | None,
-    objective: Objective,
-    optimizer: str,
-    master_dtype: str | None,
-    prefetch: bool,
-    settings: SolverSettings | None,
-    allow: StrategyFilter | None,
-    front: bool,
-    resolution: float,
-    max_points: int | None,
-    progress: Callable[[str], None] | None,
-    workers: int | None,
-    exhaustive: bool,
-    micro_graph: Callable[[int], IRGraph] | None,
-) -> SearchResult:
     t0 = time.perf_counter()
     budget = float(memory_budget if memory_budget is not None else hardware.device_memory)
     batch = batch_rows(graph)
