@@ -18,6 +18,7 @@ and brute-force tests compare the two).
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections import defaultdict
@@ -506,19 +507,9 @@ class _ConversionCache:
         return comms
 
 
-_CACHES: dict[Mesh, _ConversionCache] = {}
-_CACHED_MESHES = 8
-
-
+@functools.lru_cache(maxsize=8)  # the last few meshes' (a search solves one mesh's configurations together)
 def _conversion_cache(mesh: Mesh) -> _ConversionCache:
-    """The mesh's cache (the last few meshes' are kept)."""
-    cache = _CACHES.pop(mesh, None)
-    if cache is None:
-        cache = _ConversionCache(mesh)
-        while len(_CACHES) >= _CACHED_MESHES:
-            del _CACHES[next(iter(_CACHES))]
-    _CACHES[mesh] = cache  # most recent last
-    return cache
+    return _ConversionCache(mesh)
 
 
 def _price_edges(problem: Problem) -> None:

@@ -542,14 +542,20 @@ class Deferred:
 def _relaxation_infeasible(done: Candidate, budget: float, seconds: float) -> Candidate:
     """The configuration, when even its LP relaxation has nothing within the budget (the ILP's
     memory is a lower bound on every plan's: the evaluation only adds terms)."""
-    return replace(done, reason=f"no plan on mesh {done.mesh} fits {format_bytes(budget)} per device: even the LP relaxation "
-                   "(integrality dropped) has nothing within it", least_memory=budget, least_is_bound=True, seconds=seconds)
+    return _over_budget(done, budget, f"no plan on mesh {done.mesh} fits {format_bytes(budget)} per device: even the LP relaxation "
+                        "(integrality dropped) has nothing within it", seconds)
+
+
+def _over_budget(done: Candidate, budget: float, reason: str, seconds: float) -> Candidate:
+    """The configuration, when nothing fits and its least memory was not solved for: more than the
+    budget is all that is known."""
+    return replace(done, reason=reason, least_memory=budget, least_is_bound=True, seconds=seconds)
 
 
 def _infeasible(done: Candidate, problem: Problem, budget: float, exc: InfeasibleBudget, seconds: float) -> Candidate:
     """The configuration, when nothing fits: the least memory any plan needs, its terms, what to change."""
-    if exc.least is None:  # the least memory was not solved for: more than the budget is all that is known
-        return replace(done, reason=str(exc), least_memory=budget, least_is_bound=True, seconds=seconds)
+    if exc.least is None:
+        return _over_budget(done, budget, str(exc), seconds)
     reason = infeasible_message(problem, budget, exc.least)
     return replace(done, reason=reason, least_memory=exc.least.peak_memory, least_terms=tuple(exc.least.memory.items()), seconds=seconds)
 

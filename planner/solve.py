@@ -75,6 +75,10 @@ log = logging.getLogger(__name__)
 TIE_BREAK = 1e-9  # weight of the secondary objective, both objectives normalised (see docstring)
 FEASIBILITY_TOL = 1e-9  # HiGHS' defaults (1e-6, 1e-7) let memory rows slip by ~1 KiB on small models
 MAX_RESOLVES = 4
+# a budget at a plan's exact memory is solved at that memory times (1 + FLOOR_SLACK): the time model's
+# memory row for that plan can sum to it plus a rounding error, which HiGHS without presolve reads as
+# infeasible (GPT-3 175B on 8 x 8: the least-memory point, 49.79 GiB, fell off the front that way)
+FLOOR_SLACK = 1e-9
 NO_BUDGET = 1e20  # a memory row bound that stands for no budget (HiGHS reads bounds >= 1e20 as infinite)
 Status = Literal["optimal", "time_limit", "infeasible"]
 
@@ -122,6 +126,7 @@ class _Model:
         self.y: dict[tuple[object, ...], pulp.LpVariable] = {}  # conversion executed (conversion() makes them)
         # the transportation variables of the edges between two groups (conversion() makes them)
         self.e: dict[tuple[str, str], list[tuple[EdgeTerm, dict[tuple[int, int], pulp.LpVariable]]]] = {}
+        self.pair_rows: list[pulp.LpConstraint] = []  # relaxation-only hold rows (hold() makes them)
         self.z = {key: lp.add_variable(f"z_{k}", 0, 1) for k, key in enumerate(problem.holds)}
         self.transient = lp.add_variable("transient", 0)
         self.step_transient = lp.add_variable("step_transient", 0)
@@ -228,7 +233,6 @@ class _Model:
         memory is 80.60 GiB, the plans' least, and it fitted 80 GiB without), but it slowed
         HiGHS' branch and bound up to tenfold (the same configuration's least-memory MIP: 2.9 s
         -> 25.6 s): its rows (:attr:`pair_rows`) are on for the relaxations only (BudgetILP)."""
-        self.pair_rows: list[pulp.LpConstraint] = []
         for k, (key, term) in enumerate(self.problem.holds.items()):
             for m, (gu, iu, gv, iv) in enumerate(term.conditions):
                 if gv is None:
@@ -325,7 +329,7 @@ def solve(
     if objective == "memory":
         # lexicographic: the least memory, then the fastest plan holding exactly that much
         least = _solve_once(problem, float("inf"), "memory", settings)
-        floor = least.evaluation.peak_memory * (1 + 1e-9)  # a rounding error above the least (see sweep)
+        floor = least.evaluation.peak_memory * (1 + FLOOR_SLACK)
         try:
             fastest = solve(problem, memory_budget=floor, settings=settings)
         except InfeasibleBudget:
@@ -612,11 +616,8 @@ def sweep(
     top = fastest or ilp.run(float("inf"))
     assert top is not None
     # the least-memory end: the fastest plan of that memory (the memory objective only breaks ties),
-    # unless a bound shows it covered by points found elsewhere. The budget is the floor plus a
-    # billionth: the time model's memory row for the least plan can sum to the floor plus a
-    # rounding error, which HiGHS without presolve reads as infeasible (GPT-3 175B on 8 x 8: the
-    # least-memory point, 49.79 GiB, was lost from the front that way)
-    end = _fill(ilp, floor * (1 + 1e-9), covered, floor * (1 - 1e-6), bounding)
+    # unless a bound shows it covered by points found elsewhere
+    end = _fill(ilp, floor * (1 + FLOOR_SLACK), covered, floor * (1 - 1e-6), bounding)
     least = end or least  # when covered: the memory objective's plan, to end the hull, not to report
     if covered is not None and top.evaluation.peak_memory > memory_budget:
         covered_at_budget = covered(bounding.relaxation(memory_budget) or 0.0)
