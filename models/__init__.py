@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from models.gpt import GPT, GPT_PRESETS, GPTConfig, gpt_example_inputs, num_params
+from models.hf import HF_PRESETS, build_hf_model, hf_example_inputs
 from models.inputs import InputFactory, Inputs
 from models.mlp import MLP, MLP_PRESETS, MLPConfig, mlp_example_inputs
 from models.transformer import Attention, Block, MLPBlock, init_weights
@@ -114,8 +115,15 @@ _REGISTRY: dict[str, ModelSpec] = _specs()
 
 
 def available_models() -> list[str]:
-    """Names of all registered presets, sorted."""
-    return sorted(_REGISTRY)
+    """Names of all registered presets, sorted: ours, then the ``hf-*`` Hugging Face ones
+    (:mod:`models.hf`, built by ``transformers`` from tiny configs) where it is installed."""
+    return sorted(_REGISTRY) + (sorted(HF_PRESETS) if _has_transformers() else [])
+
+
+def _has_transformers() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("transformers") is not None
 
 
 def get_spec(name: str) -> ModelSpec:
@@ -145,6 +153,8 @@ def build_model(
     biases, unit LayerNorm gains) and finally cast to ``dtype`` if given;
     tied parameters stay tied through the cast.
     """
+    if name in HF_PRESETS:
+        return build_hf_model(name, device=device, dtype=dtype, seed=seed)
     spec = get_spec(name)
     device = torch.device(device)
     if seed is not None and device.type != "meta":
@@ -178,6 +188,8 @@ def example_inputs(
     """
     if batch < 1:
         raise ValueError(f"batch must be >= 1, got {batch}")
+    if name in HF_PRESETS:
+        return hf_example_inputs(name, batch=batch, device=device, dtype=dtype, seed=seed)
     spec = get_spec(name)
     generator = torch.Generator().manual_seed(seed)
     return spec.example_inputs(batch, torch.device(device), dtype, generator)

@@ -116,6 +116,9 @@ class IRGraph:
     output_name: str  # the node producing the (scalar) loss
     repeated: tuple[RepeatedLayers, ...] = ()
     in_spec: object = None  # pytree spec of (args, kwargs)
+    # tensors the traced code creates from Python values (torch.tensor(...) in forward), by the name
+    # a "constant" node's param_names carry; the runtime holds them as buffers
+    constants: dict[str, object] = field(default_factory=dict, repr=False, compare=False)
     timings: dict[str, float] = field(default_factory=dict)
     # what planning derives from the graph alone, shared by the problems of a search (consumers,
     # strategies per node and mesh); dropped when the nodes change

@@ -123,6 +123,22 @@ class Plan(_Frozen):
                 return n
         raise KeyError(name)
 
+    @property
+    def shards_nothing(self) -> bool:
+        """More than one device, and every op and parameter whole on each: the same work N times."""
+        return self.mesh_obj.size > 1 and all(not n.split_axes for n in self.nodes) and not any(
+            parse_spec(n.outputs[0]).layout.shard_axes for n in self.nodes if n.target == "placeholder" and n.outputs and n.outputs[0]
+        )
+
+    def shards_nothing_note(self) -> str:
+        """The one line that says so (empty when the plan splits something)."""
+        if not self.shards_nothing:
+            return ""
+        n = self.mesh_obj.size
+        return (f"this plan shards nothing: every op and parameter is whole on each of the {n} devices, which all compute the same "
+                f"step (on {self.hardware} no split of this model pays for its communication: it is too small); plan it for 1 "
+                "device, or for more work per step (a larger batch or model)")
+
     def priced_comms(self) -> Counter[tuple[str, tuple[str, ...], int, str]]:
         """Collectives per rank per step, as a multiset of (kind, axes, bytes, phase)."""
         out: Counter[tuple[str, tuple[str, ...], int, str]] = Counter()

@@ -218,6 +218,7 @@ def format_plan(plan: Plan, *, graph: IRGraph | None = None) -> str:
         f"  memory per device {format_bytes(plan.peak_memory_bytes)} of {format_bytes(plan.memory_budget_bytes) if plan.memory_budget_bytes else 'no budget'}: "
         f"params {format_bytes(m.params)}, grads {format_bytes(m.grads)}, optimizer {format_bytes(m.optimizer)}, activations {format_bytes(m.activations)}, transient {format_bytes(m.transient)}",
         *cdp,
+        *([f"  {plan.shards_nothing_note()}"] if plan.shards_nothing else []),
         *([f"  gradient accumulation: {plan.micro_batches} micro-batches of {plan.input_shapes[0][0] if plan.input_shapes else '?'} rows per step, "
            "one after another, gradients synced and the optimizer stepped once (run a step with ParallelModule.forward_backward)"]
           if plan.micro_batches > 1 else []),
@@ -239,7 +240,8 @@ def format_plan(plan: Plan, *, graph: IRGraph | None = None) -> str:
         lines.append("  none")
     if plan.fallbacks:
         lines.append("")
-        lines.append(f"Replicated because no sharding rule covers the op ({len(plan.fallbacks)}): " + ", ".join(plan.fallbacks[:12]) + (" ..." if len(plan.fallbacks) > 12 else ""))
+        lines.append(f"Replicated because no sharding rule covers the op ({len(plan.fallbacks)}):")
+        lines += [f"  {f}" for f in plan.fallbacks]
     return "\n".join(lines)
 
 

@@ -703,7 +703,7 @@ def make_plan(
             )
         )
         if s.algorithm == FALLBACK:
-            fallbacks.append(f"{name} ({graph.nodes[name].target})")
+            fallbacks.append(f"{name} ({graph.nodes[name].target}) in {graph.nodes[name].module_path or '<root>'}")
     ev = solution.evaluation
     return Plan(
         model=model_name,

@@ -22,9 +22,11 @@ tuple whose first element is the loss, as Hugging Face ``transformers`` models r
 from __future__ import annotations
 
 import contextlib
+import io
 import logging
 import operator
 import re
+import sys
 import time
 import traceback
 from collections import defaultdict
@@ -72,6 +74,7 @@ def trace(model: torch.nn.Module, args: tuple[Any, ...] = (), kwargs: dict[str, 
         repeated=repeated,
         in_spec=ep.call_spec.in_spec,
         timings=timings,
+        constants=dict(ep.constants),
     )
     log.info("traced %s: %s (%s)", type(model).__name__, graph.summary(), timings)
     return graph
@@ -104,8 +107,14 @@ def _to_meta(x: Any) -> Any:
 
 def _export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     try:
-        with _loss_only(model):
-            return torch.export.export(model, args, kwargs, strict=False)
+        with _loss_only(model), _without_partial_graph():
+            ep = torch.export.export(model, args, kwargs, strict=False)
+        if any(_mutates(n) for n in ep.graph.nodes):
+            # in-place ops (BART's shift_tokens_right, a router's ``/=``, ``detach_``) write through
+            # views that sharding would copy: make every node a pure function of its inputs first
+            # (functionalisation only; the high-level ops stay as they are)
+            ep = ep.run_decompositions({})
+        return ep
     except Exception as exc:
         frames = [f for f in traceback.extract_tb(exc.__traceback__) if "/torch/" not in f.filename]
         where = f"{frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}" if frames else "inside torch"
@@ -113,20 +122,49 @@ def _export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
         if frames and frames[-1].line:
             where += f"\n    {frames[-1].line.strip()}"
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if "data-dependent" in str(exc) or "DataDependent" in type(exc).__name__:
+            advice = ("a shape, or a Python branch or loop, depends on tensor values (nonzero, boolean-mask "
+                      "indexing, unique, iterating over a tensor, `if tensor:`): a plan needs every shape to follow "
+                      "from the input shapes alone. Compute with fixed shapes instead (torch.where, masks, padding to a "
+                      "fixed capacity); for a Hugging Face mixture of experts, keep its default "
+                      "experts_implementation='grouped_mm' (or 'batched_mm') rather than 'eager'.")
+        else:
+            advice = ("make forward() return the training loss for the example inputs you pass (for Hugging Face "
+                      "models, pass labels=...); avoid data-dependent Python control flow on tensor values (use "
+                      "torch.where / torch.cond); and mark a module whose internals cannot be traced as a leaf by "
+                      "wrapping its call in a torch.library custom op.")
         raise TraceError(
             f"could not trace {type(model).__name__} with torch.export (non-strict): {type(exc).__name__}: "
-            f"{first}\n  at {where}\n  What to do: make forward() return the training loss for the "
-            "example inputs you pass (for Hugging Face models, pass labels=...); avoid data-dependent "
-            "Python control flow on tensor values (use torch.where / torch.cond); and mark a module whose "
-            "internals cannot be traced as a leaf by wrapping its call in a torch.library custom op."
+            f"{first}\n  at {where}\n  What to do: {advice}"
         ) from exc
+
+
+@contextlib.contextmanager
+def _without_partial_graph() -> Iterator[None]:
+    """A failed ``torch.export`` prints the whole partial graph it traced (hundreds of lines) to
+    stderr before raising; the TraceError says what matters. Stderr is held meanwhile and written
+    back, less that graph (warnings and logs stay)."""
+    held = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(held):
+            yield
+    except BaseException as exc:
+        text = held.getvalue().replace(str(getattr(exc, "partial_fx_graph", "") or "\0"), "")
+        sys.stderr.write(text.strip("\n") + "\n" if text.strip() else "")
+        raise
+    sys.stderr.write(held.getvalue())
+
+
+def _mutates(fx_node: torch.fx.Node) -> bool:
+    target = fx_node.target
+    return fx_node.op == "call_function" and isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable
 
 
 @contextlib.contextmanager
 def _loss_only(model: torch.nn.Module) -> Iterator[None]:
     """While exporting, make ``model(...)`` return only its loss, and build no key/value cache.
 
-    A forward hook replaces the output by :func:`_loss_of` of it, so the exported graph returns one
+    A forward hook replaces the output by :func:`loss_of` of it, so the exported graph returns one
     tensor while parameter names and module paths stay the model's own (no wrapper prefix). A
     ``config.use_cache`` (Hugging Face models) is set to False for the export and restored after:
     the cache serves generation, not training, and torch.export cannot return a ``DynamicCache``.
@@ -135,7 +173,7 @@ def _loss_only(model: torch.nn.Module) -> Iterator[None]:
     use_cache = getattr(config, "use_cache", None)
     if use_cache:
         config.use_cache = False
-    handle = model.register_forward_hook(lambda _module, _args, out: _loss_of(out))
+    handle = model.register_forward_hook(lambda _module, _args, out: loss_of(out))
     try:
         yield
     finally:
@@ -144,7 +182,7 @@ def _loss_only(model: torch.nn.Module) -> Iterator[None]:
             config.use_cache = use_cache
 
 
-def _loss_of(out: Any) -> Any:
+def loss_of(out: Any) -> Any:
     """The loss in a model's output: the tensor itself, a mapping's ``loss``, a sequence's first item.
 
     Anything else (a mapping without a loss: no labels were passed) is returned unchanged, and the

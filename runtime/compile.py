@@ -43,12 +43,11 @@ from runtime.kernels import (
     RegatherKernel,
     Slot,
     SummaKernel,
-    getitem,
 )
 from runtime.module import ParallelModule
 
 _BIAS_INPUT = {"linear": 2, "addmm": 0}  # which input of the kernel is the bias
-VIEW_TARGETS = {"aten.view.default", "aten._unsafe_view.default", "aten.reshape.default"}
+EXPAND = "aten.expand.default"
 
 
 def compile_plan(
@@ -197,10 +196,10 @@ class _Builder:
         self.env[(node.name, 0)] = self.fx.get_attr(attr)
 
     def _buffer(self, node: Node) -> None:
-        try:
-            full = self.model.get_buffer(node.param_names[0])
-        except AttributeError as exc:
-            raise NotImplementedError(f"lifted tensor constant {node.param_names} is not supported by the runtime yet") from exc
+        name = node.param_names[0]
+        full = self.graph.constants.get(name) if node.kind == "constant" else self.model.get_buffer(name)
+        if not isinstance(full, torch.Tensor):
+            raise ValueError(f"the traced graph reads {node.kind} {name!r}, which neither the model nor the trace holds as a tensor")
         attr = _attr_name(node.name)
         self.root.register_buffer(attr, full.detach().to(self.device).clone())
         self.env[(node.name, 0)] = self.fx.get_attr(attr)
@@ -240,8 +239,14 @@ class _Builder:
         ins = np.input_specs()
         outs = np.output_specs()
         values = tuple(self._input_value(node, p, ins[p] if p < len(ins) else None) for p in range(len(node.inputs)))
+        if np.kernel == "getitem":  # one output of a multi-output op: _op indexed it already (once)
+            self.env[(node.name, 0)] = values[0]
+            return
         raw = parse_spec(np.raw_output) if np.raw_output is not None else None
-        kernel: torch.nn.Module = self._kernel(node, np, ins, [raw] if raw is not None else outs)
+        computes = list(ins)  # the Specs the kernel computes with: re-gathered inputs arrive split further
+        for pos, text in np.regather:
+            computes[pos] = parse_spec(text)
+        kernel: torch.nn.Module = self._kernel(node, np, computes, [raw] if raw is not None else outs)
         if np.regather:
             private = {}
             for pos, text in np.regather:
@@ -279,10 +284,11 @@ class _Builder:
 
         flat, spec = tree_flatten((fx_node.args, fx_node.kwargs))
         args, kwargs = tree_unflatten([swap(a) for a in flat], spec)
-        if self.nodes[node.name].kernel == "reshape":
+        if self.nodes[node.name].kernel == "reshape":  # view/reshape/flatten/unflatten/expand to the local shape
             meta = node.outputs[0]
             assert meta is not None and outs[0] is not None
-            args = (args[0], list(outs[0].layout.local_shape(meta.shape, self.mg.mesh)), *args[2:])
+            local = list(outs[0].layout.local_shape(meta.shape, self.mg.mesh))
+            args = (args[0], local, *args[2:]) if node.target == EXPAND else (args[0], local)
         return tuple(args), dict(kwargs)
 
     def _kernel(self, node: Node, np: NodePlan, ins: list[Spec | None], outs: list[Spec | None]) -> Kernel:
@@ -318,10 +324,7 @@ class _Builder:
             shards = self.mg.mesh.group_size(outs[0].layout.partial - ins[0].layout.partial)
             return MeanKernel(node.name, target, template, shards)
         if np.kernel == "reshape":
-            fn = torch.ops.aten.reshape.default if node.target in VIEW_TARGETS else target
-            return Kernel(node.name, fn, template)
-        if np.kernel == "getitem":
-            return Kernel(node.name, getitem, template)
+            return Kernel(node.name, target if node.target == EXPAND else torch.ops.aten.reshape.default, template)
         return Kernel(node.name, target, template)
 
     def _output(self, node: Node) -> None:

@@ -8,7 +8,6 @@ devices set to the rank's device.
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,10 +42,6 @@ class Kernel(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.node_name}: {getattr(self.fn, '__name__', self.fn)}"
-
-
-def getitem(x: Any, i: int) -> Any:
-    return operator.getitem(x, i)
 
 
 class LinearKernel(Kernel):

@@ -22,6 +22,7 @@ part of every backward: both are priced per micro-batch).
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any
@@ -77,6 +78,8 @@ class ParallelModule(torch.nn.Module):
         self.zero: ZeroShards | None = None
         self._sync = True  # no_sync() turns the data-parallel sync at backward end off
         self.node_origin: dict[str, str] = {}  # rank-local fx node name -> traced node name (set by compile)
+        if plan.shards_nothing:  # say so once, where the user builds the module
+            warnings.warn(plan.shards_nothing_note(), UserWarning, stacklevel=3)
         if plan.zero_stage in (1, 2) and plan.cdp == "off":  # CDP shards optimizer states its own way (runtime.cdp)
             dp_axes = {attr: mesh_groups.mesh.sort_axes(spec.grad_partial) for attr, spec in param_specs.items()}
             self.zero = ZeroShards(self.local_parameters(), dp_axes, plan.zero_stage, mesh_groups, recorder)

@@ -27,6 +27,7 @@ def reference(name: str, rule: str, workers: int, num_stages: int, stage_of: dic
     """The update rule run serially in one process on the unsharded model: the N micro-batches one
     after another, gradients summed in worker order, the rule applied as runtime/cdp.py states it."""
     from models import build_model
+    from planner.trace import loss_of
 
     model = build_model(name, dtype=torch.float64, seed=0)
     params = dict(model.named_parameters())
@@ -46,7 +47,7 @@ def reference(name: str, rule: str, workers: int, num_stages: int, stage_of: dic
                             fresh[pname] = p.detach().clone()
                             p.copy_(old[pname])
             args, kwargs = _micro(batch, n, workers)
-            loss = model(*args, **kwargs) / workers
+            loss = loss_of(model(*args, **kwargs)) / workers
             grads = torch.autograd.grad(loss, list(params.values()), allow_unused=True)
             for (pname, p), g in zip(params.items(), grads, strict=True):
                 g = g if g is not None else torch.zeros_like(p)

@@ -74,6 +74,7 @@ def train_and_compare(rank: int, world: int, plans_json: list[tuple[str, ...]]) 
     """For each (model preset, plan JSON[, optimizer]): train both ways and report (module docstring)."""
     from models import build_model
     from planner.plan import Plan
+    from planner.trace import loss_of
     from runtime.compile import compile_plan
 
     reports = []
@@ -106,7 +107,7 @@ def train_and_compare(rank: int, world: int, plans_json: list[tuple[str, ...]]) 
             held = pm.held_bytes(opt)
             executed = pm.executed_comms()
             priced = plan.priced_comms()
-            ref_loss = ref(*args, **kwargs)
+            ref_loss = loss_of(ref(*args, **kwargs))
             ref_loss.backward()
             steps.append({
                 "loss": loss.item(),
@@ -131,3 +132,36 @@ def train_and_compare(rank: int, world: int, plans_json: list[tuple[str, ...]]) 
     return reports
 
 
+
+
+def measure_peak_memory(rank: int, world: int, cases: list[tuple[str, str]]) -> list[dict[str, Any]]:
+    """For each (model preset, plan JSON made for it in float32 with AdamW): one warm-up step (the
+    optimizer's states appear), then the next step's peak bytes on this rank by the CPU allocator's
+    events (tests/memory_probe.py), beside the plan's predicted peak and its breakdown."""
+    from models import build_model
+    from planner.plan import Plan
+    from runtime.compile import compile_plan
+    from tests.memory_probe import peak_over
+
+    out = []
+    for name, text in cases:
+        plan = Plan.model_validate_json(text)
+        batches = _batches(name, 2, torch.float32)
+        pm = compile_plan(plan, build_model(name, dtype=torch.float32, seed=0), *batches[0])
+        opt = pm.make_optimizer(torch.optim.AdamW, lr=1e-3)
+        measured = []
+        for args, kwargs in batches:
+            local_args, local_kwargs = pm.shard_batch(*args, **kwargs)
+
+            def step(pm: Any = pm, opt: Any = opt, local_args: Any = local_args, local_kwargs: Any = local_kwargs) -> None:
+                pm(*local_args, **local_kwargs).backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+
+            held = [*pm.parameters(), *(t for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor))]
+            measured.append(peak_over(step, held))
+        m = plan.memory_breakdown
+        out.append({"peak": measured[-1][0], "start": measured[-1][1], "predicted": plan.peak_memory_bytes,
+                    "breakdown": {"params": m.params, "grads": m.grads, "optimizer": m.optimizer, "activations": m.activations,
+                                  "transient": m.transient, "step_transient": m.step_transient}})
+    return out

@@ -17,6 +17,7 @@ from planner.rules.context import (
     multi_axis_label,
 )
 from planner.rules.followers import follow
+from planner.rules.indexing import INPUT_DRIVEN, OUTPUT_DRIVEN, input_driven_anchor
 from planner.rules.variants import reduced_variants, regather_variants, summa_strategies
 from planner.strategy import Comm, Operand, Strategy, dedupe, einsum_strategies, enumerate_layouts, split_label, with_dp
 
@@ -39,7 +40,9 @@ def anchor_strategies(node: Node, graph: IRGraph, mesh: Mesh) -> list[Strategy]:
     if not node.inputs:
         outs = tuple(Spec(Layout.replicated(len(o.shape))) if o is not None else None for o in node.outputs)
         return [Strategy("replicate" if node.target in SOURCE_OPS_OK else FALLBACK, "op", (), outs)]
-    rule = ANCHOR_RULES.get(node.target)
+    rule = ANCHOR_RULES.get(node.target) or OUTPUT_DRIVEN.get(node.target)
+    if rule is None and node.target in INPUT_DRIVEN and len(node.inputs) > 1:
+        rule = input_driven_anchor
     if rule is None and node.target in BINARY_ELEMENTWISE:
         rule = _elementwise_strategies
     if rule is None and len(node.inputs) == 1:
@@ -196,17 +199,23 @@ def _layer_norm(ctx: RuleContext) -> list[Strategy]:
 @anchor_rule("aten.scaled_dot_product_attention.default")
 def _attention(ctx: RuleContext) -> list[Strategy]:
     q, k, v = ctx.in_shape(0), ctx.in_shape(1), ctx.in_shape(2)
-    if len(q) != 4 or q[1] != k[1] or len(ctx.node.inputs) > 4:
-        return []  # grouped-query attention: replicate (reported)
-    sizes = {"b": q[0], "h": q[1], "t": q[2], "s": k[2], "d": q[3], "e": v[3], "1": 1, "2": 1, "3": 1, "4": 1}
+    if len(q) != 4 or len(ctx.node.inputs) > 4 or q[1] % k[1] or k[1] != v[1]:
+        return []
+    # grouped-query attention (enable_gqa: q has k[1] x r heads, query head n reads key/value head
+    # n // r): heads split into contiguous blocks keep each query block with its key/value block
+    # exactly when the split divides the key/value heads, so "h" is sized by those
+    sizes = {"b": q[0], "h": k[1], "t": q[2], "s": k[2], "d": q[3], "e": v[3], "1": 1, "2": 1, "3": 1, "4": 1}
     operands = [Operand("bhtd", False, ctx.needs_grad(0)), Operand("bhsd", False, ctx.needs_grad(1)), Operand("bhse", False, ctx.needs_grad(2))]
+    splittable = "bh"
     if len(ctx.node.inputs) == 4:  # an attention mask broadcasting to [b, h, t, s]; size-1 dims stay whole
         mask = ctx.in_shape(3)
         full = "bhts"[4 - len(mask) :]
         letters = "".join(c if size == sizes[c] and size != 1 else str(i + 1) for i, (c, size) in enumerate(zip(full, mask, strict=True)))
         operands.append(Operand(letters, False, ctx.needs_grad(3)))
+        if len(mask) >= 3 and mask[-3] not in (1, sizes["h"]):  # a per-query-head mask beside fewer key/value heads
+            splittable = "b"
     result = []
-    for ins, out, split, assign in einsum_strategies(ctx.mesh, operands, "bhte", sizes, splittable="bh", all_or_none=False):
+    for ins, out, split, assign in einsum_strategies(ctx.mesh, operands, "bhte", sizes, splittable=splittable, all_or_none=False):
         label = "tp1d-heads" if any(not ctx.mesh.is_dp(a) for a in assign["h"]) else split_label(ctx.mesh, split)
         result.append(Strategy(with_dp(label, ctx.mesh, split), "op", ins, (Spec(out),), split))
     return result
@@ -246,7 +255,9 @@ def _cat(ctx: RuleContext) -> list[Strategy]:
     for lay in enumerate_layouts(out_shape, ctx.mesh):
         if lay.dims[dim]:
             continue
-        ins = tuple(Spec(lay, frozenset()) for _ in ctx.node.inputs)
+        # torch.cat still accepts a legacy empty 1-d tensor of shape [0] beside inputs of any rank
+        ins = tuple(Spec(lay) if len(ctx.in_shape(i)) == len(out_shape) else Spec(Layout.replicated(len(ctx.in_shape(i))))
+                    for i in range(len(ctx.node.inputs)))
         split = lay.shard_axes
         result.append(Strategy(split_label(ctx.mesh, split), "op", ins, (Spec(lay),), split))
     return result
@@ -277,3 +288,45 @@ def _unary_anchor(ctx: RuleContext) -> list[Strategy]:
 # --------------------------------------------------------------------------- followers
 
 
+
+
+@anchor_rule("aten.conv1d.default", "aten.conv2d.default", "aten.conv3d.default")
+def _convolution(ctx: RuleContext) -> list[Strategy]:
+    """``conv(x[n, c, *spatial], w[o, c/groups, *kernel], b[o])``: the batch split (data parallel),
+    the output channels split (column-parallel: w and b sharded on o), or, without a bias and
+    groups, the input channels split (a partial output); the spatial dims stay whole."""
+    x, w = ctx.in_shape(0), ctx.in_shape(1)
+    spatial = len(x) - 2
+    groups = ctx.args[6] if len(ctx.args) > 6 else ctx.kwargs.get("groups", 1)
+    x_l, w_l, y_l = "nc" + "HWD"[:spatial], "oc" + "KLM"[:spatial], "no" + "PQR"[:spatial]
+    sizes = {"n": x[0], "c": x[1], "o": w[0]} | dict.fromkeys("HWDKLMPQR", 1)
+    operands = [Operand(x_l, ctx.is_param(0), ctx.needs_grad(0)), Operand(w_l, ctx.is_param(1), ctx.needs_grad(1))]
+    if len(ctx.node.inputs) > 2:
+        operands.append(Operand("o", ctx.is_param(2), ctx.needs_grad(2)))
+    splittable = "n" if groups != 1 else "no" + ("c" if len(ctx.node.inputs) == 2 else "")
+    result = []
+    for ins, out, split, assign in einsum_strategies(ctx.mesh, operands, y_l, sizes, splittable=splittable, batch_letters="n"):
+        label = "tp1d-col" if assign["o"] else "tp1d-row" if assign["c"] else split_label(ctx.mesh, split)
+        result.append(Strategy(with_dp(label, ctx.mesh, split), "op", ins, (Spec(out),), split))
+    return result
+
+
+@anchor_rule("transformers.grouped_mm_fallback.default", "aten._grouped_mm.default")
+def _grouped_mm(ctx: RuleContext) -> list[Strategy]:
+    """Mixture-of-experts grouped matmul ``y[s] = x[s] @ w[e(s)]`` (rows sorted by expert, ``offs``
+    the experts' cumulative row counts): the experts' weights split column- or row-parallel over
+    tensor-parallel axes like a linear's; the rows stay whole (their order and the offsets are the
+    whole batch's routing)."""
+    x, w = ctx.in_shape(0), ctx.in_shape(1)
+    if len(x) != 2 or len(w) != 3:
+        return []
+    sizes = {"s": x[0], "k": x[1], "E": w[0], "n": w[2], "F": 1}
+    operands = [Operand("sk", ctx.is_param(0), ctx.needs_grad(0)), Operand("Ekn", ctx.is_param(1), ctx.needs_grad(1))]
+    operands += [Operand("F"[: len(ctx.in_shape(i))], False, False) for i in range(2, len(ctx.node.inputs))]
+    result = []
+    for ins, out, split, assign in einsum_strategies(ctx.mesh, operands, "sn", sizes, splittable="kn", dp_letters=""):
+        if out.partial and len(ctx.node.inputs) > 3:  # a bias would be added on every rank
+            continue
+        label = "tp1d-col" if assign["n"] else "tp1d-row" if assign["k"] else split_label(ctx.mesh, split)
+        result.append(Strategy(label, "op", ins, (Spec(out),), split))
+    return result

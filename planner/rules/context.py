@@ -30,14 +30,34 @@ ELEMENTWISE_UNARY = {
     "aten.cos.default", "aten.erf.default", "aten.square.default", "aten.reciprocal.default",
     "aten.gt.Scalar", "aten.lt.Scalar", "aten.ge.Scalar", "aten.le.Scalar", "aten.eq.Scalar", "aten.ne.Scalar",
     "aten.logical_not.default", "aten.bitwise_not.default", "aten.type_as.default", "aten.masked_fill.Scalar",
+    "aten.floor_divide.default", "aten.remainder.Scalar", "aten.remainder.Tensor", "aten.fmod.Scalar", "aten.clamp.default",
+    "aten.clamp_min.default", "aten.clamp_max.default", "aten.sign.default", "aten.floor.default", "aten.ceil.default",
+    "aten.round.default", "aten.trunc.default", "aten.log1p.default", "aten.expm1.default", "aten.log2.default",
+    "aten.softplus.default", "aten.hardtanh.default", "aten.leaky_relu.default", "aten.elu.default", "aten.mish.default",
+    "aten.hardswish.default", "aten.hardsigmoid.default", "aten.isinf.default", "aten.isnan.default", "aten.pow.Scalar",
+    "aten.bitwise_and.Scalar", "aten.bitwise_or.Scalar", "aten.fill.Scalar", "aten.div.Tensor_mode", "aten.div.Scalar_mode",
+    "aten.where.ScalarOther", "aten.where.ScalarSelf", "aten.max.other", "aten.min.other", "aten.maximum.default",
+    "aten.minimum.default", "aten.tan.default", "aten.atan.default", "aten.gelu_.default",
 }
+# ops whose output is the shape (and dtype) of their input, whatever its values: they follow its dims
+LIKE = {"aten.zeros_like.default", "aten.ones_like.default", "aten.empty_like.default", "aten.full_like.default"}
 DROPOUT = {"aten.dropout.default", "aten.native_dropout.default"}
-RESHAPE = {"aten.view.default", "aten._unsafe_view.default", "aten.reshape.default"}
-DIM_NEEDS_WHOLE = {  # op(x, dim, ...): dim must not be sharded
-    "aten.softmax.int": 1, "aten._softmax.default": 1, "aten.log_softmax.int": 1, "aten._log_softmax.default": 1,
-    "aten.slice.Tensor": 1, "aten.split.Tensor": 2, "aten.split_with_sizes.default": 2, "aten.chunk.default": 2,
-    "aten.cumsum.default": 1, "aten.narrow.default": 1, "aten.unbind.int": 1,
+RESHAPE = {"aten.view.default", "aten._unsafe_view.default", "aten.reshape.default", "aten.flatten.using_ints", "aten.unflatten.int"}
+# op(x, dim, ...): dim must not be sharded. target -> (position of the dim argument, its default)
+DIM_NEEDS_WHOLE: dict[str, tuple[int, int]] = {
+    "aten.softmax.int": (1, -1), "aten._softmax.default": (1, -1), "aten.log_softmax.int": (1, -1), "aten._log_softmax.default": (1, -1),
+    "aten.slice.Tensor": (1, 0), "aten.split.Tensor": (2, 0), "aten.split_with_sizes.default": (2, 0), "aten.chunk.default": (2, 0),
+    "aten.cumsum.default": (1, 0), "aten.narrow.default": (1, 0), "aten.unbind.int": (1, 0),
+    "aten.topk.default": (2, -1), "aten.sort.default": (1, -1), "aten.sort.stable": (2, -1), "aten.argsort.default": (1, -1),
+    "aten.argsort.stable": (2, -1), "aten.max.dim": (1, 0), "aten.min.dim": (1, 0), "aten.argmax.default": (1, 0),
+    "aten.argmin.default": (1, 0), "aten.cumprod.default": (1, 0), "aten.logcumsumexp.default": (1, 0),
+    "aten.roll.default": (2, 0), "aten.flip.default": (1, 0),
 }
+# of those, the ops that commute with a sum over ranks (a partial input may stay partial)
+DIM_WHOLE_LINEAR = {"aten.slice.Tensor", "aten.split.Tensor", "aten.split_with_sizes.default", "aten.chunk.default",
+                    "aten.narrow.default", "aten.unbind.int", "aten.cumsum.default", "aten.roll.default", "aten.flip.default"}
+# of those, the ops whose outputs lose the dim (unbind; max/min/argmax/argmin unless keepdim)
+DIM_DROPPED = {"aten.unbind.int": None, "aten.max.dim": 2, "aten.min.dim": 2, "aten.argmax.default": 2, "aten.argmin.default": 2}
 SOURCE_OPS_OK = {"aten.arange.start", "aten.arange.default", "aten.arange.start_step", "aten.zeros.default",
                  "aten.ones.default", "aten.full.default", "aten.empty.memory_format", "aten.scalar_tensor.default"}
 BINARY_ELEMENTWISE = {
@@ -46,6 +66,10 @@ BINARY_ELEMENTWISE = {
     "aten.lt.Tensor", "aten.gt.Tensor", "aten.logical_and.default", "aten.logical_or.default",
     "aten.pow.Tensor_Tensor", "aten.ne.Tensor", "aten.ge.Tensor", "aten.le.Tensor",
     "aten.__and__.Tensor", "aten.bitwise_and.Tensor", "aten.__or__.Tensor", "aten.bitwise_or.Tensor",
+    "aten.masked_fill.Scalar", "aten.where.ScalarOther", "aten.where.ScalarSelf", "aten.min.other", "aten.max.other",
+    "aten.floor_divide.default", "aten.remainder.Tensor", "aten.fmod.Tensor", "aten.logical_xor.default",
+    "aten.bitwise_xor.Tensor", "aten.__xor__.Tensor", "aten.atan2.default", "aten.clamp.Tensor", "aten.addcmul.default",
+    "aten.addcdiv.default", "aten.lerp.Tensor", "aten.lerp.Scalar", "aten.div.Tensor_mode", "aten.copy.default", "aten.fill.Tensor", "aten.xlogy.Tensor",
 }
 
 

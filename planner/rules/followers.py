@@ -4,16 +4,20 @@ from __future__ import annotations
 
 from planner.layout import Layout, Spec
 from planner.rules.context import (
+    DIM_DROPPED,
     DIM_NEEDS_WHOLE,
+    DIM_WHOLE_LINEAR,
     DROPOUT,
     ELEMENTWISE_UNARY,
     FALLBACK,
+    LIKE,
     LINEAR_UNARY,
     RESHAPE,
     SCALAR_LINEAR,
     SHAPE_ONLY,
     RuleContext,
 )
+from planner.rules.indexing import INPUT_DRIVEN
 from planner.strategy import Strategy, split_label
 
 
@@ -32,6 +36,8 @@ def follow(ctx: RuleContext, spec_in: Spec) -> Strategy:
         return _same(_reduced(lay), "op")
     if target in RESHAPE:
         return _reshape(ctx, lay)
+    if target in LIKE:  # zeros_like(x): the local zeros of x's shard; its values (partial or not) do not matter
+        return Strategy("follow", "op", (Spec(lay),), (Spec(Layout(lay.dims)),), lay.shard_axes)
     if target in SHAPE_ONLY:  # uses only the input's dtype and device: a replicated source
         return _strategy(lay, Layout.replicated(len(ctx.node.out.shape)), "op", "replicate")
     if target == "aten.expand.default":
@@ -60,25 +66,42 @@ def follow(ctx: RuleContext, spec_in: Spec) -> Strategy:
         req = Layout(tuple(() if i == dim else d for i, d in enumerate(lay.dims)), lay.partial)
         out = Layout(tuple(d for i, d in enumerate(req.dims) if i != dim), req.partial)
         return _strategy(req, out, "op")
+    if target in INPUT_DRIVEN:
+        return INPUT_DRIVEN[target](ctx, lay)
     if target in DIM_NEEDS_WHOLE:
-        dim = ctx.args[DIM_NEEDS_WHOLE[target]] if len(ctx.args) > DIM_NEEDS_WHOLE[target] else 0
-        dim %= max(lay.ndim, 1)
-        req = Layout(tuple(() if i == dim else d for i, d in enumerate(lay.dims)), lay.partial)
-        linear = target in ("aten.slice.Tensor", "aten.split.Tensor", "aten.split_with_sizes.default", "aten.chunk.default", "aten.narrow.default", "aten.unbind.int")
-        if not linear:
-            req = _reduced(req)
-        if target == "aten.unbind.int":
-            out = Layout(tuple(d for i, d in enumerate(req.dims) if i != dim), req.partial)
-            return Strategy("follow", "op", (Spec(req),), tuple(Spec(out) for _ in ctx.node.outputs), req.shard_axes)
-        outs = tuple(Spec(req) for _ in ctx.node.outputs)
-        return Strategy(split_label(ctx.mesh, req.shard_axes), "op", (Spec(req),), outs, req.shard_axes)
+        return _dim_whole(ctx, lay)
+    if target == "aten.repeat_interleave.self_int":  # each row's copies stay beside it: shards stay contiguous
+        dim = ctx.args[2] if len(ctx.args) > 2 else ctx.kwargs.get("dim")
+        if dim is None:  # flattened first: only a 1-d input keeps its sharding
+            return _strategy(lay if lay.ndim == 1 else Layout.replicated(lay.ndim), Layout(lay.dims[:1] if lay.ndim == 1 else ((),), lay.partial), "op")
+        return _same(lay, "op")
     if target in ("aten.sum.dim_IntList", "aten.mean.dim", "aten.sum.default", "aten.mean.default"):
         return _reduction(ctx, lay)
-    return _strategy(Layout.replicated(lay.ndim), _replicated_outputs(ctx), "op", FALLBACK)
+    outs = tuple(Spec(Layout.replicated(len(o.shape))) if o is not None else None for o in ctx.node.outputs)
+    return Strategy(FALLBACK, "op", (Spec(Layout.replicated(lay.ndim)),), outs)
 
 
-def _replicated_outputs(ctx: RuleContext) -> Layout:
-    return Layout.replicated(len(ctx.node.out.shape))
+def _dim_whole(ctx: RuleContext, lay: Layout) -> Strategy:
+    """An op along one dim (softmax, slice, split, topk, sort, max.dim, ...): that dim whole, the
+    others as they arrive; every output in the same layout (less the dim where the op drops it)."""
+    target = ctx.node.target
+    pos, default = DIM_NEEDS_WHOLE[target]
+    dim = ctx.args[pos] if len(ctx.args) > pos else ctx.kwargs.get("dim", default)
+    if dim is None:  # argmax / argmin over the flattened tensor
+        outs = tuple(Spec(Layout.replicated(len(o.shape))) if o is not None else None for o in ctx.node.outputs)
+        return Strategy("replicate", "op", (Spec(Layout.replicated(lay.ndim)),), outs)
+    dim %= max(lay.ndim, 1)
+    req = Layout(tuple(() if i == dim else d for i, d in enumerate(lay.dims)), lay.partial)
+    if target not in DIM_WHOLE_LINEAR:
+        req = _reduced(req)
+    out = req
+    if target in DIM_DROPPED:
+        keep = DIM_DROPPED[target]
+        keepdim = keep is not None and bool(ctx.args[keep] if len(ctx.args) > keep else ctx.kwargs.get("keepdim", False))
+        if not keepdim:
+            out = Layout(tuple(d for i, d in enumerate(req.dims) if i != dim), req.partial)
+    outs = tuple(Spec(out) if o is not None else None for o in ctx.node.outputs)
+    return Strategy(split_label(ctx.mesh, req.shard_axes), "op", (Spec(req),), outs, req.shard_axes)
 
 
 def _reduced(lay: Layout) -> Layout:

@@ -90,7 +90,8 @@ def regather_variants(
             nbytes = ctx.in_meta(pos).nbytes
             gathered = steps_comms(conv.forward, nbytes // arrival_layout.shard_factor(ctx.mesh), ctx.mesh, "fwd")
             comms += [*gathered, *steps_comms(conv.backward, nbytes // compute.layout.shard_factor(ctx.mesh), ctx.mesh, "bwd")]
-            comms += [replace(c, phase="bwd") for c in gathered]  # gathered again for backward
+            if any(saved.source == "input" and saved.index == pos for saved in ctx.node.saved):
+                comms += [replace(c, phase="bwd") for c in gathered]  # gathered again for backward, where autograd keeps it
             new_inputs[pos] = arrival
             regather.append((pos, compute))
         if regather:
