@@ -59,15 +59,19 @@ def compile_plan(
     device: torch.device | str | None = None,
     mesh_groups: MeshGroups | None = None,
     loss_partial_over: frozenset[str] = frozenset(),
+    graph: IRGraph | None = None,
 ) -> ParallelModule:
     """This rank's runnable module for ``plan``. ``example_*``: a full (global) batch, as planned.
 
     ``loss_partial_over``: mesh axes over which the returned loss stays a partial sum (this rank's
-    contribution) instead of being all-reduced; CDP sums over the data-parallel axis itself."""
+    contribution) instead of being all-reduced; CDP sums over the data-parallel axis itself.
+    ``graph``: the model already traced on those inputs (one micro-batch's, for a plan with
+    several), to compile several plans of one model without tracing it again each time."""
     example_kwargs = dict(example_kwargs or {})
     if plan.micro_batches > 1:  # the plan is one micro-batch's (gradient accumulation): trace one
         example_args, example_kwargs = micro_batch_inputs(example_args, example_kwargs, plan.micro_batches)
-    graph = trace(model, example_args, example_kwargs)
+    if graph is None:
+        graph = trace(model, example_args, example_kwargs)
     if fingerprint(graph) != plan.model_fingerprint:
         raise ValueError(
             f"the plan was made for a different model or input shapes (fingerprint {plan.model_fingerprint}, "
@@ -85,6 +89,7 @@ def compile_plan(
         prefetch_parameter_gathers(gm)
     pm = ParallelModule(plan, graph, gm, mg, recorder, builder.param_specs, builder.param_names, builder.input_specs)
     pm.node_origin = builder.origin
+    pm.node_values = {key: fx_node.name for key, fx_node in builder.env.items()}
     return pm
 
 

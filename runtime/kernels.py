@@ -100,7 +100,10 @@ class EmbeddingKernel(Kernel):
             return torch.ops.aten.embedding.default(weight, ids, *args[2:], **kwargs)
         outside = (ids < self.start) | (ids >= self.start + self.rows)
         local_ids = (ids - self.start).masked_fill(outside, 0)
-        out = torch.ops.aten.embedding.default(weight, local_ids)
+        # padding_idx (no gradient for that row) names a global row: local here, or none
+        padding = args[2] if len(args) > 2 else kwargs.get("padding_idx", -1)
+        local_padding = padding - self.start if padding >= 0 and self.start <= padding < self.start + self.rows else -1
+        out = torch.ops.aten.embedding.default(weight, local_ids, local_padding)
         return out.masked_fill(outside.unsqueeze(-1), 0.0)
 
 

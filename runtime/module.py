@@ -78,6 +78,7 @@ class ParallelModule(torch.nn.Module):
         self.zero: ZeroShards | None = None
         self._sync = True  # no_sync() turns the data-parallel sync at backward end off
         self.node_origin: dict[str, str] = {}  # rank-local fx node name -> traced node name (set by compile)
+        self.node_values: dict[tuple[str, int], str] = {}  # traced (node, output) -> the rank-local fx node holding it
         if plan.shards_nothing:  # say so once, where the user builds the module
             warnings.warn(plan.shards_nothing_note(), UserWarning, stacklevel=3)
         if plan.zero_stage in (1, 2) and plan.cdp == "off":  # CDP shards optimizer states its own way (runtime.cdp)

@@ -74,10 +74,11 @@ def train_and_compare(rank: int, world: int, plans_json: list[tuple[str, ...]]) 
     """For each (model preset, plan JSON[, optimizer]): train both ways and report (module docstring)."""
     from models import build_model
     from planner.plan import Plan
-    from planner.trace import loss_of
+    from planner.trace import loss_of, micro_batch_inputs, trace
     from runtime.compile import compile_plan
 
     reports = []
+    graphs: dict[tuple[str, torch.dtype, int], Any] = {}  # each model traced once, however many plans it has
     for name, text, *rest in plans_json:
         opt_class, opt_kwargs = OPTIMIZERS[rest[0] if rest else "sgd"]
         dtype, master_dtype = PRECISIONS[rest[1] if len(rest) > 1 else "fp64"]
@@ -86,9 +87,12 @@ def train_and_compare(rank: int, world: int, plans_json: list[tuple[str, ...]]) 
         model = build_model(name, dtype=dtype, seed=0)
         ref = build_model(name, dtype=dtype, seed=0)
         args, kwargs = batches[0]
-        pm = compile_plan(plan, model, args, kwargs)
+        key = (name, dtype, plan.micro_batches)
+        if key not in graphs:
+            graphs[key] = trace(model, *micro_batch_inputs(args, kwargs, plan.micro_batches))
+        pm = compile_plan(plan, model, args, kwargs, graph=graphs[key])
         state = pm.full_state_dict()
-        exact_state = all(torch.equal(state[n], t) for n, t in model.state_dict().items())
+        exact_state = all(torch.equal(state[n], t) for n, t in model.named_parameters(remove_duplicate=False))
         opt = pm.make_optimizer(opt_class, **opt_kwargs)
         ref_opt: Any = _ReferenceMasters(ref, opt_class, master_dtype, **opt_kwargs) if master_dtype else opt_class(ref.parameters(), **opt_kwargs)
         steps = []
