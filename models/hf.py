@@ -40,7 +40,7 @@ class HFPreset:
     config: str
     kwargs: dict[str, Any]
     task: str  # "causal-lm", "masked-lm", "seq2seq", "image"
-    layers: str  # the repeated blocks' module prefix
+    layers: str  # the module prefix of its identical repeated blocks ("": none; T5's first block alone holds the position bias)
 
 
 _DECODER = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -64,7 +64,7 @@ HF_PRESETS: dict[str, HFPreset] = {
                                                                       intermediate_size=64, image_size=IMAGE, patch_size=4, num_labels=CLASSES,
                                                                       **_NO_DROPOUT), "image", "vit.encoder.layer"),
     "hf-t5": HFPreset("T5ForConditionalGeneration", "T5Config", dict(d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, vocab_size=VOCAB,
-                                                                     dropout_rate=0.0, decoder_start_token_id=0), "seq2seq", "encoder.block"),
+                                                                     dropout_rate=0.0, decoder_start_token_id=0), "seq2seq", ""),
     "hf-bart": HFPreset("BartForConditionalGeneration", "BartConfig", dict(d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
                                                                          decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=VOCAB,
                                                                          max_position_embeddings=2 * SEQ, dropout=0.0, attention_dropout=0.0,

@@ -5,8 +5,10 @@ parameter versions: so no worker may depend on another inside forward or backwar
 CDP therefore (a) issues no collective over the data-parallel axes in forward or backward except
 the loss normaliser (the cross-entropy's global target count, which no parameter changes), and
 (b) splits tensors over the data-parallel axes only along the batch (dim 0 of a tensor that
-depends on the input), so what does not depend on the batch (position ids, their embedding) is
-computed whole by every worker.
+depends on the input; of one without a gradient, such as a causal mask of batch shape that a
+worker slices; or of an expand to the batch, such as ViT's class token, whose rows each worker
+makes itself), so what does not depend on the batch (position ids, their embedding) is computed
+whole by every worker.
 
 Two things keep the workers apart where plain DP would communicate: such batch-independent ops
 get a variant whose gradients stay partial sums over dp down to the parameters
@@ -37,10 +39,16 @@ LOSS_TARGETS = ("aten.cross_entropy_loss.default",)
 
 
 def batch_independent(graph: IRGraph) -> set[str]:
-    """Ops whose value does not depend on any user input."""
+    """Ops whose value does not depend on any user input, nor on a tensor without a gradient that
+    has the batch's rows (a mask or an index of at least 2 dims whose dim 0 is the batch size:
+    Hugging Face builds its causal masks, BERT its token types and BART its positions by expanding
+    a position table to the batch): a worker computes such a tensor for its own rows alone."""
+    rows = {graph.nodes[n].out.shape[0] for n in graph.input_names if graph.nodes[n].out.shape}
     dependent = set(graph.input_names)
     for node in graph.nodes.values():
-        if any(ref.node in dependent for ref in node.inputs):
+        meta = node.outputs[0] if node.kind == "op" and node.outputs else None
+        batch_shaped = meta is not None and not meta.is_float and len(meta.shape) >= 2 and meta.shape[0] in rows and meta.shape[0] > 1
+        if batch_shaped or any(ref.node in dependent for ref in node.inputs):
             dependent.add(node.name)
     return {n.name for n in graph.nodes.values() if n.kind == "op" and n.name not in dependent}
 
@@ -65,8 +73,16 @@ def partial_gradient_variants(node: Node, strategies: list[Strategy], dp_axes: t
 
 def cdp_filter(graph: IRGraph, dp_axes: tuple[str, ...] = ("dp",), base: StrategyFilter | None = None) -> StrategyFilter:
     """A strategy filter keeping only what CDP workers can run independently (module docstring)."""
+    from planner.rules.anchors import broadcasts_batch
+
     independent = batch_independent(graph)
     dp = set(dp_axes)
+
+    def _broadcast_rows(s: Strategy) -> bool:
+        """Rows made from a whole input (an expand to the batch): each worker makes its own."""
+        return all(not dp & spec.layout.shard_axes for spec in s.inputs) and all(
+            spec is None or all(not dp & set(axes) for axes in spec.layout.dims[1:]) for spec in s.outputs
+        )
 
     def batch_split_only(spec: Spec | None, depends: bool) -> bool:
         if spec is None:
@@ -77,12 +93,13 @@ def cdp_filter(graph: IRGraph, dp_axes: tuple[str, ...] = ("dp",), base: Strateg
         return True
 
     def allow(node: Node, s: Strategy) -> bool:
-        if node.name in independent and dp & set(s.split_axes):
+        if node.name in independent and dp & set(s.split_axes) and not _broadcast_rows(s):
             return False
         if node.kind == "op":
-            ins = [batch_split_only(spec, ref.node not in independent and graph.nodes[ref.node].kind in ("op", "input"))
+            ins = [batch_split_only(spec, (ref.node not in independent and graph.nodes[ref.node].kind in ("op", "input"))
+                                    or _gradient_free(graph, ref.node, ref.index) or broadcasts_batch(graph.nodes[ref.node], graph))
                    for ref, spec in zip(node.inputs, s.inputs, strict=False)]
-            outs = [batch_split_only(spec, node.name not in independent) for spec in s.outputs]
+            outs = [batch_split_only(spec, node.name not in independent or _broadcast_rows(s)) for spec in s.outputs]
             if not all(ins) or not all(outs):
                 return False
         if node.target not in LOSS_TARGETS and any(dp & set(c.axes) and c.phase != "step" for c in s.comms):
@@ -90,6 +107,14 @@ def cdp_filter(graph: IRGraph, dp_axes: tuple[str, ...] = ("dp",), base: Strateg
         return base(node, s) if base is not None else True
 
     return allow
+
+
+def _gradient_free(graph: IRGraph, name: str, index: int) -> bool:
+    """A tensor without a gradient (a mask, position ids): a worker may take its own rows of it
+    whether or not it depends on the batch (Hugging Face's causal masks have a batch dim but no
+    input in them); slicing it is local and its backward is nothing."""
+    meta = graph.nodes[name].outputs[index]
+    return meta is not None and not meta.is_float
 
 
 def parameter_stages(graph: IRGraph, num_stages: int) -> dict[str, int]:

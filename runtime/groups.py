@@ -49,10 +49,19 @@ class MeshGroups:
 
 
 def agree_on_rank0(compute: Callable[[], T]) -> T:
-    """``compute()`` on rank 0 only; every rank returns rank 0's (picklable) result."""
-    box: list[Any] = [compute() if dist.get_rank() == 0 else None]
+    """``compute()`` on rank 0 only; every rank returns rank 0's (picklable) result, or raises the
+    exception rank 0 raised (the others would otherwise wait for rank 0 until the timeout)."""
+    box: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            box = [(True, compute())]
+        except Exception as exc:
+            box = [(False, exc)]
     dist.broadcast_object_list(box, src=0)
-    return box[0]  # type: ignore[no-any-return]
+    ok, value = box[0]
+    if not ok:
+        raise value
+    return value  # type: ignore[no-any-return]
 
 
 def build_groups(mesh: Mesh) -> MeshGroups:

@@ -16,6 +16,7 @@ parameters would then differ by ~lr for reasons that have nothing to do with par
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 import torch
@@ -26,10 +27,27 @@ STEPS = 3
 PRECISIONS = {"fp64": (torch.float64, None), "fp32+master64": (torch.float32, torch.float64), "bf16+master32": (torch.bfloat16, torch.float32)}
 
 
-def _batches(model: str, n: int, dtype: torch.dtype = torch.float64) -> list[tuple[tuple[Any, ...], dict[str, Any]]]:
+def build(name: str, dtype: torch.dtype, seed: int = 0) -> torch.nn.Module:
+    """A preset of ``models``, or ``"package.module:SPEC"`` (a test model with ``build`` and ``inputs``)."""
+    if ":" in name:
+        module, _, attr = name.partition(":")
+        return getattr(importlib.import_module(module), attr).build(dtype=dtype, seed=seed)  # type: ignore[no-any-return]
+    from models import build_model
+
+    return build_model(name, dtype=dtype, seed=seed)
+
+
+def inputs(name: str, batch: int, dtype: torch.dtype, seed: int = 0) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    if ":" in name:
+        module, _, attr = name.partition(":")
+        return getattr(importlib.import_module(module), attr).inputs(batch=batch, dtype=dtype, seed=seed)  # type: ignore[no-any-return]
     from models import example_inputs
 
-    return [example_inputs(model, batch=BATCH, dtype=dtype, seed=100 + i) for i in range(n)]
+    return example_inputs(name, batch=batch, dtype=dtype, seed=seed)
+
+
+def _batches(model: str, n: int, dtype: torch.dtype = torch.float64) -> list[tuple[tuple[Any, ...], dict[str, Any]]]:
+    return [inputs(model, BATCH, dtype, seed=100 + i) for i in range(n)]
 
 
 class _ReferenceMasters:
@@ -72,7 +90,6 @@ OPTIMIZERS = {
 
 def train_and_compare(rank: int, world: int, plans_json: list[tuple[str, ...]]) -> list[dict[str, Any]]:
     """For each (model preset, plan JSON[, optimizer]): train both ways and report (module docstring)."""
-    from models import build_model
     from planner.plan import Plan
     from planner.trace import loss_of, micro_batch_inputs, trace
     from runtime.compile import compile_plan
@@ -84,8 +101,8 @@ def train_and_compare(rank: int, world: int, plans_json: list[tuple[str, ...]]) 
         dtype, master_dtype = PRECISIONS[rest[1] if len(rest) > 1 else "fp64"]
         plan = Plan.model_validate_json(text)
         batches = _batches(name, STEPS, dtype)
-        model = build_model(name, dtype=dtype, seed=0)
-        ref = build_model(name, dtype=dtype, seed=0)
+        model = build(name, dtype)
+        ref = build(name, dtype)
         args, kwargs = batches[0]
         key = (name, dtype, plan.micro_batches)
         if key not in graphs:
@@ -142,7 +159,6 @@ def measure_peak_memory(rank: int, world: int, cases: list[tuple[str, str]]) -> 
     """For each (model preset, plan JSON made for it in float32 with AdamW): one warm-up step (the
     optimizer's states appear), then the next step's peak bytes on this rank by the CPU allocator's
     events (tests/memory_probe.py), beside the plan's predicted peak and its breakdown."""
-    from models import build_model
     from planner.plan import Plan
     from runtime.compile import compile_plan
     from tests.memory_probe import peak_over
@@ -151,7 +167,7 @@ def measure_peak_memory(rank: int, world: int, cases: list[tuple[str, str]]) -> 
     for name, text in cases:
         plan = Plan.model_validate_json(text)
         batches = _batches(name, 2, torch.float32)
-        pm = compile_plan(plan, build_model(name, dtype=torch.float32, seed=0), *batches[0])
+        pm = compile_plan(plan, build(name, torch.float32), *batches[0])
         opt = pm.make_optimizer(torch.optim.AdamW, lr=1e-3)
         measured = []
         for args, kwargs in batches:

@@ -146,3 +146,68 @@ def test_untraceable_model_names_file_line_and_advice() -> None:
     assert "if y.sum() > 0" in msg
     assert "DataDependent" in msg
     assert "What to do" in msg and "torch.where" in msg
+
+
+# ------------------------------------------------------------- the hf-* presets (models/hf.py)
+
+from models.hf import HF_PRESETS, build_hf_model, hf_example_inputs, keep_loss_dtype  # noqa: E402
+from planner.plan import Plan  # noqa: E402
+from planner.report import format_plan  # noqa: E402
+
+
+@pytest.mark.parametrize("name", sorted(HF_PRESETS))
+def test_every_preset_plans_on_8_devices_with_no_op_replicated_for_want_of_a_rule(name: str) -> None:
+    """GPT-2, Llama/Qwen2/Mistral (grouped-query attention, rotary tables, RMSNorm, SwiGLU), BERT,
+    ViT, T5, BART and the top-k mixtures of experts (Mixtral, Qwen2-MoE): traced, planned, every op
+    covered by a sharding rule."""
+    model = build_hf_model(name, dtype=torch.float32)
+    graph = trace(model, *hf_example_inputs(name, batch=8))
+    result = search(graph, SearchSpace(devices=8, tp=("1d", "3d")), A100_80G, model_name=name, front=False)
+    assert result.best is not None, [c.reason for c in result.candidates]
+    assert result.best.fallbacks == ()
+    layers = HF_PRESETS[name].layers
+    assert [(r.prefix, r.count) for r in graph.repeated][:1] == ([(layers, 2)] if layers else [])
+
+
+def test_a_float64_causal_lm_computes_the_same_loss_as_transformers_in_its_own_dtype() -> None:
+    """keep_loss_dtype: on float32 logits it equals transformers' ForCausalLMLoss; on float64 it
+    stays float64 (transformers' own casts to float32)."""
+    name = "hf-llama"
+    model = build_hf_model(name, dtype=torch.float32)
+    _, kwargs = hf_example_inputs(name, batch=4)
+    want = model(**kwargs).loss
+    keep_loss_dtype(model)
+    assert torch.equal(model(**kwargs).loss, want)
+    model64 = build_hf_model(name, dtype=torch.float64)
+    assert model64(**kwargs).loss.dtype == torch.float64
+    assert abs(model64(**kwargs).loss.item() - want.item()) < 1e-5
+
+
+def test_a_data_dependent_mixture_of_experts_gets_the_planners_error_not_torchs_graph_dump(capsys: pytest.CaptureFixture[str]) -> None:
+    """transformers' "eager" experts loop over the experts a batch hits (nonzero): shapes depend on
+    values. The TraceError names the file, line and module and says what to use instead; torch's
+    dump of the partial graph (hundreds of lines) is held back."""
+    preset = HF_PRESETS["hf-mixtral"]
+    config = transformers.MixtralConfig(**preset.kwargs, experts_implementation="eager")
+    model = transformers.MixtralForCausalLM(config)
+    with pytest.raises(TraceError) as info:
+        trace(model, *hf_example_inputs("hf-mixtral", batch=4))
+    msg = str(info.value)
+    assert "modeling_mixtral.py" in msg and "MixtralExperts" in msg and "model.layers.0.mlp.experts" in msg
+    assert "depends on tensor values" in msg and "experts_implementation='grouped_mm'" in msg
+    assert "def forward(" not in capsys.readouterr().err
+
+
+def test_a_plan_that_shards_nothing_says_so() -> None:
+    """A 1-D mesh of 4 for a model this small: the fastest plan replicates every op; the plan and
+    the report say so in one line, with the reason."""
+    name = "hf-gpt2"
+    graph = trace(build_hf_model(name, dtype=torch.float32), *hf_example_inputs(name, batch=8))
+    plan = search(graph, SearchSpace(devices=4, dp=1, tp=("1d",)), A100_80G, model_name=name, front=False).best
+    assert plan is not None and plan.mesh == {"dp": 1, "tp": 4}
+    assert plan.shards_nothing and plan.tp == "none"
+    note = plan.shards_nothing_note()
+    assert "shards nothing" in note and "4 devices" in note and "too small" in note
+    assert note in format_plan(Plan.model_validate_json(plan.model_dump_json()), graph=graph)
+    sharded = search(graph, SearchSpace(devices=4, dp=1, tp=("1d",)), A100_80G, model_name=name, front=False, objective="memory").best
+    assert sharded is not None and not sharded.shards_nothing and sharded.shards_nothing_note() == ""

@@ -23,10 +23,38 @@ from planner.strategy import Comm, Operand, Strategy, dedupe, einsum_strategies,
 
 
 def is_follower(node: Node, graph: IRGraph) -> bool:
-    if node.kind != "op" or len(node.inputs) != 1:
+    if node.kind != "op" or len(node.inputs) != 1 or broadcasts_batch(node, graph):
         return False
     leader = graph.nodes[node.inputs[0].node]
     return leader.layer == node.layer
+
+
+def broadcasts_batch(node: Node, graph: IRGraph) -> bool:
+    """An expand of a size-1 dim 0 to more rows (ViT's class token to the batch): it chooses."""
+    if node.target != "aten.expand.default":
+        return False
+    src = graph.nodes[node.inputs[0].node].outputs[node.inputs[0].index]
+    out = node.out.shape
+    return src is not None and len(src.shape) == len(out) and bool(out) and src.shape[0] == 1 < out[0]
+
+
+@anchor_rule("aten.expand.default")
+def _expand(ctx: RuleContext) -> list[Strategy]:
+    """An expand that starts a region: the follower's strategy for each input layout, and, where it
+    broadcasts dim 0, the output split along it over the data-parallel axes (each rank expands to
+    its own rows; the input's gradient, summed over those rows only, is partial over them)."""
+    out = [follow(ctx, Spec(lay)) for lay in enumerate_layouts(ctx.in_shape(0), ctx.mesh)]
+    dp = tuple(a for a in ctx.mesh.dp_axes if ctx.mesh.degree(a) > 1)
+    shape = ctx.node.out.shape
+    if dp and broadcasts_batch(ctx.node, ctx.graph) and shape[0] % ctx.mesh.group_size(dp) == 0:
+        for s in list(out):
+            spec_in, spec_out = s.inputs[0], s.outputs[0]
+            if spec_in.layout.dims[0] or spec_out is None or set(dp) & (spec_out.layout.shard_axes | spec_out.layout.partial):
+                continue
+            grad = (spec_in.grad_partial | set(dp)) if ctx.needs_grad(0) else spec_in.grad_partial
+            split_out = Spec(Layout((dp, *spec_out.layout.dims[1:]), spec_out.layout.partial), spec_out.grad_partial - set(dp))
+            out.append(Strategy(split_label(ctx.mesh, s.split_axes | set(dp)), "reshape", (Spec(spec_in.layout, frozenset(grad)),), (split_out,), s.split_axes | set(dp)))
+    return dedupe(out)
 
 
 def anchor_strategies(node: Node, graph: IRGraph, mesh: Mesh) -> list[Strategy]:

@@ -58,6 +58,13 @@ DIM_WHOLE_LINEAR = {"aten.slice.Tensor", "aten.split.Tensor", "aten.split_with_s
                     "aten.narrow.default", "aten.unbind.int", "aten.cumsum.default", "aten.roll.default", "aten.flip.default"}
 # of those, the ops whose outputs lose the dim (unbind; max/min/argmax/argmin unless keepdim)
 DIM_DROPPED = {"aten.unbind.int": None, "aten.max.dim": 2, "aten.min.dim": 2, "aten.argmax.default": 2, "aten.argmin.default": 2}
+# reductions whose result needs the reduced dims whole (not a sum of per-shard parts):
+# target -> (position of the dims argument, position of keepdim)
+WHOLE_REDUCTIONS: dict[str, tuple[int, int]] = {
+    "aten.var_mean.correction": (1, 3), "aten.var.correction": (1, 3), "aten.std.correction": (1, 3),
+    "aten.std_mean.correction": (1, 3), "aten.amax.default": (1, 2), "aten.amin.default": (1, 2),
+    "aten.logsumexp.default": (1, 2), "aten.linalg_vector_norm.default": (2, 3),
+}
 SOURCE_OPS_OK = {"aten.arange.start", "aten.arange.default", "aten.arange.start_step", "aten.zeros.default",
                  "aten.ones.default", "aten.full.default", "aten.empty.memory_format", "aten.scalar_tensor.default"}
 BINARY_ELEMENTWISE = {

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from planner.layout import Layout, Spec
 from planner.rules.context import (
     DIM_DROPPED,
@@ -15,6 +17,7 @@ from planner.rules.context import (
     RESHAPE,
     SCALAR_LINEAR,
     SHAPE_ONLY,
+    WHOLE_REDUCTIONS,
     RuleContext,
 )
 from planner.rules.indexing import INPUT_DRIVEN
@@ -22,7 +25,26 @@ from planner.strategy import Strategy, split_label
 
 
 def follow(ctx: RuleContext, spec_in: Spec) -> Strategy:
-    """The strategy of a single-input op whose input arrives as ``spec_in``."""
+    """The strategy of a single-input op whose input arrives as ``spec_in``.
+
+    A gradient that arrives as a partial sum stays one through the op (backward is linear in
+    the output's gradient): over the axes of ``spec_in``'s gradient that the op is replicated
+    over, its input and output gradients are partial too. A weight's transpose under data
+    parallelism (partial over dp until the step's all-reduce) then costs no all-reduce in backward."""
+    strategy = _follow(ctx, spec_in)
+    keep = spec_in.grad_partial - strategy.split_axes
+    if not keep:
+        return strategy
+
+    def widen(spec: Spec | None) -> Spec | None:
+        if spec is None:
+            return None
+        return Spec(spec.layout, spec.grad_partial | (keep - spec.layout.shard_axes - spec.layout.partial))
+
+    return replace(strategy, inputs=tuple(widen(s) for s in strategy.inputs), outputs=tuple(widen(s) for s in strategy.outputs))  # type: ignore[arg-type]
+
+
+def _follow(ctx: RuleContext, spec_in: Spec) -> Strategy:
     target = ctx.node.target
     lay = spec_in.layout
     if target == "getitem":
@@ -70,6 +92,8 @@ def follow(ctx: RuleContext, spec_in: Spec) -> Strategy:
         return INPUT_DRIVEN[target](ctx, lay)
     if target in DIM_NEEDS_WHOLE:
         return _dim_whole(ctx, lay)
+    if target in WHOLE_REDUCTIONS:
+        return _whole_reduction(ctx, lay)
     if target == "aten.repeat_interleave.self_int":  # each row's copies stay beside it: shards stay contiguous
         dim = ctx.args[2] if len(ctx.args) > 2 else ctx.kwargs.get("dim")
         if dim is None:  # flattened first: only a 1-d input keeps its sharding
@@ -79,6 +103,19 @@ def follow(ctx: RuleContext, spec_in: Spec) -> Strategy:
         return _reduction(ctx, lay)
     outs = tuple(Spec(Layout.replicated(len(o.shape))) if o is not None else None for o in ctx.node.outputs)
     return Strategy(FALLBACK, "op", (Spec(Layout.replicated(lay.ndim)),), outs)
+
+
+def _whole_reduction(ctx: RuleContext, lay: Layout) -> Strategy:
+    """``var_mean(x, dims)``, ``amax``, ``logsumexp``, ...: the reduced dims whole (their result is no
+    sum of per-shard parts), the others as they arrive; every output alike (var and mean)."""
+    dims_pos, keep_pos = WHOLE_REDUCTIONS[ctx.node.target]
+    raw = ctx.args[dims_pos] if len(ctx.args) > dims_pos else ctx.kwargs.get("dim")
+    dims = set(range(lay.ndim)) if raw is None else {d % max(lay.ndim, 1) for d in ([raw] if isinstance(raw, int) else raw)}
+    keepdim = bool(ctx.args[keep_pos] if len(ctx.args) > keep_pos else ctx.kwargs.get("keepdim", False))
+    req = Layout(tuple(() if d in dims else axes for d, axes in enumerate(lay.dims)))
+    out = req if keepdim else Layout(tuple(axes for d, axes in enumerate(req.dims) if d not in dims))
+    outs = tuple(Spec(out) if o is not None else None for o in ctx.node.outputs)
+    return Strategy(split_label(ctx.mesh, req.shard_axes), "op", (Spec(req),), outs, req.shard_axes)
 
 
 def _dim_whole(ctx: RuleContext, lay: Layout) -> Strategy:
