@@ -34,7 +34,8 @@ shards (fp32 AdamW: 4 + 4 + 8 bytes per value; SGD with momentum 4 + 4 + 4; mixe
 (Micikevicius et al. 2018), parameters and gradients in the compute dtype and a float32 master copy
 with float32 states in the optimizer: bf16 AdamW 2 + 2 + (4 + 8) = 16, ZeRO's "K = 12"), tensors saved for
 backward (taken from the traced graph, local shares), and the largest transient working set of
-one op (its local inputs and output).
+one op (its local inputs and output) or of one layout conversion (its input and the buffers its
+steps allocate, forward or backward: :func:`steps_working_set`).
 """
 
 from __future__ import annotations
@@ -150,6 +151,42 @@ def steps_comms(steps: tuple[Step, ...], local_bytes: int, mesh: Mesh, phase: Ph
         if step.is_collective and mesh.group_size(step.axes) > 1:
             comms.append(Comm(step.kind, step.axes, payload, phase))
     return tuple(comms)
+
+
+def step_peak(step: Step, local_bytes_before: int, mesh: Mesh) -> int:
+    """Bytes live while the runtime (:mod:`runtime.collectives`, on gloo) runs ``step`` on a
+    tensor of ``s = local_bytes_before``, counting that tensor; ``o`` its output, ``n`` the group:
+
+        all_reduce      s + o          (a copy, reduced in place)
+        all_gather      s + 2 o        (gathered into the result; gloo stages the o bytes in a flat
+                                        buffer of its own while the collective runs)
+        reduce_scatter  s + s          (chunks passed as views; gloo copies this rank's chunk into
+                                        the output and clones the other n - 1: s in all)
+        slice           s + o          (a copy, so that the whole tensor can be freed)
+        zero            s + o          (the value times 1 or 0)
+
+    An all-gather, reduce-scatter or slice over a group of one returns its input (s)."""
+    n = mesh.group_size(step.axes)
+    _, after = step_bytes(step, local_bytes_before, mesh)
+    if n == 1 and step.kind in ("all_gather", "reduce_scatter", "slice"):
+        return local_bytes_before
+    if step.kind == "all_gather":
+        return local_bytes_before + 2 * after
+    if step.kind == "reduce_scatter":
+        return 2 * local_bytes_before
+    return local_bytes_before + after
+
+
+def steps_working_set(steps: tuple[Step, ...], local_bytes_before: int, mesh: Mesh) -> int:
+    """Peak bytes live while a conversion's ``steps`` run on a tensor of ``s0`` local bytes: the
+    largest, over its steps k, of the step's own peak (:func:`step_peak`, on the tensor the steps
+    before made of it) plus ``s0`` from the second step on (the conversion's input stays alive: its
+    producer or autograd holds it; the intermediates before step k are freed). 0 with no steps."""
+    peak, size = 0, local_bytes_before
+    for k, step in enumerate(steps):
+        peak = max(peak, (local_bytes_before if k else 0) + step_peak(step, size, mesh))
+        _, size = step_bytes(step, size, mesh)
+    return peak
 
 
 def local_bytes(nbytes: int, layout: Layout, mesh: Mesh) -> int:

@@ -11,7 +11,10 @@ and brute-force tests compare the two).
   saves for backward that no other node shares).
 * A **conversion term** prices turning a producer's output Spec ``S`` into the Spec ``T`` a
   consumer needs: forward steps and backward steps (:func:`planner.layout.spec_conversion`). It is
-  paid once per producer tensor and target, however many consumers want the same ``T``.
+  paid once per producer tensor and target, however many consumers want the same ``T``. Its
+  ``transient`` is the larger working set of its two halves (:func:`planner.cost.steps_working_set`:
+  the forward steps on the local bytes in ``S``, the backward steps on the gradient's in ``T``),
+  a candidate for the step's largest transient like an op's working set.
 * A **hold term** is a tensor saved for backward in a given sharding, counted once however many
   consumers save it.
 """
@@ -26,7 +29,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from planner.cdp import LOSS_TARGETS
-from planner.cost import comm_time, compute_time, dtype_itemsize, optimizer_bytes_per_value, optimizer_step_time, ring_volume, steps_comms
+from planner.cost import (
+    comm_time,
+    compute_time,
+    dtype_itemsize,
+    optimizer_bytes_per_value,
+    optimizer_step_time,
+    ring_volume,
+    steps_comms,
+    steps_working_set,
+)
 from planner.hardware import HardwareProfile
 from planner.ir import InputRef, IRGraph, Node
 from planner.layout import Conversion, Layout, Spec, spec_conversion
@@ -61,6 +73,7 @@ class ConversionTerm:
     key: tuple[object, ...]
     cost: float  # seconds, all instances
     comms: tuple[Comm, ...]
+    transient: float = 0.0  # bytes live while one instance runs (its larger half, forward or backward)
     producers: set[str] = field(default_factory=set)  # producer node instances paying it
     # y >= [producer group in idx_u] + [consumer group in idx_v] - 1
     conditions: list[tuple[str, frozenset[int], str, frozenset[int]]] = field(default_factory=list)
@@ -395,16 +408,20 @@ def _price_nodes(problem: Problem, optimizer: str, master_itemsize: int | None) 
                 p, g, o = group.param_memory[i]
                 group.param_memory[i] = (p + params * count, g + grads * count, o + states * count)
                 group.memory[i] += (params + grads + states) * count
-                # the step's temporaries: the all-reduce's copy of a gradient (ZeRO-1/2: the
-                # reduce-scatter's chunks, then the all-gather's parts and their concatenation, two
-                # copies of the parameter), and the optimizer's own (torch AdamW: sqrt(v) and its
-                # quotient, two tensors the size of what it updates; SGD with momentum: one)
+                # the step's temporaries: one copy of the parameter's size for its gradient sync
+                # (the all-reduce's copy; ZeRO-1/2: the reduce-scatter's output and clones of the
+                # other chunks, then gloo's staging buffer of the all-gather into the parameter,
+                # runtime.collectives), and the optimizer's own: torch's single-tensor AdamW computes
+                # sqrt(v) and its quotient (two tensors the size of what it updates) while the
+                # previous tensor's quotient is still bound to its loop variable (measured, HF Llama:
+                # three at once; a transformer's consecutive weights have the same size, so three
+                # of this one's); SGD with momentum: one
                 local = params / (2 if problem.cdp == "v2" else 1)
                 updated = states / opt_factor if opt_factor else 0.0
                 t += optimizer_step_time(optimizer, updated, hw)
-                temps = (2 if optimizer in ("adamw", "adam") else 1) * updated
+                temps = (3 if optimizer in ("adamw", "adam") else 1) * updated
                 kinds = {c.kind for c in step}
-                sync = 2 * local if "all_gather" in kinds else local if kinds & {"all_reduce", "reduce_scatter"} else 0.0
+                sync = local if kinds & {"all_reduce", "reduce_scatter", "all_gather"} else 0.0
                 if not group.step_transient:
                     group.step_transient = [0.0] * len(group.strategies)
                 group.step_transient[i] = max(group.step_transient[i], temps, sync)
@@ -428,19 +445,61 @@ def _price_nodes(problem: Problem, optimizer: str, master_itemsize: int | None) 
             if problem.cdp != "off":  # the messages evaluate() re-prices and overlaps
                 group.credit[i] += sum(comm_time(c, mesh, hw) for c in comms if c.kind == "send") * count
             group.comms[i].extend((c, count * problem.repeats(c)) for c in comms)
-            out_local = sum(
-                m.nbytes // s.layout.shard_factor(mesh)
-                for m, s in zip(node.outputs, strategy.outputs, strict=False)
-                if m is not None and s is not None
-            )
             internal = sum(saved.nbytes for saved in node.saved if saved.source == "internal") / mesh.group_size(strategy.split_axes)
             if node.kind == "op":
-                # working set: forward, its local inputs and outputs; backward, their gradients and
-                # the gradient of each intermediate it saved (an op autograd runs as steps, e.g.
-                # cross-entropy = log_softmax + nll_loss: measured at log_softmax's backward, the
-                # saved log-probs, their gradient and the logits' gradient are alive at once)
-                group.transient[i] = max(group.transient[i], float(in_bytes + out_local + internal))
+                group.transient[i] = max(group.transient[i], float(op_working_set(graph, node, strategy, mesh, internal)))
             group.memory[i] += internal * count
+
+
+@functools.lru_cache(maxsize=65536)
+def _own_conversion(src: Spec, dst: Spec, mesh: Mesh) -> Conversion:
+    """The steps of a conversion a strategy runs inside (its own output reduction, its re-gathers)."""
+    return spec_conversion(src, dst, mesh)
+
+
+def _conversion_working_set(nbytes: int, src: Spec, dst: Spec, mesh: Mesh, with_grad: bool) -> int:
+    """The larger working set of the two halves of ``src -> dst`` on a tensor of ``nbytes``
+    (:func:`planner.cost.steps_working_set`; backward on the gradient, in ``dst``)."""
+    conv = _own_conversion(src, dst, mesh)
+    peak = steps_working_set(conv.forward, nbytes // src.layout.shard_factor(mesh), mesh)
+    if with_grad:
+        peak = max(peak, steps_working_set(conv.backward, nbytes // dst.layout.shard_factor(mesh), mesh))
+    return peak
+
+
+def op_working_set(graph: IRGraph, node: Node, strategy: Strategy, mesh: Mesh, internal: float) -> float:
+    """Bytes live while ``node`` runs under ``strategy``, the largest of:
+
+    * its kernel: local inputs in the layouts it computes with, local outputs (the raw, partial
+      output when the strategy reduces it itself) and the intermediates it saves. Forward, the
+      inputs and outputs; backward, their gradients and the gradient of each saved intermediate
+      (an op autograd runs as steps, e.g. cross-entropy = log_softmax + nll_loss: measured at
+      log_softmax's backward, the saved log-probs, their gradient and the logits' gradient are
+      alive at once);
+    * its own output reduction (``raw_output``: all-reduce or reduce-scatter forward, all-gather
+      of the gradient backward): that conversion's working set;
+    * each input it gathers itself (``regather``): the kernel's inputs with that one still
+      arriving, plus the gather's working set (arrival, result and buffers); backward, the
+      reduction of that input's gradient."""
+    computes = dict(strategy.regather)
+    kernel_in = sum(
+        _input_spec_bytes(graph, ref) // computes.get(p, spec).layout.shard_factor(mesh)
+        for p, (ref, spec) in enumerate(zip(node.inputs, strategy.inputs, strict=False))
+    )
+    outs = (strategy.raw_output, *strategy.outputs[1:]) if strategy.raw_output is not None else strategy.outputs
+    out_local = sum(m.nbytes // s.layout.shard_factor(mesh) for m, s in zip(node.outputs, outs, strict=False) if m is not None and s is not None)
+    peak = kernel_in + out_local + internal
+    final = strategy.outputs[0]
+    if strategy.raw_output is not None and final is not None:
+        peak = max(peak, _conversion_working_set(node.out.nbytes, strategy.raw_output, final, mesh, node.requires_grad))
+    for p, compute in strategy.regather:
+        nbytes = _input_spec_bytes(graph, node.inputs[p])
+        arrival = strategy.inputs[p]
+        conv = _own_conversion(arrival, compute, mesh)
+        gather = steps_working_set(conv.forward, nbytes // arrival.layout.shard_factor(mesh), mesh)
+        reduce = steps_working_set(conv.backward, nbytes // compute.layout.shard_factor(mesh), mesh)
+        peak = max(peak, kernel_in - nbytes // compute.layout.shard_factor(mesh) + gather, reduce)
+    return peak
 
 
 def _root(graph: IRGraph, ref: InputRef) -> InputRef:
@@ -491,20 +550,37 @@ class _ConversionCache:
         self.mesh = mesh
         self.steps: dict[tuple[int, int], Conversion] = {}
         self.comms: dict[tuple[int, int, int, bool], tuple[Comm, ...]] = {}
+        self.transients: dict[tuple[int, int, int, bool], int] = {}
+
+    def _steps(self, a: int, b: int) -> Conversion:
+        conv = self.steps.get((a, b))
+        if conv is None:
+            conv = self.steps[(a, b)] = spec_conversion(spec_of(a), spec_of(b), self.mesh)
+        return conv
 
     def conversion_comms(self, a: int, b: int, nbytes: int, with_grad: bool) -> tuple[Comm, ...]:
         key = (a, b, nbytes, with_grad)
         comms = self.comms.get(key)
         if comms is None:
-            mesh, src, dst = self.mesh, spec_of(a), spec_of(b)
-            conv = self.steps.get((a, b))
-            if conv is None:
-                conv = self.steps[(a, b)] = spec_conversion(src, dst, mesh)
-            comms = steps_comms(conv.forward, nbytes // src.layout.shard_factor(mesh), mesh, "fwd")
+            mesh, conv = self.mesh, self._steps(a, b)
+            comms = steps_comms(conv.forward, nbytes // spec_of(a).layout.shard_factor(mesh), mesh, "fwd")
             if with_grad:
-                comms += steps_comms(conv.backward, nbytes // dst.layout.shard_factor(mesh), mesh, "bwd")
+                comms += steps_comms(conv.backward, nbytes // spec_of(b).layout.shard_factor(mesh), mesh, "bwd")
             self.comms[key] = comms
         return comms
+
+    def conversion_transient(self, a: int, b: int, nbytes: int, with_grad: bool) -> int:
+        """Bytes live while the conversion runs: the larger of its forward steps' working set on
+        the tensor in Spec ``a`` and (``with_grad``) its backward steps' on the gradient in ``b``."""
+        key = (a, b, nbytes, with_grad)
+        peak = self.transients.get(key)
+        if peak is None:
+            mesh, conv = self.mesh, self._steps(a, b)
+            peak = steps_working_set(conv.forward, nbytes // spec_of(a).layout.shard_factor(mesh), mesh)
+            if with_grad:
+                peak = max(peak, steps_working_set(conv.backward, nbytes // spec_of(b).layout.shard_factor(mesh), mesh))
+            self.transients[key] = peak
+        return peak
 
 
 @functools.lru_cache(maxsize=8)  # the last few meshes' (a search solves one mesh's configurations together)
@@ -568,7 +644,9 @@ def _price_edges(problem: Problem) -> None:
             key = ("conv", ut, index, a, b, sig)
             term = problem.conversions.get(key)
             if term is None:
-                term = problem.conversions[key] = ConversionTerm(key, 0.0, cache.conversion_comms(a, b, meta.nbytes, with_grad))
+                term = problem.conversions[key] = ConversionTerm(
+                    key, 0.0, cache.conversion_comms(a, b, meta.nbytes, with_grad), float(cache.conversion_transient(a, b, meta.nbytes, with_grad))
+                )
             term.producers |= producers
             cond = (gu, iu, gv, iv)
             if cond not in term.conditions:
@@ -687,6 +765,7 @@ def evaluate(problem: Problem, assignment: dict[str, int]) -> Evaluation:
             total += term.cost
             comm_t += term.cost
             comms.extend((c, term.count * problem.repeats(c)) for c in term.comms)
+            transient = max(transient, term.transient)
     for hold in problem.holds.values():
         if any(assignment[gu] in iu and (gv is None or assignment[gv] in iv) for gu, iu, gv, iv in hold.conditions):
             act += hold.nbytes

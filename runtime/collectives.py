@@ -10,6 +10,7 @@ is active, so tests compare what ran with what was priced.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,30 +36,66 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 def all_reduce(t: torch.Tensor, axes: tuple[str, ...], mg: MeshGroups, rec: CommRecorder, phase: str, op: Any = None) -> torch.Tensor:
-    out = t.contiguous().clone()
+    """The sum over the group, in a new tensor (one copy of ``t``, reduced in place)."""
+    out = t.clone(memory_format=torch.contiguous_format)
     if mg.size(axes) > 1:
         rec.add("all_reduce", mg.mesh.sort_axes(axes), _nbytes(out), phase)
         dist.all_reduce(out, op=op or dist.ReduceOp.SUM, group=mg.group(axes))
     return out
 
 
+def gathered_empty(t: torch.Tensor, n: int, dim: int) -> torch.Tensor:
+    """An uninitialised tensor ``n`` times ``t`` along ``dim``: an all-gather's result."""
+    shape = list(t.shape)
+    shape[dim] *= n
+    return t.new_empty(shape)
+
+
+def _gather_targets(out: torch.Tensor, like: torch.Tensor, n: int, dim: int) -> tuple[list[torch.Tensor], Callable[[], None]]:
+    """The tensors an all-gather into ``out`` (``n`` chunks along ``dim``) receives into, and what
+    to run once it is done. The chunks of ``out`` themselves when they are contiguous (gathered in
+    place, nothing to do after); otherwise (a split dim after a dim of more than one element) n
+    parts, concatenated into ``out`` after: gloo writes a received buffer as a flat block."""
+    chunks = list(out.chunk(n, dim=dim))
+    if all(c.is_contiguous() for c in chunks):
+        return chunks, lambda: None
+    parts = [torch.empty_like(like, memory_format=torch.contiguous_format) for _ in range(n)]
+
+    def concatenate() -> None:
+        torch.cat(parts, dim=dim, out=out)
+
+    return parts, concatenate
+
+
 def all_gather(t: torch.Tensor, axes: tuple[str, ...], dim: int, mg: MeshGroups, rec: CommRecorder, phase: str) -> torch.Tensor:
+    """The shards of the group concatenated along ``dim``."""
     n = mg.size(axes)
     if n == 1:
         return t
     t = t.contiguous()
-    parts = [torch.empty_like(t) for _ in range(n)]
-    rec.add("all_gather", mg.mesh.sort_axes(axes), _nbytes(t) * n, phase)
-    dist.all_gather(parts, t, group=mg.group(axes))
-    return torch.cat(parts, dim=dim)
+    return all_gather_into(gathered_empty(t, n, dim), t, axes, dim, mg, rec, phase)
+
+
+def all_gather_into(out: torch.Tensor, t: torch.Tensor, axes: tuple[str, ...], dim: int, mg: MeshGroups, rec: CommRecorder, phase: str) -> torch.Tensor:
+    """Fill ``out`` with the group's shards ``t`` along ``dim`` (``t`` may be this rank's chunk of
+    ``out`` itself)."""
+    n = mg.size(axes)
+    rec.add("all_gather", mg.mesh.sort_axes(axes), _nbytes(out), phase)
+    targets, finish = _gather_targets(out, t, n, dim)
+    dist.all_gather(targets, t.contiguous(), group=mg.group(axes))
+    finish()
+    return out
 
 
 def reduce_scatter(t: torch.Tensor, axes: tuple[str, ...], dim: int, mg: MeshGroups, rec: CommRecorder, phase: str) -> torch.Tensor:
+    """This rank's chunk (along ``dim``) of the sum over the group; the chunks go to the collective
+    as views of ``t`` where they are contiguous (copies where not: a dim after one of more than one
+    element)."""
     n = mg.size(axes)
     if n == 1:
         return t
     parts = [p.contiguous() for p in t.chunk(n, dim=dim)]
-    out = torch.empty_like(parts[0])
+    out = t.new_empty(parts[0].shape)
     rec.add("reduce_scatter", mg.mesh.sort_axes(axes), _nbytes(t), phase)
     dist.reduce_scatter(out, parts, group=mg.group(axes))
     return out
@@ -66,7 +103,7 @@ def reduce_scatter(t: torch.Tensor, axes: tuple[str, ...], dim: int, mg: MeshGro
 
 def broadcast(t: torch.Tensor, axis: str, root: int, mg: MeshGroups, rec: CommRecorder, phase: str) -> torch.Tensor:
     """``t`` from the rank at coordinate ``root`` of ``axis`` to the others of its group."""
-    out = t.contiguous().clone() if mg.coords[axis] == root else torch.empty_like(t, memory_format=torch.contiguous_format)
+    out = t.clone(memory_format=torch.contiguous_format) if mg.coords[axis] == root else torch.empty_like(t, memory_format=torch.contiguous_format)
     rec.add("broadcast", (axis,), _nbytes(out), phase)
     dist.broadcast(out, src=mg.peer(axis, root), group=mg.group((axis,)))
     return out
@@ -74,7 +111,7 @@ def broadcast(t: torch.Tensor, axis: str, root: int, mg: MeshGroups, rec: CommRe
 
 def reduce(t: torch.Tensor, axis: str, root: int, mg: MeshGroups, rec: CommRecorder, phase: str) -> torch.Tensor:
     """Sum of ``t`` over the group of ``axis``, valid on the rank at coordinate ``root``."""
-    out = t.contiguous().clone()
+    out = t.clone(memory_format=torch.contiguous_format)
     rec.add("reduce", (axis,), _nbytes(out), phase)
     dist.reduce(out, dst=mg.peer(axis, root), group=mg.group((axis,)))
     return out
@@ -148,7 +185,7 @@ class Convert(torch.nn.Module):
         self.mesh_groups = mesh_groups
         self.recorder = recorder
         self.label = label
-        self._pending: tuple[int, Any, list[torch.Tensor]] | None = None
+        self._pending: tuple[int, Any, torch.Tensor, Callable[[], None]] | None = None
 
     @property
     def prefetchable(self) -> bool:
@@ -158,20 +195,23 @@ class Convert(torch.nn.Module):
     def start(self, x: torch.Tensor) -> None:
         """Issue the all-gather of ``x`` now (asynchronously); the next ``forward(x)`` waits for it."""
         step = self.forward_steps[0]
+        assert step.dim is not None
         src = x.detach().contiguous()
-        parts = [torch.empty_like(src) for _ in range(self.mesh_groups.size(step.axes))]
-        self.recorder.add("all_gather", self.mesh_groups.mesh.sort_axes(step.axes), _nbytes(src) * len(parts), "fwd")
-        work = dist.all_gather(parts, src, group=self.mesh_groups.group(step.axes), async_op=True)
-        self._pending = (id(x), work, parts)
+        n = self.mesh_groups.size(step.axes)
+        out = gathered_empty(src, n, step.dim)
+        self.recorder.add("all_gather", self.mesh_groups.mesh.sort_axes(step.axes), _nbytes(out), "fwd")
+        targets, finish = _gather_targets(out, src, n, step.dim)
+        work = dist.all_gather(targets, src, group=self.mesh_groups.group(step.axes), async_op=True)
+        self._pending = (id(x), work, out, finish)
 
     def run_forward(self, x: torch.Tensor) -> torch.Tensor:
         pending, self._pending = self._pending, None
         if pending is not None:
-            key, work, parts = pending
+            key, work, out, finish = pending
             work.wait()
+            finish()
             if key == id(x):
-                assert self.forward_steps[0].dim is not None
-                return torch.cat(parts, dim=self.forward_steps[0].dim)
+                return out
         return run_steps(x, self.forward_steps, self.mesh_groups, self.recorder, "fwd")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -49,7 +49,7 @@ def _single_device_values(pm: ParallelModule, model: torch.nn.Module, args: tupl
     graph = pm.graph
     tensors = iter(t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor))
     inputs = {name: next(tensors) for name in graph.input_names}
-    feed = []
+    feed: list[object] = []
     for fx_node in graph.graph_module.graph.nodes:
         if fx_node.op != "placeholder":
             continue

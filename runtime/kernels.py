@@ -107,22 +107,49 @@ class EmbeddingKernel(Kernel):
         return out.masked_fill(outside.unsqueeze(-1), 0.0)
 
 
-class _AllReduceSum(torch.autograd.Function):
-    """Sum over ``axes`` whose result every rank uses for its own elements: backward sums too."""
+class _SplitLayerNorm(torch.autograd.Function):
+    """LayerNorm over ``dims`` (``count`` values per row in all) whose values are split over
+    ``axes``: the row sums are all-reduced. Saves what aten's layer_norm saves (the input, the row
+    mean and 1/std) and recomputes the normalised rows in backward; with g = dy * w and
+    xhat = (x - mean) / std,
+
+        dx = (g - mean_row(g) - xhat * mean_row(g * xhat)) / std,   dw = sum_rows(dy * xhat),   db = sum_rows(dy)
+
+    where mean_row sums over the group (the two backward all-reduces)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, axes: tuple[str, ...], mg: MeshGroups, rec: CommRecorder) -> torch.Tensor:  # type: ignore[override]
-        ctx.axes, ctx.mg, ctx.rec = axes, mg, rec
-        return all_reduce(x, axes, mg, rec, "fwd")
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, dims: tuple[int, ...], count: int,  # type: ignore[override]
+                eps: float, axes: tuple[str, ...], mg: MeshGroups, rec: CommRecorder) -> torch.Tensor:
+        mean = all_reduce(x.sum(dim=dims, keepdim=True), axes, mg, rec, "fwd") / count
+        centred = x - mean
+        rstd = torch.rsqrt(all_reduce((centred * centred).sum(dim=dims, keepdim=True), axes, mg, rec, "fwd") / count + eps)
+        y = centred.mul_(rstd)
+        if weight is not None:
+            y = y.mul_(weight)
+        if bias is not None:
+            y = y.add_(bias)
+        ctx.save_for_backward(x, mean, rstd, weight)
+        ctx.dims, ctx.count, ctx.axes, ctx.mg, ctx.rec = dims, count, axes, mg, rec
+        return y
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        return all_reduce(grad, ctx.axes, ctx.mg, ctx.rec, "bwd"), None, None, None
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        x, mean, rstd, weight = ctx.saved_tensors
+        dims, count, axes, mg, rec = ctx.dims, ctx.count, ctx.axes, ctx.mg, ctx.rec
+        xhat = (x - mean).mul_(rstd)
+        rows = tuple(range(x.dim() - len(dims)))
+        dw = (dy * xhat).sum(dim=rows) if weight is not None and ctx.needs_input_grad[1] else None
+        db = dy.sum(dim=rows) if ctx.needs_input_grad[2] else None
+        g = dy * weight if weight is not None else dy
+        mean_g = all_reduce(g.sum(dim=dims, keepdim=True), axes, mg, rec, "bwd") / count
+        mean_gx = all_reduce((g * xhat).sum(dim=dims, keepdim=True), axes, mg, rec, "bwd") / count
+        dx = (g - mean_g).sub_(xhat.mul_(mean_gx)).mul_(rstd)
+        return dx, dw, db, None, None, None, None, None, None
 
 
 class LayerNormKernel(Kernel):
     """LayerNorm with the normalised dim split over ``axes``: row mean and variance are sums
-    all-reduced over the group (two all-reduces forward, their two transposes backward)."""
+    all-reduced over the group (two all-reduces forward, two backward: :class:`_SplitLayerNorm`)."""
 
     def __init__(self, name: str, arg_template: Any, axes: tuple[str, ...], mg: MeshGroups, rec: CommRecorder) -> None:
         super().__init__(name, torch.ops.aten.layer_norm.default, arg_template)
@@ -137,15 +164,7 @@ class LayerNormKernel(Kernel):
         count = 1
         for n in shape:
             count *= n
-        mean = _AllReduceSum.apply(x.sum(dim=dims, keepdim=True), self.axes, self.mg, self.rec) / count
-        centred = x - mean
-        var = _AllReduceSum.apply((centred * centred).sum(dim=dims, keepdim=True), self.axes, self.mg, self.rec) / count
-        y = centred * torch.rsqrt(var + eps)
-        if weight is not None:
-            y = y * weight
-        if bias is not None:
-            y = y + bias
-        return y
+        return _SplitLayerNorm.apply(x, weight, bias, dims, count, eps, self.axes, self.mg, self.rec)
 
 
 class _VocabParallelCE(torch.autograd.Function):

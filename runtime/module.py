@@ -22,6 +22,7 @@ part of every backward: both are priced per micro-batch).
 from __future__ import annotations
 
 import contextlib
+import re
 import warnings
 from collections import Counter
 from collections.abc import Iterator
@@ -39,6 +40,41 @@ from runtime.collectives import CommRecorder, all_reduce, relayout
 from runtime.groups import MeshGroups
 from runtime.precision import MasterWeights, find_master_weights
 from runtime.zero import ZeroOptimizer, ZeroShards
+
+
+class KernelError(RuntimeError):
+    """An op of the rank-local module failed; the message names the traced op, its module, the
+    model's source line and the plan's Specs for it, then the original error (``__cause__``)."""
+
+
+def source_line(graph: IRGraph, node: str) -> str:
+    """The model's own source line that produced traced node ``node`` (the last frame outside
+    torch in its stack trace), "file:line" with the code; "" when the trace kept none."""
+    fx_node = next((n for n in graph.graph_module.graph.nodes if n.name == node), None)
+    stack = (fx_node.meta.get("stack_trace") or "") if fx_node is not None else ""
+    frames = re.findall(r'File "([^"]+)", line (\d+), in \S+\n\s*(.*)', stack)
+    ours = [f for f in frames if "/torch/" not in f[0]] or frames
+    if not ours:
+        return ""
+    file, line, code = ours[-1]
+    return f"{file}:{line}: {code.strip()}"
+
+
+def _failed_node(gm: torch.fx.GraphModule, exc: BaseException) -> torch.fx.Node | None:
+    """The node of ``gm``'s generated forward running when ``exc`` was raised: the innermost frame
+    of that code in the traceback, through fx's line-number map."""
+    code, line = type(gm).forward.__code__, None
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code is code:
+            line = tb.tb_lineno
+        tb = tb.tb_next
+    lineno_map = getattr(gm, "_lineno_map", None)
+    if line is None or not lineno_map:
+        return None
+    index = lineno_map.get(line - gm._prologue_start + 1)
+    nodes = list(gm.graph.nodes)
+    return nodes[index] if index is not None and index < len(nodes) else None
 
 
 class _SyncAtBackwardEnd(torch.autograd.Function):
@@ -132,7 +168,12 @@ class ParallelModule(torch.nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         flat, _ = tree_flatten((args, kwargs))
         tensors = [t for t in flat if isinstance(t, torch.Tensor)]
-        loss = self.graph_module(*tensors)
+        try:
+            # forward itself, not fx's __call__ wrapper: that drops the traceback of an error raised
+            # in the generated code (a getitem, a view), the frame that says which node failed
+            loss = self.graph_module.forward(*tensors)
+        except Exception as exc:
+            raise self._kernel_error(exc) from exc
         if torch.is_grad_enabled() and loss.requires_grad:
             loss = _SyncAtBackwardEnd.apply(loss, self)
         return loss  # type: ignore[no-any-return]
@@ -176,6 +217,23 @@ class ParallelModule(torch.nn.Module):
             axes = self.mesh_groups.mesh.sort_axes(spec.grad_partial)
             if p.grad is not None and axes:
                 p.grad.copy_(all_reduce(p.grad, axes, self.mesh_groups, self.recorder, "step"))
+
+    def _kernel_error(self, exc: Exception) -> Exception:
+        """``exc`` as a :class:`KernelError` naming the traced op that raised it (``exc`` itself
+        when no node of the generated forward was running: an error before or after the graph)."""
+        fx_node = _failed_node(self.graph_module, exc)
+        traced = self.node_origin.get(fx_node.name) if fx_node is not None else None
+        node = self.graph.nodes.get(traced) if traced is not None else None
+        if node is None:
+            return exc
+        planned = next((n for n in self.plan.nodes if n.name == node.name), None)
+        specs = f"; planned {planned.algorithm}, inputs {list(planned.inputs)} -> outputs {list(planned.outputs)}" if planned is not None else ""
+        where = source_line(self.graph, node.name)
+        return KernelError(
+            f"rank-local op {fx_node.name if fx_node is not None else '?'} for traced node {node.name} ({node.target}) in module "
+            f"{node.module_path or '<root>'}{specs}\n  model source: {where or 'not recorded'}\n  {type(exc).__name__}: {exc}\n"
+            "runtime.debug.first_divergence on a plan that runs finds a wrong value; a failing op is a runtime bug: report it with this message"
+        )
 
     # ----------------------------------------------------------------- introspection
 

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from planner.problem import zero_dim
-from runtime.collectives import CommRecorder, all_gather, all_reduce, reduce_scatter
+from runtime.collectives import CommRecorder, all_gather, all_gather_into, all_reduce, reduce_scatter
 from runtime.groups import MeshGroups
 from runtime.precision import OptimizerWrapper
 
@@ -80,10 +80,10 @@ class ZeroShards:
         return [self.shards.get(name, p) for name, p in self.params.items()]
 
     def gather_updated(self) -> None:
+        """Each parameter's slices gathered back into it (its own slice is a view of it already)."""
         with torch.no_grad():
             for name, shard in self.shards.items():
-                full = all_gather(shard.detach(), self.axes[name], self.dims[name], self.mg, self.rec, "step")
-                self.params[name].copy_(full)
+                all_gather_into(self.params[name].detach(), shard.detach(), self.axes[name], self.dims[name], self.mg, self.rec, "step")
 
     def full_grad(self, name: str) -> torch.Tensor | None:
         """This rank's (tensor-parallel) gradient, reduced over the data-parallel axes."""

@@ -78,31 +78,53 @@ def _relative_error(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor])
     return max((got[n] - t).abs().max().item() / max(t.abs().max().item(), floor) for n, t in want.items())
 
 
-def _grad_error(full: dict[str, torch.Tensor], ref: torch.nn.Module) -> float:
-    return _relative_error(full, {n: p.grad for n, p in ref.named_parameters() if p.grad is not None})
-
-
 OPTIMIZERS = {
     "sgd": (torch.optim.SGD, {"lr": 0.5, "momentum": 0.9, "weight_decay": 0.01}),
     "adamw": (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}),
 }
 
 
+def _reference_run(name: str, dtype: torch.dtype, master_dtype: torch.dtype | None, optimizer: str, batches: list[Any]) -> dict[str, Any]:
+    """One device's run of ``name`` on ``batches``: each step's loss and gradients (before the
+    optimizer step), and the parameters after the last."""
+    from planner.trace import loss_of
+
+    opt_class, opt_kwargs = OPTIMIZERS[optimizer]
+    ref = build(name, dtype)
+    ref_opt: Any = _ReferenceMasters(ref, opt_class, master_dtype, **opt_kwargs) if master_dtype else opt_class(ref.parameters(), **opt_kwargs)
+    losses, grads = [], []
+    for args, kwargs in batches:
+        ref_loss = loss_of(ref(*args, **kwargs))
+        ref_loss.backward()
+        losses.append(ref_loss.item())
+        grads.append({n: p.grad.detach().clone() for n, p in ref.named_parameters() if p.grad is not None})
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+    return {"losses": losses, "grads": grads, "params": {n: p.detach() for n, p in ref.named_parameters()}}
+
+
 def train_and_compare(rank: int, world: int, plans_json: list[tuple[str, ...]]) -> list[dict[str, Any]]:
-    """For each (model preset, plan JSON[, optimizer]): train both ways and report (module docstring)."""
+    """For each (model preset, plan JSON[, optimizer[, precision]]): train both ways and report
+    (module docstring). One device's run is made once per model, optimizer and precision, however
+    many plans compare with it."""
     from planner.plan import Plan
-    from planner.trace import loss_of, micro_batch_inputs, trace
+    from planner.trace import micro_batch_inputs, trace
     from runtime.compile import compile_plan
 
     reports = []
     graphs: dict[tuple[str, torch.dtype, int], Any] = {}  # each model traced once, however many plans it has
+    references: dict[tuple[str, str, str], dict[str, Any]] = {}
     for name, text, *rest in plans_json:
-        opt_class, opt_kwargs = OPTIMIZERS[rest[0] if rest else "sgd"]
-        dtype, master_dtype = PRECISIONS[rest[1] if len(rest) > 1 else "fp64"]
+        optimizer = rest[0] if rest else "sgd"
+        precision = rest[1] if len(rest) > 1 else "fp64"
+        opt_class, opt_kwargs = OPTIMIZERS[optimizer]
+        dtype, master_dtype = PRECISIONS[precision]
         plan = Plan.model_validate_json(text)
         batches = _batches(name, STEPS, dtype)
+        if (name, optimizer, precision) not in references:
+            references[(name, optimizer, precision)] = _reference_run(name, dtype, master_dtype, optimizer, batches)
+        want = references[(name, optimizer, precision)]
         model = build(name, dtype)
-        ref = build(name, dtype)
         args, kwargs = batches[0]
         key = (name, dtype, plan.micro_batches)
         if key not in graphs:
@@ -111,9 +133,8 @@ def train_and_compare(rank: int, world: int, plans_json: list[tuple[str, ...]]) 
         state = pm.full_state_dict()
         exact_state = all(torch.equal(state[n], t) for n, t in model.named_parameters(remove_duplicate=False))
         opt = pm.make_optimizer(opt_class, **opt_kwargs)
-        ref_opt: Any = _ReferenceMasters(ref, opt_class, master_dtype, **opt_kwargs) if master_dtype else opt_class(ref.parameters(), **opt_kwargs)
         steps = []
-        for args, kwargs in batches:
+        for k, (args, kwargs) in enumerate(batches):
             local_args, local_kwargs = pm.shard_batch(*args, **kwargs)
             pm.recorder.records.clear()
             pm.recorder.enabled = True  # one whole step: forward, backward, optimizer step
@@ -128,22 +149,18 @@ def train_and_compare(rank: int, world: int, plans_json: list[tuple[str, ...]]) 
             held = pm.held_bytes(opt)
             executed = pm.executed_comms()
             priced = plan.priced_comms()
-            ref_loss = loss_of(ref(*args, **kwargs))
-            ref_loss.backward()
             steps.append({
                 "loss": loss.item(),
-                "ref_loss": ref_loss.item(),
-                "grad_error": _grad_error(grads, ref),
+                "ref_loss": want["losses"][k],
+                "grad_error": _relative_error(grads, want["grads"][k]),
                 "comms_equal": executed == priced,
                 "executed_not_priced": [[*list(k), v] for k, v in (executed - priced).items()],
                 "priced_not_executed": [[*list(k), v] for k, v in (priced - executed).items()],
                 "num_collectives": sum(executed.values()),
             })
             opt.zero_grad(set_to_none=True)
-            ref_opt.step()
-            ref_opt.zero_grad(set_to_none=True)
         final = pm.full_state_dict()
-        param_error = _relative_error(final, dict(ref.named_parameters()))
+        param_error = _relative_error(final, want["params"])
         predicted = plan.memory_breakdown
         reports.append({
             "mesh": plan.mesh, "zero": plan.zero_stage, "steps": steps, "param_error": param_error, "exact_initial_state": exact_state,
@@ -153,21 +170,24 @@ def train_and_compare(rank: int, world: int, plans_json: list[tuple[str, ...]]) 
     return reports
 
 
-
-
 def measure_peak_memory(rank: int, world: int, cases: list[tuple[str, str]]) -> list[dict[str, Any]]:
     """For each (model preset, plan JSON made for it in float32 with AdamW): one warm-up step (the
     optimizer's states appear), then the next step's peak bytes on this rank by the CPU allocator's
     events (tests/memory_probe.py), beside the plan's predicted peak and its breakdown."""
     from planner.plan import Plan
+    from planner.trace import trace
     from runtime.compile import compile_plan
     from tests.memory_probe import peak_over
 
     out = []
+    graphs: dict[str, Any] = {}
     for name, text in cases:
         plan = Plan.model_validate_json(text)
         batches = _batches(name, 2, torch.float32)
-        pm = compile_plan(plan, build(name, torch.float32), *batches[0])
+        model = build(name, torch.float32)
+        if name not in graphs:
+            graphs[name] = trace(model, *batches[0])
+        pm = compile_plan(plan, model, *batches[0], graph=graphs[name])
         opt = pm.make_optimizer(torch.optim.AdamW, lr=1e-3)
         measured = []
         for args, kwargs in batches:

@@ -15,6 +15,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.multiprocessing as mp
 
 
@@ -29,6 +30,9 @@ def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple
 
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
+    # one compute thread a rank: more ranks than cores already, and torch's pool of one thread per
+    # core in each of them made tiny ops spin (measured: 4 ranks on 2 cores, a 64 x 32 linear 24 ms)
+    torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
         result = fn(rank, world, *args)

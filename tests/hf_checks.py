@@ -9,6 +9,7 @@ models this small the unconstrained fastest plan would replicate, and the least-
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -45,5 +46,39 @@ def require_family(graph: IRGraph, mesh: Mesh) -> Callable[[Node, Strategy], boo
 
 def run_many(rank: int, world: int, calls: list[tuple[Callable[..., Any], tuple[Any, ...]]]) -> list[Any]:
     """Each ``fn(rank, world, *args)`` in turn, in one spawned world (spawning and importing
-    transformers are most of a small check's time)."""
-    return [fn(rank, world, *args) for fn, args in calls]
+    transformers are most of a small check's time); the results, then each call's seconds."""
+    out, seconds = [], []
+    for fn, args in calls:
+        t0 = time.perf_counter()
+        out.append(fn(rank, world, *args))
+        seconds.append(round(time.perf_counter() - t0, 1))
+    return [*out, seconds]
+
+
+def failing_kernel_message(rank: int, world: int, name: str, plan_json: str, module: str) -> str:
+    """The error a sharded forward raises when the kernel of the first op traced in ``module``
+    fails (its forward replaced by one that raises): ``str`` of the :class:`runtime.module.KernelError`."""
+    import torch
+
+    from planner.plan import Plan
+    from runtime.compile import compile_plan
+    from runtime.module import KernelError
+    from tests.dist_checks import BATCH, build, inputs
+
+    model = build(name, torch.float32)
+    args, kwargs = inputs(name, BATCH, torch.float32)
+    pm = compile_plan(Plan.model_validate_json(plan_json), model, args, kwargs)
+    fx_node = next(n for n in pm.graph_module.graph.nodes
+                   if n.op == "call_module" and n.name in pm.node_origin and pm.graph.nodes[pm.node_origin[n.name]].module_path == module)
+
+    def broken(*_: Any, **__: Any) -> Any:
+        raise RuntimeError("injected failure")
+
+    pm.graph_module.get_submodule(str(fx_node.target)).forward = broken  # type: ignore[method-assign]
+    local_args, local_kwargs = pm.shard_batch(*args, **kwargs)
+    try:
+        pm(*local_args, **local_kwargs)
+    except KernelError as exc:
+        assert isinstance(exc.__cause__, RuntimeError) and "injected failure" in str(exc.__cause__)
+        return str(exc)
+    raise AssertionError("the forward did not fail")

@@ -18,6 +18,8 @@ each are most of the cost.
 
 from __future__ import annotations
 
+import functools
+import time
 from typing import Any
 
 import pytest
@@ -27,13 +29,15 @@ pytest.importorskip("transformers")
 
 from planner.cdp import cdp_filter
 from planner.hardware import A100_80G
+from planner.ir import IRGraph
 from planner.plan import Plan
 from planner.search import SearchSpace, search
 from planner.trace import trace
+from tests.cdp_checks import BATCH as CDP_BATCH
 from tests.cdp_checks import cdp_train
 from tests.dist_checks import BATCH, build, inputs, measure_peak_memory, train_and_compare
 from tests.harness import run_world
-from tests.hf_checks import family_mesh, require_family, run_many
+from tests.hf_checks import failing_kernel_message, family_mesh, require_family, run_many
 
 MODELS = ("hf-gpt2", "hf-llama", "hf-qwen2", "hf-mistral", "hf-bert", "hf-vit", "hf-bart", "hf-mixtral")
 # ours, made of the multi-output and routing ops (split, chunk, unbind, split_with_sizes, topk,
@@ -50,11 +54,17 @@ KINDS = {
     "3d": (8, 1, "3d", "time"),
 }
 CDP_STAGES = 2
+FAILING_MODULE = "model.layers.1.mlp.down_proj"  # whose kernel the error check breaks (Llama, 1-D)
+
+
+@functools.cache
+def _graph(name: str, dtype: torch.dtype, batch: int = BATCH) -> IRGraph:
+    return trace(build(name, dtype), *inputs(name, batch, dtype))
 
 
 def _plan(name: str, kind: str, dtype: torch.dtype) -> Plan:
     devices, dp, family, objective = KINDS[kind]
-    graph = trace(build(name, dtype), *inputs(name, BATCH, dtype))
+    graph = _graph(name, dtype)
     allow = require_family(graph, family_mesh(family, devices, dp)) if family != "none" and objective == "time" else None
     space = SearchSpace(devices=devices, dp=dp, tp=(family,), zero=(3 if kind == "zero3" else 0,))
     result = search(graph, space, A100_80G, model_name=name, objective=objective, allow=allow, front=False)  # type: ignore[arg-type]
@@ -63,7 +73,7 @@ def _plan(name: str, kind: str, dtype: torch.dtype) -> Plan:
 
 
 def _cdp_plan(name: str) -> Plan:
-    graph = trace(build(name, torch.float64), *inputs(name, BATCH, torch.float64))
+    graph = _graph(name, torch.float64, CDP_BATCH)
     space = SearchSpace(devices=4, dp=4, tp=("none",), cdp=("v1",), cdp_stages=CDP_STAGES)
     result = search(graph, space, A100_80G, model_name=name, optimizer="sgd", allow=cdp_filter(graph), front=False)
     assert result.best is not None and result.best.cdp == "v1", (name, [c.reason for c in result.candidates])
@@ -71,6 +81,7 @@ def _cdp_plan(name: str) -> Plan:
 
 
 def _world(devices: int) -> dict[str, Any]:
+    t_plan = time.perf_counter()
     kinds = [k for k, spec in KINDS.items() if spec[0] == devices]
     models = (*MODELS, OPS_MODEL) if devices == 4 else MODELS
     same = {(m, k): _plan(m, k, torch.float64) for m in models for k in kinds}
@@ -82,13 +93,17 @@ def _world(devices: int) -> dict[str, Any]:
     ]
     if cdp:
         calls.append((cdp_train, ([(m, p.model_dump_json(), "plan", CDP_STAGES) for m, p in cdp.items()],)))
+        calls.append((failing_kernel_message, ("hf-llama", memory[("hf-llama", "1d")].model_dump_json(), FAILING_MODULE)))
+    t0 = time.perf_counter()
     per_rank = run_world(devices, run_many, calls, timeout=1500)
+    print(f"world {devices}: planned in {t0 - t_plan:.0f} s, ran in {time.perf_counter() - t0:.0f} s, per call {[r for r in per_rank[0][-1]]}")
     return {
         "plans": same,
         "memory_plans": memory,
         "same_math": {key: [r[0][i] for r in per_rank] for i, key in enumerate(same)},
         "memory": {key: [r[1][i] for r in per_rank] for i, key in enumerate(memory)},
         "cdp": {m: [r[2][i] for r in per_rank] for i, m in enumerate(cdp)} if cdp else {},
+        "kernel_error": [r[3] for r in per_rank] if cdp else [],
     }
 
 
@@ -146,6 +161,16 @@ def test_cdp_v1_equals_its_serial_update_rule_without_collectives(world: dict[st
         assert rep["param_error"] <= 1e-9, (name, rep["param_error"])
         for got, want in zip(rep["losses"], rep["ref_losses"], strict=True):
             assert abs(got - want) <= 1e-9 * abs(want), (name, got, want)
+        # rank 0 sends on the chain and on the ring at every stage: the messages the plan priced
+        assert rep["sends_equal_priced"], (name, rep["sends"], rep["priced_sends"])
         for rank, r in enumerate(ranks):
             assert r["dp_collectives"] == 0, (name, rank, r["dp_collective_bytes"])
-            assert r["sends_equal_priced"], (name, rank, r["sends"], r["priced_sends"])
+
+
+def test_a_failing_kernel_names_its_op_module_and_model_source_line(world: dict[str, Any]) -> None:
+    if not world["kernel_error"]:
+        pytest.skip("checked on the 4-rank world")
+    for msg in world["kernel_error"]:
+        assert "aten.linear.default" in msg and FAILING_MODULE in msg, msg
+        assert "modeling_llama.py:" in msg and "down_proj(" in msg, msg  # the model's line: self.down_proj(...)
+        assert "injected failure" in msg and "planned" in msg, msg

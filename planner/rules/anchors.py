@@ -358,3 +358,20 @@ def _grouped_mm(ctx: RuleContext) -> list[Strategy]:
         label = "tp1d-col" if assign["n"] else "tp1d-row" if assign["k"] else split_label(ctx.mesh, split)
         result.append(Strategy(label, "op", ins, (Spec(out),), split))
     return result
+
+
+@anchor_rule("aten.rms_norm.default")
+def _rms_norm(ctx: RuleContext) -> list[Strategy]:
+    """``rms_norm(x, shape, weight, eps)`` (torch's nn.RMSNorm): rows split freely, the normalised
+    dims whole (the row's mean square needs them); the weight replicated over the rows' axes."""
+    x_shape = ctx.in_shape(0)
+    norm = len(ctx.args[1])
+    batch = letter_range(len(x_shape) - norm)
+    hidden = letter_range(norm, "p")
+    sizes = dict(zip(batch + hidden, x_shape, strict=True))
+    operands = [Operand(batch + hidden, ctx.is_param(0), ctx.needs_grad(0))]
+    operands += [Operand(hidden, ctx.is_param(i), ctx.needs_grad(i)) for i in range(1, len(ctx.node.inputs))]
+    return [
+        Strategy(split_label(ctx.mesh, split), "op", ins, (Spec(out),), split)
+        for ins, out, split, _ in einsum_strategies(ctx.mesh, operands, batch + hidden, sizes, splittable=batch, all_or_none=False)
+    ]

@@ -36,12 +36,11 @@ def follow(ctx: RuleContext, spec_in: Spec) -> Strategy:
     if not keep:
         return strategy
 
-    def widen(spec: Spec | None) -> Spec | None:
-        if spec is None:
-            return None
+    def widen(spec: Spec) -> Spec:
         return Spec(spec.layout, spec.grad_partial | (keep - spec.layout.shard_axes - spec.layout.partial))
 
-    return replace(strategy, inputs=tuple(widen(s) for s in strategy.inputs), outputs=tuple(widen(s) for s in strategy.outputs))  # type: ignore[arg-type]
+    return replace(strategy, inputs=tuple(widen(s) for s in strategy.inputs),
+                   outputs=tuple(None if s is None else widen(s) for s in strategy.outputs))
 
 
 def _follow(ctx: RuleContext, spec_in: Spec) -> Strategy:
