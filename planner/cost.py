@@ -34,8 +34,8 @@ shards (fp32 AdamW: 4 + 4 + 8 bytes per value; SGD with momentum 4 + 4 + 4; mixe
 (Micikevicius et al. 2018), parameters and gradients in the compute dtype and a float32 master copy
 with float32 states in the optimizer: bf16 AdamW 2 + 2 + (4 + 8) = 16, ZeRO's "K = 12"), tensors saved for
 backward (taken from the traced graph, local shares), and the largest transient working set of
-one op (its local inputs and output) or of one layout conversion (its input and the buffers its
-steps allocate, forward or backward: :func:`steps_working_set`).
+one op (its local inputs and output, and the buffers of the collectives the op runs itself: its
+output reduction, its re-gathers, :func:`steps_working_set`).
 """
 
 from __future__ import annotations

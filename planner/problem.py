@@ -11,10 +11,10 @@ and brute-force tests compare the two).
   saves for backward that no other node shares).
 * A **conversion term** prices turning a producer's output Spec ``S`` into the Spec ``T`` a
   consumer needs: forward steps and backward steps (:func:`planner.layout.spec_conversion`). It is
-  paid once per producer tensor and target, however many consumers want the same ``T``. Its
-  ``transient`` is the larger working set of its two halves (:func:`planner.cost.steps_working_set`:
-  the forward steps on the local bytes in ``S``, the backward steps on the gradient's in ``T``),
-  a candidate for the step's largest transient like an op's working set.
+  paid once per producer tensor and target, however many consumers want the same ``T``. (Its
+  buffers are not a candidate for the step's largest transient: with one per conversion the
+  least-memory MIPs of 2-D/3-D meshes took 2-15 times longer; an op's own output reduction and
+  re-gathers are in the op's working set, :func:`op_working_set`.)
 * A **hold term** is a tensor saved for backward in a given sharding, counted once however many
   consumers save it.
 """
@@ -73,7 +73,6 @@ class ConversionTerm:
     key: tuple[object, ...]
     cost: float  # seconds, all instances
     comms: tuple[Comm, ...]
-    transient: float = 0.0  # bytes live while one instance runs (its larger half, forward or backward)
     producers: set[str] = field(default_factory=set)  # producer node instances paying it
     # y >= [producer group in idx_u] + [consumer group in idx_v] - 1
     conditions: list[tuple[str, frozenset[int], str, frozenset[int]]] = field(default_factory=list)
@@ -550,7 +549,6 @@ class _ConversionCache:
         self.mesh = mesh
         self.steps: dict[tuple[int, int], Conversion] = {}
         self.comms: dict[tuple[int, int, int, bool], tuple[Comm, ...]] = {}
-        self.transients: dict[tuple[int, int, int, bool], int] = {}
 
     def _steps(self, a: int, b: int) -> Conversion:
         conv = self.steps.get((a, b))
@@ -568,19 +566,6 @@ class _ConversionCache:
                 comms += steps_comms(conv.backward, nbytes // spec_of(b).layout.shard_factor(mesh), mesh, "bwd")
             self.comms[key] = comms
         return comms
-
-    def conversion_transient(self, a: int, b: int, nbytes: int, with_grad: bool) -> int:
-        """Bytes live while the conversion runs: the larger of its forward steps' working set on
-        the tensor in Spec ``a`` and (``with_grad``) its backward steps' on the gradient in ``b``."""
-        key = (a, b, nbytes, with_grad)
-        peak = self.transients.get(key)
-        if peak is None:
-            mesh, conv = self.mesh, self._steps(a, b)
-            peak = steps_working_set(conv.forward, nbytes // spec_of(a).layout.shard_factor(mesh), mesh)
-            if with_grad:
-                peak = max(peak, steps_working_set(conv.backward, nbytes // spec_of(b).layout.shard_factor(mesh), mesh))
-            self.transients[key] = peak
-        return peak
 
 
 @functools.lru_cache(maxsize=8)  # the last few meshes' (a search solves one mesh's configurations together)
@@ -644,9 +629,7 @@ def _price_edges(problem: Problem) -> None:
             key = ("conv", ut, index, a, b, sig)
             term = problem.conversions.get(key)
             if term is None:
-                term = problem.conversions[key] = ConversionTerm(
-                    key, 0.0, cache.conversion_comms(a, b, meta.nbytes, with_grad), float(cache.conversion_transient(a, b, meta.nbytes, with_grad))
-                )
+                term = problem.conversions[key] = ConversionTerm(key, 0.0, cache.conversion_comms(a, b, meta.nbytes, with_grad))
             term.producers |= producers
             cond = (gu, iu, gv, iv)
             if cond not in term.conditions:
@@ -765,7 +748,6 @@ def evaluate(problem: Problem, assignment: dict[str, int]) -> Evaluation:
             total += term.cost
             comm_t += term.cost
             comms.extend((c, term.count * problem.repeats(c)) for c in term.comms)
-            transient = max(transient, term.transient)
     for hold in problem.holds.values():
         if any(assignment[gu] in iu and (gv is None or assignment[gv] in iv) for gu, iu, gv, iv in hold.conditions):
             act += hold.nbytes

@@ -8,7 +8,7 @@ Variables:
     x[g,i] in {0,1}   strategy i chosen for group g
     y[c]   in [0,1]   conversion c is executed   (integral at the optimum: it is pushed down)
     z[h]   in [0,1]   tensor h is held
-    T      >= 0       the largest transient working set of an op or of a conversion
+    T      >= 0       the largest transient working set of an op
     S      >= 0       the largest temporary of the gradient sync / optimizer step
     Z      >= 0       the part of the peak that changes over the step
 
@@ -24,15 +24,12 @@ subject to (each family is one function below; constraints carry their family's 
     conversion:    between groups, the transportation form (see _Model.conversion): e[S,T] >= 0,
                    sum_T e[S,T] = sum_{i outputs S} x[gu,i], sum_S e[S,T] = sum_{j needs T} x[gv,j],
                    y[c] >= e[S,T] for the pairs (S, T) of term c (y is e itself when one pair of
-                   one edge is its only cause; a conversion that neither costs time nor can
-                   raise T, see transient, has no variable);
+                   one edge is its only cause; a conversion that costs nothing has no variable);
                    within a group: y[c] >= sum_{i in I and J} x[g,i]
     hold:          z[h] >= sum_{j in J} x[gv,j]       (or the pair form, for gathered weights)
                    (the pair form: z >= x_u + x_v - 1; in the LP relaxations also z >= the
                    sum of an edge's transportation variables over the pairs, see _Model.hold)
     transient:     T >= sum_i transient[g,i] x[g,i]                     for every g
-                   T >= transient[c] y[c]        for every c with transient[c] > max_g min_i
-                                                 transient[g,i] (T's floor: every plan has it)
                    S >= sum_i step_transient[g,i] x[g,i]                for every g
     peak:          Z >= A + T,  Z >= G + T,  Z >= G + S   (activations are freed in backward as
                    gradients appear; the step's temporaries come after: planner.plan.MemoryBreakdown)
@@ -70,7 +67,7 @@ import highspy
 import numpy as np
 import pulp
 
-from planner.problem import ConversionTerm, EdgeTerm, Evaluation, Group, Problem, evaluate, price_edges
+from planner.problem import EdgeTerm, Evaluation, Group, Problem, evaluate, price_edges
 from planner.units import format_bytes
 
 log = logging.getLogger(__name__)
@@ -136,9 +133,6 @@ class _Model:
         self.budget_row: pulp.LpConstraint | None = None
         self.peak = lp.add_variable("peak", 0)
         mem = [m for g in problem.groups.values() for m in (*g.memory, *g.transient, *g.step_transient)] + [h.nbytes for h in problem.holds.values()]
-        mem += [c.transient for c in problem.conversions.values()]
-        # every plan's T is at least this: conversions whose working set is no larger need no row
-        self.transient_floor = max((min(g.transient) for g in problem.groups.values() if g.transient), default=0.0)
         self.m_unit = max([abs(m) for m in mem if m] or [1.0])
         times = [t for g in problem.groups.values() for t in g.time] + [c.cost for c in problem.conversions.values()]
         self.t_unit = max([abs(t) for t in times if t] or [1.0])
@@ -196,9 +190,8 @@ class _Model:
         the transportation form: e[S,T] >= 0 with sum_T e[S,T] = (producer outputs S) and
         sum_S e[S,T] = (consumer needs T), and y >= e[S,T]; with one-hot x, e is the indicator
         of the pair chosen, and the LP relaxation is far tighter than y >= x_u + x_v - 1.
-        A conversion that costs nothing and cannot raise T gets no variable (:meth:`_priced`); one
-        that only a single pair of a single edge can cause is that pair's e itself (y = e at the
-        optimum, without the row)."""
+        A conversion that costs nothing gets no variable; one that only a single pair of a single
+        edge can cause is that pair's e itself (y = e at the optimum, without the row)."""
         p = self.problem
         uses: dict[tuple[object, ...], int] = defaultdict(int)
         for key, term in p.conversions.items():
@@ -208,7 +201,7 @@ class _Model:
                 for key in keys:
                     uses[key] += 1
         for k, (key, term) in enumerate(p.conversions.items()):
-            if self._priced(term) and (uses[key] > 1 or any(gu == gv for gu, _, gv, _ in term.conditions)):
+            if term.cost and (uses[key] > 1 or any(gu == gv for gu, _, gv, _ in term.conditions)):
                 self.y[key] = self.lp.add_variable(f"y_{k}", 0, 1)
             for m, (gu, iu, gv, iv) in enumerate(term.conditions):
                 if gu == gv and key in self.y:
@@ -227,7 +220,7 @@ class _Model:
                 for key in keys:
                     if key in self.y:
                         self.lp += self.y[key] >= e[pair], f"edge_{k}_conv_{id(key) % 10**9}_{id(pair) % 10**9}"
-                    elif self._priced(p.conversions[key]):
+                    elif p.conversions[key].cost:
                         self.y[key] = e[pair]
 
     def hold(self) -> None:
@@ -263,18 +256,7 @@ class _Model:
                 return pulp.lpSum(e[(a, b)] for a in srcs for b in dsts)
         return None
 
-    def _priced(self, term: ConversionTerm) -> bool:
-        """Whether conversion ``term`` enters the model: it costs time, or its working set exceeds
-        T's floor (see :meth:`transient_bound`)."""
-        return bool(term.cost) or term.transient > self.transient_floor
-
     def transient_bound(self) -> None:
-        """T >= each group's working set under its strategy, and T >= transient[c] y[c] for every
-        conversion whose working set exceeds T's floor, max_g min_i transient[g,i] (a bound every
-        plan meets, so that a conversion below it can never be the largest)."""
-        for k, (key, term) in enumerate(self.problem.conversions.items()):
-            if term.transient > self.transient_floor and key in self.y:
-                self.lp += self.transient >= term.transient / self.m_unit * self.y[key], f"transient_conv_{k}"
         for g, grp in self.problem.groups.items():
             if any(grp.transient):
                 expr = pulp.lpSum(t / self.m_unit * v for t, v in zip(grp.transient, self.x[g], strict=True))

@@ -37,9 +37,9 @@ from runtime.kernels import (
     CrossEntropyKernel,
     EmbeddingKernel,
     Kernel,
-    LayerNormKernel,
     LinearKernel,
     MeanKernel,
+    NormKernel,
     RegatherKernel,
     Slot,
     SummaKernel,
@@ -305,12 +305,12 @@ class _Builder:
             return cls(node.name, template, partial, self.mg, with_bias=np.raw_output is None)
         if np.kernel == "summa":
             return SummaKernel(node.name, template, self.mg, self.rec)
-        if np.kernel == "layer_norm":
+        if np.kernel in ("layer_norm", "rms_norm"):
             x = ins[0]
             assert x is not None
             norm = len(self.fx_nodes[node.name].args[1])
             axes = self.mg.mesh.sort_axes({a for d in x.layout.dims[x.layout.ndim - norm :] for a in d})
-            return LayerNormKernel(node.name, template, axes, self.mg, self.rec)
+            return NormKernel(node.name, template, np.kernel == "rms_norm", axes, self.mg, self.rec)
         if np.kernel == "embedding":
             w = ins[0]
             assert w is not None

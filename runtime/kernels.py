@@ -107,23 +107,24 @@ class EmbeddingKernel(Kernel):
         return out.masked_fill(outside.unsqueeze(-1), 0.0)
 
 
-class _SplitLayerNorm(torch.autograd.Function):
-    """LayerNorm over ``dims`` (``count`` values per row in all) whose values are split over
-    ``axes``: the row sums are all-reduced. Saves what aten's layer_norm saves (the input, the row
-    mean and 1/std) and recomputes the normalised rows in backward; with g = dy * w and
-    xhat = (x - mean) / std,
+class _SplitNorm(torch.autograd.Function):
+    """LayerNorm (``centre``) or RMSNorm over ``dims`` (``count`` values per row in all) whose
+    values are split over ``axes``: the row sums are all-reduced. Saves what aten's kernels save
+    (the input, the row mean and 1/std) and recomputes the normalised rows in backward; with
+    g = dy * w and xhat = (x - mean) / std (RMSNorm: mean = 0, std = the root mean square),
 
         dx = (g - mean_row(g) - xhat * mean_row(g * xhat)) / std,   dw = sum_rows(dy * xhat),   db = sum_rows(dy)
 
-    where mean_row sums over the group (the two backward all-reduces)."""
+    where mean_row sums over the group: LayerNorm all-reduces twice forward (mean, variance) and
+    twice backward; RMSNorm, without the mean_row(g) term, once each way."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, dims: tuple[int, ...], count: int,  # type: ignore[override]
-                eps: float, axes: tuple[str, ...], mg: MeshGroups, rec: CommRecorder) -> torch.Tensor:
-        mean = all_reduce(x.sum(dim=dims, keepdim=True), axes, mg, rec, "fwd") / count
-        centred = x - mean
+                eps: float, centre: bool, axes: tuple[str, ...], mg: MeshGroups, rec: CommRecorder) -> torch.Tensor:
+        mean = all_reduce(x.sum(dim=dims, keepdim=True), axes, mg, rec, "fwd") / count if centre else None
+        centred = x - mean if mean is not None else x
         rstd = torch.rsqrt(all_reduce((centred * centred).sum(dim=dims, keepdim=True), axes, mg, rec, "fwd") / count + eps)
-        y = centred.mul_(rstd)
+        y = centred.mul_(rstd) if mean is not None else centred * rstd
         if weight is not None:
             y = y.mul_(weight)
         if bias is not None:
@@ -136,35 +137,43 @@ class _SplitLayerNorm(torch.autograd.Function):
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         x, mean, rstd, weight = ctx.saved_tensors
         dims, count, axes, mg, rec = ctx.dims, ctx.count, ctx.axes, ctx.mg, ctx.rec
-        xhat = (x - mean).mul_(rstd)
+        xhat = (x - mean).mul_(rstd) if mean is not None else x * rstd
         rows = tuple(range(x.dim() - len(dims)))
         dw = (dy * xhat).sum(dim=rows) if weight is not None and ctx.needs_input_grad[1] else None
         db = dy.sum(dim=rows) if ctx.needs_input_grad[2] else None
         g = dy * weight if weight is not None else dy
-        mean_g = all_reduce(g.sum(dim=dims, keepdim=True), axes, mg, rec, "bwd") / count
         mean_gx = all_reduce((g * xhat).sum(dim=dims, keepdim=True), axes, mg, rec, "bwd") / count
-        dx = (g - mean_g).sub_(xhat.mul_(mean_gx)).mul_(rstd)
-        return dx, dw, db, None, None, None, None, None, None
+        if mean is not None:
+            mean_g = all_reduce(g.sum(dim=dims, keepdim=True), axes, mg, rec, "bwd") / count
+            dx = (g - mean_g).sub_(xhat.mul_(mean_gx)).mul_(rstd)
+        else:
+            dx = (g - xhat.mul_(mean_gx)).mul_(rstd)
+        return dx, dw, db, None, None, None, None, None, None, None
 
 
-class LayerNormKernel(Kernel):
-    """LayerNorm with the normalised dim split over ``axes``: row mean and variance are sums
-    all-reduced over the group (two all-reduces forward, two backward: :class:`_SplitLayerNorm`)."""
+class NormKernel(Kernel):
+    """LayerNorm (``aten.layer_norm(x, shape, weight, bias, eps)``) or RMSNorm
+    (``aten.rms_norm(x, shape, weight, eps)``) with the normalised dims split over ``axes``: the
+    row statistics are sums all-reduced over the group (:class:`_SplitNorm`)."""
 
-    def __init__(self, name: str, arg_template: Any, axes: tuple[str, ...], mg: MeshGroups, rec: CommRecorder) -> None:
-        super().__init__(name, torch.ops.aten.layer_norm.default, arg_template)
-        self.axes, self.mg, self.rec = axes, mg, rec
+    def __init__(self, name: str, arg_template: Any, rms: bool, axes: tuple[str, ...], mg: MeshGroups, rec: CommRecorder) -> None:
+        super().__init__(name, torch.ops.aten.rms_norm.default if rms else torch.ops.aten.layer_norm.default, arg_template)
+        self.rms, self.axes, self.mg, self.rec = rms, axes, mg, rec
 
     def forward(self, *tensors: torch.Tensor) -> Any:
         args, kwargs = fill(self.arg_template, tensors)
         args = list(args) + [None] * (5 - len(args))
-        x, shape, weight, bias = args[0], args[1], args[2], args[3]
-        eps = args[4] if args[4] is not None else kwargs.get("eps", 1e-5)
+        if self.rms:  # (x, shape, weight, eps): eps None is the dtype's machine epsilon, as torch's
+            x, shape, weight, bias, eps = args[0], args[1], args[2], None, args[3] if args[3] is not None else kwargs.get("eps")
+            eps = eps if eps is not None else torch.finfo(x.dtype).eps
+        else:
+            x, shape, weight, bias = args[0], args[1], args[2], args[3]
+            eps = args[4] if args[4] is not None else kwargs.get("eps", 1e-5)
         dims = tuple(range(x.dim() - len(shape), x.dim()))
         count = 1
         for n in shape:
             count *= n
-        return _SplitLayerNorm.apply(x, weight, bias, dims, count, eps, self.axes, self.mg, self.rec)
+        return _SplitNorm.apply(x, weight, bias, dims, count, eps, not self.rms, self.axes, self.mg, self.rec)
 
 
 class _VocabParallelCE(torch.autograd.Function):

@@ -189,8 +189,8 @@ def measure_peak_memory(rank: int, world: int, cases: list[tuple[str, str]]) -> 
             graphs[name] = trace(model, *batches[0])
         pm = compile_plan(plan, model, *batches[0], graph=graphs[name])
         opt = pm.make_optimizer(torch.optim.AdamW, lr=1e-3)
-        measured = []
-        for args, kwargs in batches:
+        measured = (0, 0)
+        for k, (args, kwargs) in enumerate(batches):
             local_args, local_kwargs = pm.shard_batch(*args, **kwargs)
 
             def step(pm: Any = pm, opt: Any = opt, local_args: Any = local_args, local_kwargs: Any = local_kwargs) -> None:
@@ -198,10 +198,13 @@ def measure_peak_memory(rank: int, world: int, cases: list[tuple[str, str]]) -> 
                 opt.step()
                 opt.zero_grad(set_to_none=True)
 
+            if k == 0:  # the warm-up, unmeasured
+                step()
+                continue
             held = [*pm.parameters(), *(t for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor))]
-            measured.append(peak_over(step, held))
+            measured = peak_over(step, held)
         m = plan.memory_breakdown
-        out.append({"peak": measured[-1][0], "start": measured[-1][1], "predicted": plan.peak_memory_bytes,
+        out.append({"peak": measured[0], "start": measured[1], "predicted": plan.peak_memory_bytes,
                     "breakdown": {"params": m.params, "grads": m.grads, "optimizer": m.optimizer, "activations": m.activations,
                                   "transient": m.transient, "step_transient": m.step_transient}})
     return out

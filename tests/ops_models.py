@@ -4,7 +4,7 @@
 norm from ``var_mean``, attention from one fused projection cut by ``split`` and re-joined by
 ``chunk``/``cat``, a top-k mixture of experts written by hand (``topk`` of the router's
 probabilities, the gates ``scatter``-ed into a dense [tokens, experts] matrix and read back with
-``gather``, experts as batched matmuls, gate and up projections cut by ``split_with_sizes``), and
+``gather``, experts as batched matmuls, gate and up projections cut by ``split_with_sizes``), torch's ``nn.RMSNorm`` (``aten.rms_norm``) and
 a loss with extra terms from ``max.dim``, ``sort`` and ``unbind`` of the logits.
 """
 
@@ -29,6 +29,7 @@ class Routed(nn.Module):
         self.router = nn.Linear(HIDDEN, EXPERTS, bias=False)
         self.w_in = nn.Parameter(torch.randn(EXPERTS, HIDDEN, 2 * FFN) * 0.1)
         self.w_out = nn.Parameter(torch.randn(EXPERTS, FFN, HIDDEN) * 0.1)
+        self.norm = nn.RMSNorm(HIDDEN)
         self.head = nn.Linear(HIDDEN, VOCAB)
 
     def forward(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -49,7 +50,7 @@ class Routed(nn.Module):
         gate, lin = up.split_with_sizes([FFN, FFN], dim=-1)
         expert = torch.bmm(F.silu(gate) * lin, self.w_out)
         x = x + (expert * gates.t().unsqueeze(-1)).sum(0).view(b, t, HIDDEN)
-        logits = self.head(x)
+        logits = self.head(self.norm(x))
         best, _ = logits.max(dim=-1)
         ranked, _ = logits.sort(dim=-1, descending=True)
         first, second = ranked[..., :2].unbind(-1)

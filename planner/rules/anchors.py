@@ -201,6 +201,13 @@ def _layer_norm(ctx: RuleContext) -> list[Strategy]:
     """Rows split freely; the normalised dim split too (2-D/3-D), when the kernel all-reduces the
     row statistics over those axes: mean and variance forward, and the two row sums of the
     gradient backward (one all-reduce each, of one value per local row)."""
+    return _norm_strategies(ctx, "layer_norm", 2)
+
+
+def _norm_strategies(ctx: RuleContext, kernel: str, stats: int) -> list[Strategy]:
+    """A norm over the trailing ``len(args[1])`` dims (weight and bias of that shape): rows split
+    freely; one normalised dim split too, by the ``kernel`` that all-reduces ``stats`` row sums
+    over its axes forward and as many backward (runtime.kernels.NormKernel)."""
     x_shape = ctx.in_shape(0)
     norm = len(ctx.args[1])
     batch = letter_range(len(x_shape) - norm)
@@ -219,8 +226,8 @@ def _layer_norm(ctx: RuleContext) -> list[Strategy]:
         rows = 1
         for c in batch:
             rows *= sizes[c] // ctx.mesh.group_size(assign[c])
-        stats = [Comm("all_reduce", hidden_axes, rows * itemsize, "fwd")] * 2 + [Comm("all_reduce", hidden_axes, rows * itemsize, "bwd")] * 2
-        result.append(Strategy("split-hidden", "layer_norm", ins, (Spec(out),), split, tuple(stats)))
+        comms = [Comm("all_reduce", hidden_axes, rows * itemsize, "fwd")] * stats + [Comm("all_reduce", hidden_axes, rows * itemsize, "bwd")] * stats
+        result.append(Strategy("split-hidden", kernel, ins, (Spec(out),), split, tuple(comms)))
     return result
 
 
@@ -362,16 +369,7 @@ def _grouped_mm(ctx: RuleContext) -> list[Strategy]:
 
 @anchor_rule("aten.rms_norm.default")
 def _rms_norm(ctx: RuleContext) -> list[Strategy]:
-    """``rms_norm(x, shape, weight, eps)`` (torch's nn.RMSNorm): rows split freely, the normalised
-    dims whole (the row's mean square needs them); the weight replicated over the rows' axes."""
-    x_shape = ctx.in_shape(0)
-    norm = len(ctx.args[1])
-    batch = letter_range(len(x_shape) - norm)
-    hidden = letter_range(norm, "p")
-    sizes = dict(zip(batch + hidden, x_shape, strict=True))
-    operands = [Operand(batch + hidden, ctx.is_param(0), ctx.needs_grad(0))]
-    operands += [Operand(hidden, ctx.is_param(i), ctx.needs_grad(i)) for i in range(1, len(ctx.node.inputs))]
-    return [
-        Strategy(split_label(ctx.mesh, split), "op", ins, (Spec(out),), split)
-        for ins, out, split, _ in einsum_strategies(ctx.mesh, operands, batch + hidden, sizes, splittable=batch, all_or_none=False)
-    ]
+    """``rms_norm(x, shape, weight, eps)`` (torch's nn.RMSNorm): as LayerNorm, one row statistic
+    (the mean square) all-reduced forward and one row sum of the gradient backward when the
+    normalised dim is split."""
+    return _norm_strategies(ctx, "rms_norm", 1)
