@@ -72,7 +72,7 @@ def _failed_node(gm: torch.fx.GraphModule, exc: BaseException) -> torch.fx.Node 
     lineno_map = getattr(gm, "_lineno_map", None)
     if line is None or not lineno_map:
         return None
-    index = lineno_map.get(line - gm._prologue_start + 1)
+    index = lineno_map.get(line - gm._prologue_start)
     nodes = list(gm.graph.nodes)
     return nodes[index] if index is not None and index < len(nodes) else None
 
