@@ -159,9 +159,10 @@ def step_peak(step: Step, local_bytes_before: int, mesh: Mesh) -> int:
 
         all_reduce      s + o          (a copy, reduced in place)
         all_gather      s + 2 o        (gathered into the result; gloo stages the o bytes in a flat
-                                        buffer of its own while the collective runs)
-        reduce_scatter  s + s          (chunks passed as views; gloo copies this rank's chunk into
-                                        the output and clones the other n - 1: s in all)
+                                        buffer of its own while the collective runs, or, where the
+                                        result's chunks are not contiguous, into n parts, then cat)
+        reduce_scatter  s + s          (chunks passed as views where contiguous; gloo copies this
+                                        rank's chunk into the output and clones the other n - 1)
         slice           s + o          (a copy, so that the whole tensor can be freed)
         zero            s + o          (the value times 1 or 0)
 

@@ -450,20 +450,13 @@ def _price_nodes(problem: Problem, optimizer: str, master_itemsize: int | None) 
             group.memory[i] += internal * count
 
 
-@functools.lru_cache(maxsize=65536)
-def _own_conversion(src: Spec, dst: Spec, mesh: Mesh) -> Conversion:
-    """The steps of a conversion a strategy runs inside (its own output reduction, its re-gathers)."""
-    return spec_conversion(src, dst, mesh)
-
-
-def _conversion_working_set(nbytes: int, src: Spec, dst: Spec, mesh: Mesh, with_grad: bool) -> int:
-    """The larger working set of the two halves of ``src -> dst`` on a tensor of ``nbytes``
-    (:func:`planner.cost.steps_working_set`; backward on the gradient, in ``dst``)."""
-    conv = _own_conversion(src, dst, mesh)
-    peak = steps_working_set(conv.forward, nbytes // src.layout.shard_factor(mesh), mesh)
-    if with_grad:
-        peak = max(peak, steps_working_set(conv.backward, nbytes // dst.layout.shard_factor(mesh), mesh))
-    return peak
+def _conversion_working_sets(nbytes: int, src: Spec, dst: Spec, mesh: Mesh) -> tuple[int, int]:
+    """The working sets of the two halves of ``src -> dst`` on a tensor of ``nbytes``
+    (:func:`planner.cost.steps_working_set`): the forward steps on its local bytes in ``src``, the
+    backward steps on its gradient's in ``dst``."""
+    conv = _conversion_cache(mesh).conversion(spec_id(src), spec_id(dst))
+    return (steps_working_set(conv.forward, nbytes // src.layout.shard_factor(mesh), mesh),
+            steps_working_set(conv.backward, nbytes // dst.layout.shard_factor(mesh), mesh))
 
 
 def op_working_set(graph: IRGraph, node: Node, strategy: Strategy, mesh: Mesh, internal: float) -> float:
@@ -490,13 +483,11 @@ def op_working_set(graph: IRGraph, node: Node, strategy: Strategy, mesh: Mesh, i
     peak = kernel_in + out_local + internal
     final = strategy.outputs[0]
     if strategy.raw_output is not None and final is not None:
-        peak = max(peak, _conversion_working_set(node.out.nbytes, strategy.raw_output, final, mesh, node.requires_grad))
+        reduce, gather = _conversion_working_sets(node.out.nbytes, strategy.raw_output, final, mesh)
+        peak = max(peak, reduce, gather if node.requires_grad else 0)
     for p, compute in strategy.regather:
         nbytes = _input_spec_bytes(graph, node.inputs[p])
-        arrival = strategy.inputs[p]
-        conv = _own_conversion(arrival, compute, mesh)
-        gather = steps_working_set(conv.forward, nbytes // arrival.layout.shard_factor(mesh), mesh)
-        reduce = steps_working_set(conv.backward, nbytes // compute.layout.shard_factor(mesh), mesh)
+        gather, reduce = _conversion_working_sets(nbytes, strategy.inputs[p], compute, mesh)
         peak = max(peak, kernel_in - nbytes // compute.layout.shard_factor(mesh) + gather, reduce)
     return peak
 
@@ -550,7 +541,8 @@ class _ConversionCache:
         self.steps: dict[tuple[int, int], Conversion] = {}
         self.comms: dict[tuple[int, int, int, bool], tuple[Comm, ...]] = {}
 
-    def _steps(self, a: int, b: int) -> Conversion:
+    def conversion(self, a: int, b: int) -> Conversion:
+        """The steps from Spec id ``a`` to ``b``."""
         conv = self.steps.get((a, b))
         if conv is None:
             conv = self.steps[(a, b)] = spec_conversion(spec_of(a), spec_of(b), self.mesh)
@@ -560,7 +552,7 @@ class _ConversionCache:
         key = (a, b, nbytes, with_grad)
         comms = self.comms.get(key)
         if comms is None:
-            mesh, conv = self.mesh, self._steps(a, b)
+            mesh, conv = self.mesh, self.conversion(a, b)
             comms = steps_comms(conv.forward, nbytes // spec_of(a).layout.shard_factor(mesh), mesh, "fwd")
             if with_grad:
                 comms += steps_comms(conv.backward, nbytes // spec_of(b).layout.shard_factor(mesh), mesh, "bwd")

@@ -224,13 +224,13 @@ class ParallelModule(torch.nn.Module):
         fx_node = _failed_node(self.graph_module, exc)
         traced = self.node_origin.get(fx_node.name) if fx_node is not None else None
         node = self.graph.nodes.get(traced) if traced is not None else None
-        if node is None:
+        if fx_node is None or node is None:
             return exc
         planned = next((n for n in self.plan.nodes if n.name == node.name), None)
         specs = f"; planned {planned.algorithm}, inputs {list(planned.inputs)} -> outputs {list(planned.outputs)}" if planned is not None else ""
         where = source_line(self.graph, node.name)
         return KernelError(
-            f"rank-local op {fx_node.name if fx_node is not None else '?'} for traced node {node.name} ({node.target}) in module "
+            f"rank-local op {fx_node.name} for traced node {node.name} ({node.target}) in module "
             f"{node.module_path or '<root>'}{specs}\n  model source: {where or 'not recorded'}\n  {type(exc).__name__}: {exc}\n"
             "runtime.debug.first_divergence on a plan that runs finds a wrong value; a failing op is a runtime bug: report it with this message"
         )

@@ -10,7 +10,8 @@ tensor-parallel plans use their family on every op that multiplies by a weight, 
 allow) and nothing falls back to replication; three optimizer steps in float64 give the single
 device's losses, gradients and parameters to 1e-9; the collectives executed equal the plan's
 priced list. The same plans made for float32 and trained with AdamW hold, per rank, a peak within
-10 % of the plan's prediction, measured by the CPU allocator (tests/memory_probe.py).
+10 % of the plan's prediction, measured by the CPU allocator (tests/memory_probe.py), except the
+open gaps of MEMORY_GAPS (a strict xfail holds them to the same 10 %).
 
 One world per size runs every check (run_many): spawning 8 ranks and importing transformers in
 each are most of the cost.
