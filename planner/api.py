@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from planner.buckets import DEFAULT_BUCKET_BYTES
 from planner.hardware import HardwareProfile, load_profile
 from planner.ir import IRGraph
 from planner.plan import Plan
@@ -83,6 +84,7 @@ def plan_model(
     max_points: int | None = 8,
     progress: Callable[[str], None] | None = None,
     workers: int | None = None,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
 ) -> PlanningResult:
     """Trace ``model`` on the example inputs (a full global batch), search every configuration's
     time/memory front and pick a point by ``objective``: ``"time"`` the fastest plan that fits,
@@ -94,6 +96,8 @@ def plan_model(
     ``micro_batches``: gradient-accumulation counts to search (e.g. ``(1, 2, 4)``): a plan with
     ``m`` runs ``m`` micro-batches of the batch / ``m`` one after another and syncs gradients once
     (``ParallelModule.forward_backward`` runs one such step).
+
+    ``bucket_bytes``: the gradient sync's bucket size (DDP's 25 MiB by default; :mod:`planner.buckets`).
 
     Mixed precision: hand the model in its compute dtype (``model.to(torch.bfloat16)``) and set
     ``master_dtype="float32"``; the optimizer then keeps float32 master weights and states."""
@@ -108,7 +112,7 @@ def plan_model(
     name = model_name or type(model).__name__
     result = search(graph, space, hw, model_name=name, memory_budget=memory_budget, objective=objective, optimizer=optimizer,
                     master_dtype=master_dtype, prefetch=prefetch, settings=solver, front=front, resolution=resolution,
-                    max_points=max_points, progress=progress, workers=workers,
+                    max_points=max_points, progress=progress, workers=workers, bucket_bytes=bucket_bytes,
                     micro_graph=lambda m: trace(model, *micro_batch_inputs(tuple(example_inputs or ()), example_kwargs, m)))
     report = format_search(result, model_name=name, devices=devices, hardware=hw, trace_seconds=trace_s, graph=graph)
     return PlanningResult(result.best, result, report, graph)

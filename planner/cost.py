@@ -99,22 +99,27 @@ def _spans_nodes(axes: tuple[str, ...], mesh: Mesh, devices_per_node: int) -> bo
 
 
 def comm_time(comm: Comm, mesh: Mesh, hw: HardwareProfile) -> float:
+    """Alpha-beta time of ``comm`` on its group's tier: ``steps`` latencies plus the bytes each
+    rank sends over the bandwidth. A bucketed gradient all-reduce (``bucket_bytes``) pays its
+    share of one bucket's latency, ``nbytes / bucket_bytes`` of it (all of it when it is a bucket
+    alone); its bytes travel as they would alone."""
     n = mesh.group_size(comm.axes)
     if n <= 1 or comm.nbytes == 0:
         return 0.0
     tier = hw.tier(spans_nodes(comm.axes, mesh, hw))
     bw = tier.bandwidth * hw.bandwidth_efficiency
     if comm.kind == "all_reduce":
-        return 2 * (n - 1) * tier.latency + 2 * (n - 1) / n * comm.nbytes / bw
-    if comm.kind in ("all_gather", "reduce_scatter"):
-        return (n - 1) * tier.latency + (n - 1) / n * comm.nbytes / bw
-    if comm.kind in ("broadcast", "reduce"):  # pipelined binomial tree: log2(n) steps, S/b stream
-        return math.ceil(math.log2(n)) * tier.latency + comm.nbytes / bw
-    if comm.kind == "send":  # one point-to-point message between two ranks of the group
-        return tier.latency + comm.nbytes / bw
-    if comm.kind == "all_to_all":
-        return (n - 1) * tier.latency + (n - 1) / n * comm.nbytes / bw
-    raise ValueError(f"no cost formula for collective {comm.kind}")
+        steps, sent = 2 * (n - 1), 2 * (n - 1) / n * comm.nbytes
+    elif comm.kind in ("all_gather", "reduce_scatter", "all_to_all"):
+        steps, sent = n - 1, (n - 1) / n * comm.nbytes
+    elif comm.kind in ("broadcast", "reduce"):  # pipelined binomial tree: log2(n) steps, S/b stream
+        steps, sent = math.ceil(math.log2(n)), comm.nbytes
+    elif comm.kind == "send":  # one point-to-point message between two ranks of the group
+        steps, sent = 1, comm.nbytes
+    else:
+        raise ValueError(f"no cost formula for collective {comm.kind}")
+    share = min(1.0, comm.nbytes / comm.bucket_bytes) if comm.bucket_bytes else 1.0
+    return steps * tier.latency * share + sent / bw
 
 
 def ring_volume(comm: Comm, mesh: Mesh) -> float:

@@ -75,7 +75,7 @@ def collective_seconds(record: CommRecord, plan: Plan, hardware: HardwareProfile
     """Seconds one instance of ``record`` takes on the plan's mesh (alpha-beta ring model), or
     None for a kind the cost model has no formula for."""
     try:
-        return comm_time(Comm(record.kind, record.axes, record.nbytes, record.phase), plan.mesh_obj, hardware)
+        return comm_time(Comm(record.kind, record.axes, record.nbytes, record.phase, record.bucket_bytes), plan.mesh_obj, hardware)
     except ValueError:
         return None
 

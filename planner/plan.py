@@ -14,6 +14,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from planner.buckets import DEFAULT_BUCKET_BYTES
 from planner.ir import IRGraph
 from planner.layout import Spec, parse_spec
 from planner.mesh import Mesh
@@ -52,6 +53,19 @@ class CommRecord(_Frozen):
     nbytes: int
     phase: Literal["fwd", "bwd", "step"]
     count: int
+    bucket_bytes: int = Field(default=0, description="a gradient bucket's collective, priced as its gradients' shares (planner.buckets)")
+
+
+class GradBucket(_Frozen):
+    """One bucket of the gradient sync: the gradients of ``params`` (traced parameter nodes, in
+    packing order), summed over ``axes`` by ``collectives`` ((kind, phase): an all-reduce, or
+    ZeRO-1/2's reduce-scatter and all-gather of the updated slices; :mod:`planner.buckets`)."""
+
+    axes: tuple[str, ...]
+    dtype: str
+    params: tuple[str, ...]
+    nbytes: int
+    collectives: tuple[tuple[str, str], ...] = (("all_reduce", "step"),)
 
 
 class MemoryBreakdown(_Frozen):
@@ -102,6 +116,8 @@ class Plan(_Frozen):
     master_dtype: str | None = Field(default=None, description="mixed precision: the optimizer's master weights and states dtype")
     memory_budget_bytes: int
     zero_prefetch: bool = Field(default=False, description="ZeRO-3 parameter gathers started one ahead, overlapping compute")
+    grad_bucket_bytes: int = Field(default=DEFAULT_BUCKET_BYTES, gt=0, description="gradient all-reduces packed into buckets of this size")
+    grad_buckets: tuple[GradBucket, ...] = Field(default=(), description="the gradient sync's all-reduces, in the order they fill")
     step_time_s: float
     compute_time_s: float
     comm_time_s: float

@@ -28,6 +28,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from planner.buckets import DEFAULT_BUCKET_BYTES
 from planner.cdp import LOSS_TARGETS
 from planner.cost import (
     comm_time,
@@ -63,6 +64,7 @@ class Group:
     comms: list[list[tuple[Comm, int]]] = field(default_factory=list)  # (comm, multiplicity) per strategy
     transient: list[float] = field(default_factory=list)
     step_transient: list[float] = field(default_factory=list)  # gradient sync / optimizer step temporaries
+    bucketed: list[float] = field(default_factory=list)  # gradient bytes packed into buckets (planner.buckets), all instances
     # the most of time[i] evaluate() may hide behind compute (ZeRO-3 prefetch: the forward compute
     # of the group's ops; CDP: its point-to-point messages); 0 where nothing overlaps
     credit: list[float] = field(default_factory=list)
@@ -128,10 +130,23 @@ class Problem:
     # gradient accumulation: the graph is one micro-batch; a step runs this many of them one after
     # another and syncs gradients once (forward/backward terms repeat, the step phase does not)
     micro_batches: int = 1
+    # gradient all-reduces packed into buckets of this many bytes (planner.buckets)
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    packed_whole: bool = True  # every packed gradient fits one bucket, whatever the choices
 
     def repeats(self, comm: Comm) -> int:
         """How many times per step ``comm`` runs: once per micro-batch, except the step phase's."""
         return 1 if comm.phase == "step" else self.micro_batches
+
+    def bucket_transient(self, packed: float) -> float:
+        """The gradient sync's largest temporary when ``packed`` bytes of gradients are packed into
+        buckets: a bucket's buffer, cut from its gradients when the last arrives (they then live in
+        it; runtime.buckets). All of ``packed`` when every choice packs into one bucket (linear);
+        otherwise a full bucket in every plan (at most one bucket too many, for a plan that packs
+        less, on a model whose gradients can fill several)."""
+        if self.packed_whole:
+            return packed
+        return float(self.bucket_bytes)
 
     @property
     def num_choices(self) -> int:
@@ -155,6 +170,7 @@ def build_problem(
     allow: StrategyFilter | None = None,
     edges: bool = True,
     micro_batches: int = 1,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
 ) -> Problem:
     """``micro_batches`` (gradient accumulation): ``graph`` is traced on one micro-batch (the
     global batch / ``micro_batches``); a step runs the forward and backward that many times,
@@ -175,6 +191,9 @@ def build_problem(
     before use (kept for backward, or, ``+zero3`` strategies, freed and gathered again), and their
     gradients reduce-scattered in backward: 3(D-1)/D b when re-gathered. A parameter whose dims
     cannot be split D ways stays as in stage 0.
+
+    ``bucket_bytes``: the size of the buckets gradient all-reduces are packed into (ZeRO-0 and
+    ZeRO-3's unsplittable parameters; :mod:`planner.buckets`), priced as each gradient's share.
 
     ``master_dtype`` (e.g. ``"float32"``, mixed precision): parameters and gradients stay in the
     traced dtype, the optimizer adds a master copy and keeps its states in ``master_dtype``
@@ -264,11 +283,14 @@ def build_problem(
     problem = Problem(mesh, hardware, graph, groups, node_group, choices, conversions={}, holds={}, instances=dict(instances))
     problem.zero_stage = zero_stage
     problem.micro_batches = micro_batches
+    problem.bucket_bytes = bucket_bytes
     problem.master_dtype = master_dtype
     problem.prefetch = prefetch and zero_stage == 3 and bool(dp_axes)
     problem.cdp, problem.cdp_stages, problem.param_stage = cdp, (cdp_stages if cdp != "off" else 0), param_stage
     master_itemsize = dtype_itemsize(master_dtype) if master_dtype else None
     _price_nodes(problem, optimizer, master_itemsize)
+    most = sum(max(g.bucketed) for g in groups.values() if g.bucketed)
+    problem.packed_whole = most <= bucket_bytes  # no gradient packed (most = 0) is whole too
     problem.build_seconds = time.perf_counter() - t0
     if edges:
         price_edges(problem)
@@ -337,9 +359,10 @@ def zero_dim(local_shape: tuple[int, ...], degree: int) -> int | None:
 
 
 def zero_param_terms(
-    shape: tuple[int, ...], itemsize: int, spec: Spec, mesh: Mesh, stage: int, opt_factor: float
+    shape: tuple[int, ...], itemsize: int, spec: Spec, mesh: Mesh, stage: int, opt_factor: float, bucket_bytes: int = 0
 ) -> tuple[float, float, float, list[Comm]]:
-    """(parameter, gradient, optimizer-state bytes held per device, step-phase collectives)."""
+    """(parameter, gradient, optimizer-state bytes held per device, step-phase collectives). A
+    gradient's collectives are packed into ``bucket_bytes`` buckets (0: alone)."""
     local_shape = spec.layout.local_shape(shape, mesh)
     local = float(itemsize)
     for n in local_shape:
@@ -351,9 +374,9 @@ def zero_param_terms(
     if stage in (1, 2) and zero_dim(local_shape, degree) is not None:
         # stage 2 reduce-scatters each gradient as soon as backward has it (and frees it)
         grads = local / degree if stage == 2 else local
-        comms = [Comm("reduce_scatter", dp, int(local), "bwd" if stage == 2 else "step"), Comm("all_gather", dp, int(local), "step")]
+        comms = [Comm("reduce_scatter", dp, int(local), "bwd" if stage == 2 else "step", bucket_bytes), Comm("all_gather", dp, int(local), "step", bucket_bytes)]
         return local, grads, local * opt_factor / degree, comms
-    return local, local, local * opt_factor, [Comm("all_reduce", dp, int(local), "step")]
+    return local, local, local * opt_factor, [Comm("all_reduce", dp, int(local), "step", bucket_bytes)]
 
 
 def _input_spec_bytes(graph: IRGraph, ref: InputRef) -> int:
@@ -387,7 +410,8 @@ def _price_nodes(problem: Problem, optimizer: str, master_itemsize: int | None) 
                 spec = strategy.outputs[0]
                 assert spec is not None
                 opt_factor = optimizer_bytes_per_value(optimizer, node.out.itemsize, master_itemsize) / node.out.itemsize
-                params, grads, states, step = zero_param_terms(node.out.shape, node.out.itemsize, spec, mesh, problem.zero_stage, opt_factor)
+                params, grads, states, step = zero_param_terms(node.out.shape, node.out.itemsize, spec, mesh, problem.zero_stage, opt_factor,
+                                                               problem.bucket_bytes)
                 if problem.cdp != "off":  # the chain and the ring instead of the all-reduce
                     params, grads, states, step = zero_param_terms(node.out.shape, node.out.itemsize, spec, mesh, 0, opt_factor)
                     step = [Comm("send", c.axes, c.nbytes, "bwd") for c in step for _ in range(2)]
@@ -404,6 +428,9 @@ def _price_nodes(problem: Problem, optimizer: str, master_itemsize: int | None) 
                     else:
                         params += params  # the previous parameter version
                 comms += step
+                if not group.bucketed:
+                    group.bucketed = [0.0] * len(group.strategies)
+                group.bucketed[i] += max((c.nbytes for c in step if c.bucket_bytes), default=0) * count
                 p, g, o = group.param_memory[i]
                 group.param_memory[i] = (p + params * count, g + grads * count, o + states * count)
                 group.memory[i] += (params + grads + states) * count
@@ -493,9 +520,23 @@ def op_working_set(graph: IRGraph, node: Node, strategy: Strategy, mesh: Mesh, i
 
 
 def _root(graph: IRGraph, ref: InputRef) -> InputRef:
+    """The tensor whose storage a saved ``ref`` keeps alive, as a hold term counts it: up through
+    alias ops (views, transposes, reshapes, expands) while they do not cut a piece, so every
+    consumer that saves one storage through different views shares one term. A piece (of a split
+    or chunk, smaller than what it is cut from) is its own tensor: saved in another layout than it was made in, what backward holds
+    is the converted copy, of the piece's size (measured, HF Mixtral under 1-D: the gate and up
+    halves of the experts' fused projection, all-reduced for a replicated SiLU and reduce-scattered
+    for the product, hold 40 KB; the fused output the halves are cut from would count 80 KB), and
+    saved as made, the pieces a model cuts are saved together (q, k, v; gate and up) and add up to
+    the whole."""
+    meta = graph.nodes[ref.node].outputs[ref.index]
     node = graph.nodes[ref.node]
     while node.kind == "op" and node.alias_input is not None and node.inputs:
-        ref = node.inputs[node.alias_input]
+        up = node.inputs[node.alias_input]
+        up_meta = graph.nodes[up.node].outputs[up.index]
+        if up_meta is None or meta is None or up_meta.nbytes > meta.nbytes:
+            break
+        ref, meta = up, up_meta
         node = graph.nodes[ref.node]
     return ref
 
@@ -721,7 +762,7 @@ def evaluate(problem: Problem, assignment: dict[str, int]) -> Evaluation:
     total = 0.0
     comm_t = 0.0
     params = grads = opt = act = 0.0
-    transient = step_t = 0.0
+    transient = step_t = packed = 0.0
     comms: list[tuple[Comm, int]] = []
     for key, group in problem.groups.items():
         i = assignment[key]
@@ -734,7 +775,10 @@ def evaluate(problem: Problem, assignment: dict[str, int]) -> Evaluation:
         transient = max(transient, group.transient[i])
         if group.step_transient:
             step_t = max(step_t, group.step_transient[i])
+        if group.bucketed:
+            packed += group.bucketed[i]
         comms.extend(group.comms[i])
+    step_t = max(step_t, problem.bucket_transient(packed))
     for term in problem.conversions.values():
         if any(assignment[gu] in iu and assignment[gv] in iv for gu, iu, gv, iv in term.conditions):
             total += term.cost

@@ -28,6 +28,7 @@ from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, NamedTuple, TypeVar
 
+from planner.buckets import DEFAULT_BUCKET_BYTES, Bucket, Gradient, pack
 from planner.cdp import PipelineEstimate, pipeline_estimate
 from planner.front import (
     Point,
@@ -43,8 +44,8 @@ from planner.front import (
 from planner.hardware import HardwareProfile
 from planner.ir import IRGraph
 from planner.mesh import Mesh, mesh_text
-from planner.plan import CommRecord, MemoryBreakdown, NodePlan, Plan, SolverInfo, TPFamily, fingerprint
-from planner.problem import Evaluation, Problem, StrategyFilter, build_problem
+from planner.plan import CommRecord, GradBucket, MemoryBreakdown, NodePlan, Plan, SolverInfo, TPFamily, fingerprint
+from planner.problem import Evaluation, Problem, StrategyFilter, build_problem, zero_param_terms
 from planner.rules import FALLBACK
 from planner.solve import BudgetILP, InfeasibleBudget, Solution, SolverSettings, infeasible_message, solve, solve_within, sweep
 from planner.units import format_bytes, format_seconds
@@ -213,6 +214,7 @@ def search(
     workers: int | None = None,
     exhaustive: bool = False,
     micro_graph: Callable[[int], IRGraph] | None = None,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
 ) -> SearchResult:
     """Plan every candidate configuration of ``space``; merge their fronts and pick by ``objective``.
 
@@ -234,6 +236,9 @@ def search(
     can change which points are skipped as dominated, never the merged front's non-dominated
     points up to the sweep's resolution. The cyclic garbage collector is off while it runs.
 
+    ``bucket_bytes``: the size of the buckets the gradient sync packs all-reduces into
+    (:mod:`planner.buckets`; DDP's 25 MiB by default).
+
     ``micro_graph(m)``: the graph of one micro-batch (the traced batch / ``m``), for each count
     ``m`` > 1 of ``space.micro_batches`` (:func:`planner.trace.micro_batch_inputs` cuts the inputs)."""
     if objective not in ("time", "memory", "knee"):
@@ -250,7 +255,7 @@ def search(
             # conversions and holds are priced when a configuration is solved, not for its bounds
             problems[k] = build_problem(graphs[cand.micro_batches], cand.mesh, hardware, optimizer=optimizer, zero_stage=cand.zero,
                                         master_dtype=master_dtype, prefetch=prefetch, cdp=cand.cdp, cdp_stages=space.cdp_stages, allow=allow,
-                                        edges=False, micro_batches=cand.micro_batches)
+                                        edges=False, micro_batches=cand.micro_batches, bucket_bytes=bucket_bytes)
     bounds = {k: (time_lower_bound(pb), memory_lower_bound(pb)) for k, pb in problems.items()}
     outcome: dict[int, Candidate] = {k: c for k, c in enumerate(configs) if c.reason}
     found: list[Plan] = []  # the front so far, across configurations
@@ -303,7 +308,8 @@ def search(
         result.best = {"time": result.front[0], "memory": result.front[-1], "knee": result.knee}[objective]
     elif any(c.least_memory is not None for c in result.candidates):
         result.infeasible = least_memory_message(graphs, space, hardware, result, budget, optimizer=optimizer,
-                                                 master_dtype=master_dtype, prefetch=prefetch, settings=settings, allow=allow)
+                                                 master_dtype=master_dtype, prefetch=prefetch, settings=settings, allow=allow,
+                                                 bucket_bytes=bucket_bytes)
     result.seconds = time.perf_counter() - t0
     return result
 
@@ -620,6 +626,7 @@ def least_memory_message(
     prefetch: bool,
     settings: SolverSettings | None,
     allow: StrategyFilter | None,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
 ) -> str:
     """Nothing fits: the least memory any configuration needs (exact: configurations dismissed by
     their bound are solved, smallest bound first, until no bound is below the best exact least),
@@ -633,7 +640,8 @@ def least_memory_message(
         if best is not None and (c.least_memory or 0.0) >= best[0]:
             break
         problem = build_problem(graphs[c.micro_batches], c.mesh, hardware, optimizer=optimizer, zero_stage=c.zero, master_dtype=master_dtype,
-                                prefetch=prefetch, cdp=c.cdp, cdp_stages=space.cdp_stages, allow=allow, micro_batches=c.micro_batches)
+                                prefetch=prefetch, cdp=c.cdp, cdp_stages=space.cdp_stages, allow=allow, micro_batches=c.micro_batches,
+                                bucket_bytes=bucket_bytes)
         ev = solve(problem, memory_budget=float("inf"), objective="memory", settings=settings).evaluation
         if best is None or ev.peak_memory < best[0]:
             best = (ev.peak_memory, c, ev.memory)
@@ -705,6 +713,7 @@ def make_plan(
         if s.algorithm == FALLBACK:
             fallbacks.append(f"{name} ({graph.nodes[name].target}) in {graph.nodes[name].module_path or '<root>'}")
     ev = solution.evaluation
+    buckets = gradient_buckets(graph, problem, solution.assignment)
     return Plan(
         model=model_name,
         model_fingerprint=fingerprint(graph),
@@ -727,7 +736,9 @@ def make_plan(
         peak_memory_bytes=int(ev.peak_memory),
         memory_breakdown=_breakdown(ev),
         nodes=tuple(nodes),
-        comms=_comm_records(ev),
+        comms=_comm_records(ev, buckets, problem.micro_batches, problem.bucket_bytes),
+        grad_bucket_bytes=problem.bucket_bytes,
+        grad_buckets=tuple(GradBucket(axes=b.axes, dtype=b.dtype, params=b.params, nbytes=b.nbytes, collectives=b.collectives) for b in buckets),
         fallbacks=tuple(fallbacks),
         solver=SolverInfo(
             status="optimal" if solution.status == "optimal" else "time_limit",
@@ -749,11 +760,46 @@ def _breakdown(ev: Evaluation) -> MemoryBreakdown:
     )
 
 
-def _comm_records(ev: Evaluation) -> tuple[CommRecord, ...]:
-    counts: Counter[tuple[str, tuple[str, ...], int, str]] = Counter()
+def gradient_buckets(graph: IRGraph, problem: Problem, assignment: dict[str, int]) -> tuple[Bucket, ...]:
+    """The gradient sync's buckets under ``assignment``: every packed all-reduce a parameter's
+    strategy prices (:func:`planner.problem.zero_param_terms`), ready in the reverse order of the
+    parameters' first use."""
+    if problem.cdp != "off":
+        return ()
+    order = {name: k for k, name in enumerate(graph.nodes)}
+    consumers = graph.consumers()
+    gradients = []
+    for name, node in graph.nodes.items():
+        if node.kind != "param":
+            continue
+        spec = problem.choices[name][assignment[problem.node_group[name]]].outputs[0]
+        assert spec is not None
+        _, _, _, step = zero_param_terms(node.out.shape, node.out.itemsize, spec, problem.mesh, problem.zero_stage, 1.0, problem.bucket_bytes)
+        first_use = min((order[c] for c, _ in consumers[name]), default=-1)
+        packed = tuple((c.kind, c.phase) for c in step if c.bucket_bytes)
+        if packed:
+            gradients.append(Gradient(name, step[0].nbytes, step[0].axes, node.out.dtype, first_use, packed))
+    return pack(gradients, problem.bucket_bytes)
+
+
+def _comm_records(ev: Evaluation, buckets: tuple[Bucket, ...] = (), micro_batches: int = 1, bucket_bytes: int = 0) -> tuple[CommRecord, ...]:
+    """The evaluation's collectives per step, with the packed gradient collectives (one per
+    parameter in the evaluation) as the buckets that run them (a backward-phase bucket, ZeRO-2's
+    reduce-scatter, once per micro-batch), each priced as its gradients' shares."""
+    counts: Counter[tuple[str, tuple[str, ...], int, str, int]] = Counter()
+    packed: Counter[tuple[str, tuple[str, ...], str]] = Counter()  # bytes the parameters' packed collectives move
     for comm, n in ev.comms:
-        counts[(comm.kind, comm.axes, comm.nbytes, comm.phase)] += n
+        if comm.bucket_bytes:
+            packed[(comm.kind, comm.axes, comm.phase)] += comm.nbytes * n
+        else:
+            counts[(comm.kind, comm.axes, comm.nbytes, comm.phase, 0)] += n
+    for bucket in buckets:
+        for kind, phase in bucket.collectives:
+            n = 1 if phase == "step" else micro_batches
+            counts[(kind, bucket.axes, bucket.nbytes, phase, bucket_bytes)] += n
+            packed[(kind, bucket.axes, phase)] -= bucket.nbytes * n
+    assert not any(packed.values()), f"the buckets do not move what the evaluation priced: {dict(packed)}"
     return tuple(
-        CommRecord(kind=k, axes=a, nbytes=b, phase=p, count=c)  # type: ignore[arg-type]
-        for (k, a, b, p), c in sorted(counts.items())
+        CommRecord(kind=k, axes=a, nbytes=b, phase=p, count=c, bucket_bytes=s)  # type: ignore[arg-type]
+        for (k, a, b, p, s), c in sorted(counts.items())
     )

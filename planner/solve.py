@@ -31,6 +31,9 @@ subject to (each family is one function below; constraints carry their family's 
                    sum of an edge's transportation variables over the pairs, see _Model.hold)
     transient:     T >= sum_i transient[g,i] x[g,i]                     for every g
                    S >= sum_i step_transient[g,i] x[g,i]                for every g
+                   S >= sum_{g,i} bucketed[g,i] x[g,i]   (a gradient bucket's buffer, one row;
+                   a full bucket's bytes instead where the choices may need several buckets:
+                   Problem.bucket_transient)
     peak:          Z >= A + T,  Z >= G + T,  Z >= G + S   (activations are freed in backward as
                    gradients appear; the step's temporaries come after: planner.plan.MemoryBreakdown)
     memory_budget: M <= budget
@@ -264,6 +267,11 @@ class _Model:
             if any(grp.step_transient):
                 expr = pulp.lpSum(t / self.m_unit * v for t, v in zip(grp.step_transient, self.x[g], strict=True))
                 self.lp += self.step_transient >= expr, f"step_transient_{self.gid[g]}"
+        packed = [(b, v) for g, grp in self.problem.groups.items() for b, v in zip(grp.bucketed, self.x[g], strict=False) if b]
+        if packed and self.problem.packed_whole:
+            self.lp += self.step_transient >= pulp.lpSum(b / self.m_unit * v for b, v in packed), "step_transient_buckets"
+        elif packed:
+            self.lp += self.step_transient >= self.problem.bucket_transient(0.0) / self.m_unit, "step_transient_buckets"
 
     def memory_budget(self, budget: float) -> pulp.LpConstraint:
         """The row M <= budget (bytes; inf: no budget), added on the first call, its bound moved after."""

@@ -31,12 +31,15 @@ Phase = Literal["fwd", "bwd", "step"]
 
 @dataclass(frozen=True)
 class Comm:
-    """One collective a rank issues: kind, group (mesh axes), payload bytes per rank, phase."""
+    """One collective a rank issues: kind, group (mesh axes), payload bytes per rank, phase.
+    ``bucket_bytes`` > 0: a gradient all-reduce packed into buckets of that size with others
+    (:mod:`planner.buckets`), priced as its share of one."""
 
     kind: str
     axes: tuple[str, ...]
     nbytes: int
     phase: Phase
+    bucket_bytes: int = 0
 
     def __str__(self) -> str:
         return f"{self.phase}:{self.kind}({','.join(self.axes)}) {self.nbytes} B"

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import itertools
 import operator
-import re
 from typing import Any
 
 import torch
@@ -44,7 +43,7 @@ from runtime.kernels import (
     Slot,
     SummaKernel,
 )
-from runtime.module import ParallelModule
+from runtime.module import ParallelModule, attr_name
 
 _BIAS_INPUT = {"linear": 2, "addmm": 0}  # which input of the kernel is the bias
 EXPAND = "aten.expand.default"
@@ -141,10 +140,6 @@ def _default_device() -> torch.device:
     return torch.device("cpu")
 
 
-def _attr_name(name: str) -> str:
-    return re.sub(r"[^0-9a-zA-Z_]", "_", name)
-
-
 class _Builder:
     def __init__(self, plan: Plan, graph: IRGraph, model: torch.nn.Module, mg: MeshGroups, rec: CommRecorder, device: torch.device) -> None:
         self.plan = plan
@@ -194,7 +189,7 @@ class _Builder:
         assert spec is not None
         full = self.model.get_parameter(node.param_names[0])
         local = self.shard(full.detach(), spec.layout)
-        attr = _attr_name(node.name)
+        attr = attr_name(node.name)
         self.root.register_parameter(attr, torch.nn.Parameter(local.to(self.device).clone(), requires_grad=full.requires_grad))
         self.param_specs[attr] = spec
         self.param_names[attr] = node.param_names
@@ -205,7 +200,7 @@ class _Builder:
         full = self.graph.constants.get(name) if node.kind == "constant" else self.model.get_buffer(name)
         if not isinstance(full, torch.Tensor):
             raise ValueError(f"the traced graph reads {node.kind} {name!r}, which neither the model nor the trace holds as a tensor")
-        attr = _attr_name(node.name)
+        attr = attr_name(node.name)
         self.root.register_buffer(attr, full.detach().to(self.device).clone())
         self.env[(node.name, 0)] = self.fx.get_attr(attr)
 
@@ -235,7 +230,7 @@ class _Builder:
 
     def _add(self, prefix: str, module: torch.nn.Module) -> str:
         self.count += 1
-        name = _attr_name(f"{prefix}_{self.count}")
+        name = attr_name(f"{prefix}_{self.count}")
         self.root.add_module(name, module)
         return name
 

@@ -8,8 +8,10 @@ with a ``DistributedSampler`` over ``num_replicas=pm.dp_degree, rank=pm.dp_rank`
 rank its slice without loading the rest.
 
 The forward returns the global loss (identical on every rank); ``loss.backward()`` computes the
-local gradient shards, and when backward finishes, gradients that are partial sums over the
-data-parallel axes are all-reduced (one collective per parameter, the ``step`` phase).
+local gradient shards, and gradients that are partial sums over mesh axes (the data-parallel
+ones, and tensor-parallel partial sums such as a sequence-parallel norm's weight) are all-reduced
+in the plan's buckets, each started as soon as backward has its last gradient
+(:mod:`runtime.buckets`), and waited for when backward finishes (the ``step`` phase).
 
 **Gradient accumulation.** A plan with ``micro_batches = m`` > 1 was made for one micro-batch (its
 shapes are the batch / m): ``pm.forward_backward(*local)`` runs a step's m micro-batches of this
@@ -36,6 +38,7 @@ from planner.ir import IRGraph
 from planner.layout import Layout, Spec
 from planner.plan import Plan
 from planner.trace import micro_batch_inputs
+from runtime.buckets import GradBuckets
 from runtime.collectives import CommRecorder, all_reduce, relayout
 from runtime.groups import MeshGroups
 from runtime.precision import MasterWeights, find_master_weights
@@ -45,6 +48,11 @@ from runtime.zero import ZeroOptimizer, ZeroShards
 class KernelError(RuntimeError):
     """An op of the rank-local module failed; the message names the traced op, its module, the
     model's source line and the plan's Specs for it, then the original error (``__cause__``)."""
+
+
+def attr_name(node: str) -> str:
+    """The rank-local module's attribute holding traced parameter (or buffer) ``node``."""
+    return re.sub(r"[^0-9a-zA-Z_]", "_", node)
 
 
 def source_line(graph: IRGraph, node: str) -> str:
@@ -117,9 +125,18 @@ class ParallelModule(torch.nn.Module):
         self.node_values: dict[tuple[str, int], str] = {}  # traced (node, output) -> the rank-local fx node holding it
         if plan.shards_nothing:  # say so once, where the user builds the module
             warnings.warn(plan.shards_nothing_note(), UserWarning, stacklevel=3)
+        names = [n for b in plan.grad_buckets for n in b.params] if plan.cdp == "off" else []
+        self._bucketed = {attr_name(n) for n in names}  # attributes whose gradients the buckets sync
         if plan.zero_stage in (1, 2) and plan.cdp == "off":  # CDP shards optimizer states its own way (runtime.cdp)
             dp_axes = {attr: mesh_groups.mesh.sort_axes(spec.grad_partial) for attr, spec in param_specs.items()}
-            self.zero = ZeroShards(self.local_parameters(), dp_axes, plan.zero_stage, mesh_groups, recorder)
+            self.zero = ZeroShards(self.local_parameters(), dp_axes, plan.zero_stage, mesh_groups, recorder, self._bucketed)
+        self.buckets: GradBuckets | None = None
+        if names:
+            slices = self.zero.shards if self.zero is not None else {}
+            self.buckets = GradBuckets(plan.grad_buckets, {n: graph_module.get_parameter(attr_name(n)) for n in names}, mesh_groups, recorder,
+                                       lambda: self._sync, {n: slices[attr_name(n)] for n in names if attr_name(n) in slices}, plan.zero_stage)
+            if self.zero is not None:
+                self.zero.buckets = self.buckets
 
     def make_optimizer(self, optimizer_class: type[torch.optim.Optimizer], **kwargs: Any) -> Any:
         """A torch optimizer over this rank's parameters; with ZeRO-1/2 over its data-parallel slices
@@ -205,8 +222,11 @@ class ParallelModule(torch.nn.Module):
         return total / m
 
     def sync_grads(self) -> None:
-        """All-reduce gradients that are partial sums over the data-parallel axes (ZeRO-1/2:
-        reduce-scatter them into this rank's slice); nothing inside :meth:`no_sync`."""
+        """Finish the gradient sync when backward ends: wait for the buckets (a plan without them,
+        from before buckets: one collective per parameter here). Inside :meth:`no_sync` only
+        ZeRO-2's, which reduce every micro-batch."""
+        if self.buckets is not None:  # ZeRO-2's buckets reduce in every backward, the others when syncing
+            self.buckets.finish()
         if not self._sync:
             return
         if self.zero is not None:
@@ -215,7 +235,7 @@ class ParallelModule(torch.nn.Module):
         for attr, spec in self.param_specs.items():
             p = self.graph_module.get_parameter(attr)
             axes = self.mesh_groups.mesh.sort_axes(spec.grad_partial)
-            if p.grad is not None and axes:
+            if p.grad is not None and axes and attr not in self._bucketed:
                 p.grad.copy_(all_reduce(p.grad, axes, self.mesh_groups, self.recorder, "step"))
 
     def _kernel_error(self, exc: Exception) -> Exception:

@@ -24,8 +24,13 @@ from runtime.precision import OptimizerWrapper
 class ZeroShards:
     """The data-parallel slices of a module's parameters and the gradients reduced into them."""
 
-    def __init__(self, params: dict[str, torch.nn.Parameter], dp_axes: dict[str, tuple[str, ...]], stage: int, mg: MeshGroups, rec: CommRecorder) -> None:
+    def __init__(self, params: dict[str, torch.nn.Parameter], dp_axes: dict[str, tuple[str, ...]], stage: int, mg: MeshGroups, rec: CommRecorder,
+                 bucketed: set[str] | None = None) -> None:
+        """``bucketed``: parameters the plan's gradient buckets reduce and gather
+        (runtime.buckets, set as ``buckets``); the others one collective each, here."""
         self.stage, self.mg, self.rec = stage, mg, rec
+        self.bucketed = bucketed or set()
+        self.buckets: Any = None
         self.params = params
         self.axes = dp_axes
         self.dims: dict[str, int] = {}
@@ -38,7 +43,7 @@ class ZeroShards:
             self.dims[name] = d
             # a view of this rank's slice of the parameter: updated in place, no extra memory
             self.shards[name] = torch.nn.Parameter(self.slice_of(p.data, name))
-            if stage == 2:
+            if stage == 2 and name not in self.bucketed:
                 p.register_post_accumulate_grad_hook(self._reduce_now(name))
 
     def _reduce_now(self, name: str) -> Any:
@@ -68,7 +73,7 @@ class ZeroShards:
         """Stage 1 reduce-scatters here; parameters that cannot be split are all-reduced."""
         for name, p in self.params.items():
             axes = self.axes.get(name, ())
-            if not axes or p.grad is None:
+            if not axes or p.grad is None or name in self.bucketed:
                 continue
             if name in self.shards:
                 if self.stage == 1:
@@ -81,8 +86,12 @@ class ZeroShards:
 
     def gather_updated(self) -> None:
         """Each parameter's slices gathered back into it (its own slice is a view of it already)."""
+        if self.buckets is not None:
+            self.buckets.all_gather_updated()
         with torch.no_grad():
             for name, shard in self.shards.items():
+                if name in self.bucketed:
+                    continue
                 all_gather_into(self.params[name].detach(), shard.detach(), self.axes[name], self.dims[name], self.mg, self.rec, "step")
 
     def full_grad(self, name: str) -> torch.Tensor | None:

@@ -157,6 +157,8 @@ def train_and_compare(rank: int, world: int, plans_json: list[tuple[str, ...]]) 
                 "executed_not_priced": [[*list(k), v] for k, v in (executed - priced).items()],
                 "priced_not_executed": [[*list(k), v] for k, v in (priced - executed).items()],
                 "num_collectives": sum(executed.values()),
+                "buckets": len(plan.grad_buckets),
+                "buckets_started_in_backward": pm.buckets.started_in_backward if pm.buckets is not None else 0,
             })
             opt.zero_grad(set_to_none=True)
         final = pm.full_state_dict()

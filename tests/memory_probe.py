@@ -42,7 +42,7 @@ def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
 
 
 @contextmanager
-def _count_every_thread() -> Iterator[None]:
+def counting_every_thread() -> Iterator[None]:
     """c10's ``caffe2_report_cpu_memory_usage`` on (the CPU allocator counts live bytes on every
     thread, not only on profiled ones), restored after."""
     lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so"))
@@ -70,7 +70,7 @@ def peak_over(step: Callable[[], None], live: Iterable[torch.Tensor]) -> tuple[i
     """(peak bytes over ``step()``, bytes live at its start): ``live`` plus the largest rise of
     the allocator's count of live bytes during the step over the count before it."""
     start = storage_bytes(live)
-    with _count_every_thread(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with counting_every_thread(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step()
     events = _allocations(prof.profiler.kineto_results.experimental_event_tree())  # type: ignore[union-attr]
     if not events:
@@ -78,3 +78,23 @@ def peak_over(step: Callable[[], None], live: Iterable[torch.Tensor]) -> tuple[i
     _, size, total = events[0]
     before = total - size
     return start + max(0, max(t for _, _, t in events) - before), start
+
+
+def _counts(fn: Callable[[], Any]) -> list[tuple[int, int, int]]:
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    return _allocations(prof.profiler.kineto_results.experimental_event_tree())  # type: ignore[union-attr]
+
+
+def allocator_count() -> int:
+    """The CPU allocator's count of live bytes in this process now (read off one small allocation's
+    event). Inside :func:`counting_every_thread`, so that the count keeps up with every thread."""
+    events = _counts(lambda: torch.empty(64, dtype=torch.uint8))
+    _, size, total = events[0]
+    return total - size
+
+
+def peak_count(fn: Callable[[], Any]) -> int:
+    """The largest count of live bytes while ``fn()`` runs (inside :func:`counting_every_thread`)."""
+    events = _counts(fn)
+    return max((t for _, _, t in events), default=allocator_count())

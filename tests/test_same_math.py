@@ -54,13 +54,14 @@ def megatron(node: Node, s: Strategy) -> bool:
 
 
 def _plan(
-    devices: int, dp: int, *, model: str = "gpt-tiny", allow: Any = None, objective: str = "time", family: str = "1d"
+    devices: int, dp: int, *, model: str = "gpt-tiny", allow: Any = None, objective: str = "time", family: str = "1d", bucket_bytes: int | None = None,
 ) -> tuple[str, str]:
     module = build_model(model, dtype=torch.float64)
     args, kwargs = example_inputs(model, batch=BATCH, dtype=torch.float64)
     graph = trace(module, args, kwargs)
     space = SearchSpace(devices=devices, dp=dp, tp=(family,) if devices > dp else ("none",))
-    result = search(graph, space, A100_80G, model_name=model, objective=objective, allow=allow, front=False)  # type: ignore[arg-type]
+    buckets = {"bucket_bytes": bucket_bytes} if bucket_bytes else {}
+    result = search(graph, space, A100_80G, model_name=model, objective=objective, allow=allow, front=False, **buckets)  # type: ignore[arg-type]
     assert result.best is not None
     if devices > dp:
         assert result.best.tp == family, (family, result.best.tp)
@@ -86,9 +87,12 @@ def megatron_dp(node: Node, s: Strategy) -> bool:
     return megatron(node, s) and data_parallel(node, s)
 
 
+SMALL_BUCKETS = 16 * 1024  # gpt-tiny's gradients fill several: the sync overlaps backward bucket by bucket
+
 CASES = {
     2: {
         "dp=2": dict(dp=2, allow=data_parallel),
+        "dp=2 in 16 KiB buckets": dict(dp=2, allow=data_parallel, bucket_bytes=SMALL_BUCKETS),
         "tp=2 megatron": dict(dp=1, allow=megatron),
         "tp=2 least-memory": dict(dp=1, objective="memory"),
         "vit-tiny tp=2 least-memory": dict(dp=1, model="vit-tiny", objective="memory"),
@@ -150,6 +154,18 @@ def test_collectives_executed_equal_collectives_priced(world_results):  # type: 
     for name, rank, k, step in _all_steps(results):
         assert step["comms_equal"], (name, rank, k, step["executed_not_priced"], step["priced_not_executed"])
         assert step["num_collectives"] > 0, (name, rank, k)
+
+
+def test_gradient_buckets_start_while_backward_runs(world_results):  # type: ignore[no-untyped-def]
+    """Every bucket of a data-parallel plan is all-reduced from the hook of its last gradient,
+    before backward ends (the collectives test above checks they are the plan's, one per bucket)."""
+    world, results = world_results
+    if world != 2:
+        pytest.skip("checked on the 2-rank world")
+    for name in ("dp=2", "dp=2 in 16 KiB buckets"):
+        for _, rank, k, step in _all_steps({name: results[name]}):
+            assert step["buckets"] >= (3 if "KiB" in name else 1), (name, step["buckets"])
+            assert step["buckets_started_in_backward"] == step["buckets"], (name, rank, k, step)
 
 
 def test_sharded_parameters_gather_back_to_the_model_exactly(world_results):  # type: ignore[no-untyped-def]

@@ -1,0 +1,203 @@
+"""The project's data parallelism and ZeRO against PyTorch's own, side by side (figures, not a test).
+
+    python benchmarks/vs_pytorch.py [--world 4] [--steps 10] [--warmup 3] [--cases dp,zero1,zero2,zero3]
+
+On ``--world`` gloo ranks of this host: the project's GPT (4 layers, hidden 384, 8 heads, seq 128,
+vocab 2048, 8.7 M parameters), float32, AdamW, global batch 16. Each case trains the same
+initialisation on the same batches two ways, the plan the planner makes for the configuration
+(``auto_parallelize``'s runtime: ``compile_plan``) and the tool a PyTorch user would pick:
+
+    dp     ZeRO-0 over dp=world  vs  DistributedDataParallel (25 MiB buckets)
+    zero1  ZeRO-1                vs  DDP + ZeroRedundancyOptimizer(AdamW)
+    zero2  ZeRO-2                vs  FSDP2 fully_shard per block + root, reshard_after_forward=False
+    zero3  ZeRO-3                vs  FSDP2 fully_shard per block + root
+
+Step time: warm-up steps, then ``--steps`` steps of each side interleaved (ours, theirs, ours,
+...), each step timed on the slowest rank (the maximum over ranks after a barrier); the median.
+Peak memory, by one method for both (the CPU allocator's count of live bytes, from every thread:
+tests/memory_probe.py): one side built at a time in a fresh state, the largest count during a
+step after the warm-up, less the count before the side was built, on rank 0. The first step's
+losses of both sides are compared (they train the same model on the same data).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from models.gpt import GPT, GPTConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: tests.harness spawns and reaps the ranks
+from tests.harness import run_world
+
+CONFIG = GPTConfig(n_layer=4, n_head=8, n_embd=384, block_size=128, vocab_size=2048)
+GLOBAL_BATCH = 16
+LR = 1e-3
+CASES = {"dp": 0, "zero1": 1, "zero2": 2, "zero3": 3}
+BASELINES = {"dp": "DDP", "zero1": "DDP + ZeroRedundancyOptimizer", "zero2": "FSDP2 (no reshard after forward)", "zero3": "FSDP2"}
+
+
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = GPT(CONFIG)
+    model.reset_parameters()
+    return model
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    idx = torch.randint(0, CONFIG.vocab_size, (GLOBAL_BATCH, CONFIG.block_size), generator=g)
+    return idx, torch.randint(0, CONFIG.vocab_size, (GLOBAL_BATCH, CONFIG.block_size), generator=g)
+
+
+def plan_json(world: int, zero: int) -> str:
+    from planner.hardware import A100_80G
+    from planner.search import SearchSpace, search
+    from planner.trace import trace
+
+    graph = trace(make_model(), batch(0), {})
+    result = search(graph, SearchSpace(devices=world, dp=world, tp=("none",), zero=(zero,)), A100_80G, model_name="gpt-bench", front=False)
+    assert result.best is not None and result.best.zero_stage == zero, [c.reason for c in result.candidates]
+    return result.best.model_dump_json()
+
+
+Step = Callable[[int], float]  # step number -> this rank's loss
+
+
+def ours(text: str) -> tuple[Step, Any]:
+    from planner.plan import Plan
+    from runtime.compile import compile_plan
+
+    pm = compile_plan(Plan.model_validate_json(text), make_model(), batch(0), {})
+    opt = pm.make_optimizer(torch.optim.AdamW, lr=LR)
+
+    def step(k: int) -> float:
+        local_args, local_kwargs = pm.shard_batch(*batch(k))
+        loss = pm(*local_args, **local_kwargs)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(loss.detach())  # the global loss
+
+    return step, (pm, opt)
+
+
+def theirs(case: str, rank: int, world: int) -> tuple[Step, Any]:
+    model = make_model()
+    rows = GLOBAL_BATCH // world
+    opt: Any
+    if case in ("dp", "zero1"):
+        from torch.nn.parallel import DistributedDataParallel
+
+        module: Any = DistributedDataParallel(model)
+        if case == "zero1":
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+
+            opt = ZeroRedundancyOptimizer(module.parameters(), optimizer_class=torch.optim.AdamW, lr=LR)
+        else:
+            opt = torch.optim.AdamW(module.parameters(), lr=LR)
+    else:
+        from torch.distributed.fsdp import fully_shard
+
+        reshard = case == "zero3"
+        for block in model.h:
+            fully_shard(block, reshard_after_forward=reshard)
+        module = fully_shard(model, reshard_after_forward=reshard)
+        opt = torch.optim.AdamW(module.parameters(), lr=LR)
+
+    def step(k: int) -> float:
+        idx, targets = batch(k)
+        loss = module(idx[rank * rows:(rank + 1) * rows], targets[rank * rows:(rank + 1) * rows])
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        out = loss.detach().clone()
+        dist.all_reduce(out)  # the global loss, as the plan's forward returns it (timed outside)
+        return float(out) / world
+
+    return step, (module, opt)
+
+
+def _timed(step: Step, k: int) -> float:
+    dist.barrier()
+    t0 = time.perf_counter()
+    step(k)
+    seconds = torch.tensor(time.perf_counter() - t0, dtype=torch.float64)
+    dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+    return float(seconds)
+
+
+def _peak(build: Callable[[], tuple[Step, Any]], warmup: int) -> int:
+    """Bytes the side holds at its step's peak: the allocator's live count during a step (after
+    ``warmup`` steps) less the count before the side was built."""
+    from tests.memory_probe import allocator_count, peak_count
+
+    gc.collect()
+    before = allocator_count()
+    step, keep = build()
+    for k in range(warmup):
+        step(k)
+    dist.barrier()
+    peak = peak_count(lambda: step(warmup))
+    del keep
+    gc.collect()
+    return peak - before
+
+
+def compare(rank: int, world: int, cases: list[tuple[str, str]], steps: int, warmup: int) -> list[dict[str, Any]]:
+    from tests.memory_probe import counting_every_thread
+
+    rows = []
+    for case, text in cases:
+        mine, keep_mine = ours(text)
+        other, keep_other = theirs(case, rank, world)
+        first = (mine(0), other(0))
+        for k in range(1, warmup):
+            mine(k)
+            other(k)
+        t_mine, t_other = [], []
+        for k in range(warmup, warmup + steps):
+            t_mine.append(_timed(mine, k))
+            t_other.append(_timed(other, k))
+        del mine, other, keep_mine, keep_other
+        gc.collect()
+        with counting_every_thread():
+            m_mine = _peak(lambda text=text: ours(text), warmup)
+            m_other = _peak(lambda case=case: theirs(case, rank, world), warmup)
+        rows.append({"case": case, "ours_s": statistics.median(t_mine), "theirs_s": statistics.median(t_other),
+                     "ours_peak": m_mine, "theirs_peak": m_other, "loss": first})
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--world", type=int, default=4)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--cases", default=",".join(CASES))
+    a = p.parse_args()
+    names = a.cases.split(",")
+    t0 = time.perf_counter()
+    cases = [(c, plan_json(a.world, CASES[c])) for c in names]
+    print(f"planned {len(cases)} cases in {time.perf_counter() - t0:.0f} s; running on {a.world} gloo ranks "
+          f"({a.warmup} warm-up + {a.steps} timed steps per side, interleaved)", flush=True)
+    per_rank = run_world(a.world, compare, cases, a.steps, a.warmup, timeout=3600)
+    print(f"\n{'configuration':48s} {'ours':>9s} {'theirs':>9s} {'time ratio':>10s} {'ours peak':>11s} {'theirs peak':>11s} {'mem ratio':>9s}  first losses")
+    for row in per_rank[0]:
+        label = f"{row['case']} vs {BASELINES[row['case']]}"
+        print(f"{label:48s} {row['ours_s'] * 1e3:7.0f}ms {row['theirs_s'] * 1e3:7.0f}ms {row['ours_s'] / row['theirs_s']:10.2f} "
+              f"{row['ours_peak'] / 2**20:9.1f}MB {row['theirs_peak'] / 2**20:9.1f}MB {row['ours_peak'] / row['theirs_peak']:9.2f}  "
+              f"{row['loss'][0]:.6f} / {row['loss'][1]:.6f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,173 @@
+"""The gradient sync in buckets, overlapped with backward (the plan's ``grad_buckets``).
+
+Each parameter of a bucket has a post-accumulate-grad hook: when backward has accumulated the last
+gradient of a bucket, the bucket's collective starts asynchronously on its process group while
+backward goes on:
+
+* an **all-reduce** bucket (ZeRO-0, ZeRO-3's and ZeRO-1/2's unsplittable parameters, partial sums
+  over tensor-parallel axes): the gradients are copied into one flat buffer, the parameters'
+  ``.grad`` become views of it (their own tensors are freed), and the buffer is summed in place;
+* a **reduce-scatter** bucket (ZeRO-1/2, :mod:`runtime.zero`): the buffer holds each rank's chunks
+  of every gradient in turn (rank 0's chunks of all the bucket's gradients, then rank 1's, ...),
+  so one reduce-scatter leaves this rank the sums of its chunks, which become its slices'
+  gradients (ZeRO-2 frees the full gradients as soon as they are packed).
+
+When backward ends, :meth:`GradBuckets.finish` starts any bucket that is not complete (a parameter
+that got no gradient this step: the others go without it), waits for all of them, and hands the
+reduce-scatters' results to the slices. ``all_gather_updated`` is ZeRO-1/2's other half, after the
+optimizer step: each reduce-scatter bucket's updated slices gathered back into the parameters in
+one all-gather.
+
+Inside ``ParallelModule.no_sync`` the step-phase buckets wait (gradients accumulate locally and the
+next synced backward packs the sums); ZeRO-2's backward-phase buckets run in every backward (each
+micro-batch's reduced chunks are summed into the slices). Buckets start in the order they
+complete, which is the same on every rank (every rank runs the same backward), as gloo and NCCL
+need.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from planner.plan import GradBucket
+from planner.problem import zero_dim
+from runtime.collectives import CommRecorder
+from runtime.groups import MeshGroups
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class GradBuckets:
+    def __init__(self, buckets: tuple[GradBucket, ...], params: dict[str, torch.nn.Parameter], mg: MeshGroups, rec: CommRecorder,
+                 syncing: Callable[[], bool], shards: dict[str, torch.nn.Parameter] | None = None, stage: int = 0) -> None:
+        """``params``: traced parameter node name -> this rank's parameter; ``syncing()``: whether
+        this backward syncs (False inside no_sync); ``shards``: ZeRO-1/2's slices (name -> the
+        optimizer's parameter, a view of this rank's chunk), ``stage`` their ZeRO stage."""
+        self.buckets = buckets
+        self.params = params
+        self.shards = shards or {}
+        self.stage = stage
+        self.mg, self.rec, self.syncing = mg, rec, syncing
+        self.arrived: list[set[str]] = [set() for _ in buckets]
+        self.in_flight: dict[int, tuple[Any, torch.Tensor, list[str]]] = {}  # bucket -> (work or None, result buffer, parameters in it)
+        self.started_in_backward = 0  # of the last synced step: buckets started by a hook, while backward ran
+        self._early = 0
+        for k, bucket in enumerate(buckets):
+            for name in bucket.params:
+                params[name].register_post_accumulate_grad_hook(self._hook(k, name))
+
+    def _scatters(self, k: int) -> bool:
+        return self.buckets[k].collectives[0][0] == "reduce_scatter"
+
+    def _runs_now(self, k: int) -> bool:
+        """A bucket reduced in backward (ZeRO-2) runs in every backward; the others when syncing."""
+        return self.buckets[k].collectives[0][1] == "bwd" or self.syncing()
+
+    def _hook(self, k: int, name: str) -> Callable[[torch.Tensor], None]:
+        def ready(p: torch.Tensor) -> None:
+            if not self._runs_now(k) or k in self.in_flight:
+                return
+            self.arrived[k].add(name)
+            if len(self.arrived[k]) == len(self.buckets[k].params):
+                self._start(k)
+                self._early += 1
+        return ready
+
+    def _chunks(self, name: str, t: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
+        return t.chunk(n, zero_dim(tuple(t.shape), n))  # type: ignore[arg-type]
+
+    def _start(self, k: int) -> None:
+        bucket = self.buckets[k]
+        names = [n for n in bucket.params if self.params[n].grad is not None]
+        n = self.mg.size(bucket.axes)
+        group = self.mg.group(bucket.axes) if n > 1 else None
+        if not self._scatters(k):
+            flat = torch.cat([self.params[m].grad.reshape(-1) for m in names]) if names else torch.empty(0)  # type: ignore[union-attr]
+            offset = 0
+            for m in names:
+                p = self.params[m]
+                size = p.numel()
+                p.grad = flat[offset:offset + size].view_as(p)
+                offset += size
+            work = None
+            if group is not None and names:
+                self.rec.add("all_reduce", bucket.axes, _nbytes(flat), bucket.collectives[0][1])
+                work = dist.all_reduce(flat, group=group, async_op=True)
+            self.in_flight[k] = (work, flat, names)
+            return
+        grads = {m: self.params[m].grad for m in names}
+        flat = torch.cat([c.reshape(-1) for r in range(n) for m in names for c in (self._chunks(m, grads[m], n)[r],)]) if names else torch.empty(0)  # type: ignore[arg-type]
+        if self.stage == 2:
+            for m in names:
+                self.params[m].grad = None  # packed: the full gradient is freed
+        del grads
+        out = flat.new_empty(flat.numel() // n)
+        work = None
+        if names:
+            self.rec.add("reduce_scatter", bucket.axes, _nbytes(flat), bucket.collectives[0][1])
+            work = dist.reduce_scatter(out, list(flat.chunk(n)), group=group, async_op=True)
+        self.in_flight[k] = (work, out, names)
+
+    def finish(self) -> None:
+        """When a backward ends: start what is due and not started, wait for everything started,
+        hand reduced chunks to the slices, and reset. Step-phase buckets are due when syncing."""
+        syncing = self.syncing()
+        for k in range(len(self.buckets)):
+            if k not in self.in_flight and self._runs_now(k):
+                self._start(k)
+        for k, (work, out, names) in self.in_flight.items():
+            if work is not None:
+                work.wait()
+            if self._scatters(k):
+                self._to_slices(out, names)
+        self.in_flight.clear()
+        for arrived in self.arrived:
+            arrived.clear()
+        if syncing:
+            self.started_in_backward, self._early = self._early, 0
+
+    def _to_slices(self, out: torch.Tensor, names: list[str]) -> None:
+        offset = 0
+        for m in names:
+            shard = self.shards[m]
+            size = shard.numel()
+            piece = out[offset:offset + size].view(shard.shape)
+            offset += size
+            if self.stage == 2:  # the slice's gradient lives in the bucket's result (and sums micro-batches)
+                shard.grad = piece if shard.grad is None else shard.grad.add_(piece)
+            else:  # stage 1 keeps the full gradient and its own slice of it holds the sum
+                p = self.params[m]
+                assert p.grad is not None
+                view = p.grad.chunk(self.mg.size(self._axes(m)), zero_dim(tuple(p.shape), self.mg.size(self._axes(m))))[self.mg.index(self._axes(m))]  # type: ignore[arg-type]
+                view.copy_(piece)
+                shard.grad = view
+
+    def _axes(self, name: str) -> tuple[str, ...]:
+        return next(b.axes for b in self.buckets if name in b.params)
+
+    def all_gather_updated(self) -> None:
+        """ZeRO-1/2 after the optimizer step: each reduce-scatter bucket's updated slices gathered
+        into the parameters, one all-gather per bucket."""
+        with torch.no_grad():
+            for bucket in self.buckets:
+                if bucket.collectives[0][0] != "reduce_scatter":
+                    continue
+                n = self.mg.size(bucket.axes)
+                mine = torch.cat([self.shards[m].detach().reshape(-1) for m in bucket.params])
+                out = mine.new_empty(mine.numel() * n)
+                self.rec.add("all_gather", bucket.axes, _nbytes(out), "step")
+                dist.all_gather(list(out.chunk(n)), mine, group=self.mg.group(bucket.axes))
+                for r, part in enumerate(out.chunk(n)):
+                    offset = 0
+                    for m in bucket.params:
+                        p = self.params[m]
+                        chunk = self._chunks(m, p.detach(), n)[r]
+                        size = chunk.numel()
+                        chunk.copy_(part[offset:offset + size].view(chunk.shape))
+                        offset += size
