@@ -54,6 +54,7 @@ class GradBuckets:
         self.shards = shards or {}
         self.stage = stage
         self.mg, self.rec, self.syncing = mg, rec, syncing
+        self.axes = {name: b.axes for b in buckets for name in b.params}
         self.arrived: list[set[str]] = [set() for _ in buckets]
         self.in_flight: dict[int, tuple[Any, torch.Tensor, list[str]]] = {}  # bucket -> (work or None, result buffer, parameters in it)
         self.started_in_backward = 0  # of the last synced step: buckets started by a hook, while backward ran
@@ -79,7 +80,9 @@ class GradBuckets:
                 self._early += 1
         return ready
 
-    def _chunks(self, name: str, t: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
+    @staticmethod
+    def _chunks(t: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
+        """``t``'s ZeRO chunks over ``n`` ranks (along runtime.zero's dim: the first ``n`` divides)."""
         return t.chunk(n, zero_dim(tuple(t.shape), n))  # type: ignore[arg-type]
 
     def _start(self, k: int) -> None:
@@ -102,11 +105,12 @@ class GradBuckets:
             self.in_flight[k] = (work, flat, names)
             return
         grads = {m: self.params[m].grad for m in names}
-        flat = torch.cat([c.reshape(-1) for r in range(n) for m in names for c in (self._chunks(m, grads[m], n)[r],)]) if names else torch.empty(0)  # type: ignore[arg-type]
+        chunks = {m: self._chunks(grads[m], n) for m in names}  # type: ignore[arg-type]
+        flat = torch.cat([chunks[m][r].reshape(-1) for r in range(n) for m in names]) if names else torch.empty(0)
         if self.stage == 2:
             for m in names:
                 self.params[m].grad = None  # packed: the full gradient is freed
-        del grads
+        del grads, chunks
         out = flat.new_empty(flat.numel() // n)
         work = None
         if names:
@@ -142,14 +146,11 @@ class GradBuckets:
             if self.stage == 2:  # the slice's gradient lives in the bucket's result (and sums micro-batches)
                 shard.grad = piece if shard.grad is None else shard.grad.add_(piece)
             else:  # stage 1 keeps the full gradient and its own slice of it holds the sum
-                p = self.params[m]
-                assert p.grad is not None
-                view = p.grad.chunk(self.mg.size(self._axes(m)), zero_dim(tuple(p.shape), self.mg.size(self._axes(m))))[self.mg.index(self._axes(m))]  # type: ignore[arg-type]
+                grad = self.params[m].grad
+                assert grad is not None
+                view = self._chunks(grad, self.mg.size(self.axes[m]))[self.mg.index(self.axes[m])]
                 view.copy_(piece)
                 shard.grad = view
-
-    def _axes(self, name: str) -> tuple[str, ...]:
-        return next(b.axes for b in self.buckets if name in b.params)
 
     def all_gather_updated(self) -> None:
         """ZeRO-1/2 after the optimizer step: each reduce-scatter bucket's updated slices gathered
@@ -167,7 +168,7 @@ class GradBuckets:
                     offset = 0
                     for m in bucket.params:
                         p = self.params[m]
-                        chunk = self._chunks(m, p.detach(), n)[r]
+                        chunk = self._chunks(p.detach(), n)[r]
                         size = chunk.numel()
                         chunk.copy_(part[offset:offset + size].view(chunk.shape))
                         offset += size
