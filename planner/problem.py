@@ -130,7 +130,7 @@ class Problem:
     # gradient accumulation: the graph is one micro-batch; a step runs this many of them one after
     # another and syncs gradients once (forward/backward terms repeat, the step phase does not)
     micro_batches: int = 1
-    # gradient all-reduces packed into buckets of this many bytes (planner.buckets)
+    # the gradient sync's collectives packed into buckets of this many bytes (planner.buckets)
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     packed_whole: bool = True  # every packed gradient fits one bucket, whatever the choices
 
@@ -192,8 +192,9 @@ def build_problem(
     gradients reduce-scattered in backward: 3(D-1)/D b when re-gathered. A parameter whose dims
     cannot be split D ways stays as in stage 0.
 
-    ``bucket_bytes``: the size of the buckets gradient all-reduces are packed into (ZeRO-0 and
-    ZeRO-3's unsplittable parameters; :mod:`planner.buckets`), priced as each gradient's share.
+    ``bucket_bytes``: the size of the buckets the gradient sync packs its collectives into (an
+    all-reduce, or ZeRO-1/2's reduce-scatter and all-gather; :mod:`planner.buckets`), priced as each
+    gradient's share of a bucket's latency.
 
     ``master_dtype`` (e.g. ``"float32"``, mixed precision): parameters and gradients stay in the
     traced dtype, the optimizer adds a master copy and keeps its states in ``master_dtype``
@@ -523,8 +524,8 @@ def _root(graph: IRGraph, ref: InputRef) -> InputRef:
     """The tensor whose storage a saved ``ref`` keeps alive, as a hold term counts it: up through
     alias ops (views, transposes, reshapes, expands) while they do not cut a piece, so every
     consumer that saves one storage through different views shares one term. A piece (of a split
-    or chunk, smaller than what it is cut from) is its own tensor: saved in another layout than it was made in, what backward holds
-    is the converted copy, of the piece's size (measured, HF Mixtral under 1-D: the gate and up
+    or chunk, smaller than what it is cut from) is its own tensor: saved in another layout than it
+    was made in, what backward holds is the converted copy, of the piece's size (measured, HF Mixtral under 1-D: the gate and up
     halves of the experts' fused projection, all-reduced for a replicated SiLU and reduce-scattered
     for the product, hold 40 KB; the fused output the halves are cut from would count 80 KB), and
     saved as made, the pieces a model cuts are saved together (q, k, v; gate and up) and add up to
