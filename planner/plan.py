@@ -116,8 +116,8 @@ class Plan(_Frozen):
     master_dtype: str | None = Field(default=None, description="mixed precision: the optimizer's master weights and states dtype")
     memory_budget_bytes: int
     zero_prefetch: bool = Field(default=False, description="ZeRO-3 parameter gathers started one ahead, overlapping compute")
-    grad_bucket_bytes: int = Field(default=DEFAULT_BUCKET_BYTES, gt=0, description="gradient all-reduces packed into buckets of this size")
-    grad_buckets: tuple[GradBucket, ...] = Field(default=(), description="the gradient sync's all-reduces, in the order they fill")
+    grad_bucket_bytes: int = Field(default=DEFAULT_BUCKET_BYTES, gt=0, description="the gradient sync's collectives packed into buckets of this size")
+    grad_buckets: tuple[GradBucket, ...] = Field(default=(), description="the gradient sync's buckets, in the order they fill")
     step_time_s: float
     compute_time_s: float
     comm_time_s: float

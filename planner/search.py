@@ -236,7 +236,7 @@ def search(
     can change which points are skipped as dominated, never the merged front's non-dominated
     points up to the sweep's resolution. The cyclic garbage collector is off while it runs.
 
-    ``bucket_bytes``: the size of the buckets the gradient sync packs all-reduces into
+    ``bucket_bytes``: the size of the buckets the gradient sync packs its collectives into
     (:mod:`planner.buckets`; DDP's 25 MiB by default).
 
     ``micro_graph(m)``: the graph of one micro-batch (the traced batch / ``m``), for each count
@@ -761,7 +761,7 @@ def _breakdown(ev: Evaluation) -> MemoryBreakdown:
 
 
 def gradient_buckets(graph: IRGraph, problem: Problem, assignment: dict[str, int]) -> tuple[Bucket, ...]:
-    """The gradient sync's buckets under ``assignment``: every packed all-reduce a parameter's
+    """The gradient sync's buckets under ``assignment``: every packed collective a parameter's
     strategy prices (:func:`planner.problem.zero_param_terms`), ready in the reverse order of the
     parameters' first use."""
     if problem.cdp != "off":

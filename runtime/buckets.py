@@ -35,12 +35,8 @@ import torch.distributed as dist
 
 from planner.plan import GradBucket
 from planner.problem import zero_dim
-from runtime.collectives import CommRecorder
+from runtime.collectives import CommRecorder, _nbytes
 from runtime.groups import MeshGroups
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 class GradBuckets:

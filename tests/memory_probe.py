@@ -70,9 +70,8 @@ def peak_over(step: Callable[[], None], live: Iterable[torch.Tensor]) -> tuple[i
     """(peak bytes over ``step()``, bytes live at its start): ``live`` plus the largest rise of
     the allocator's count of live bytes during the step over the count before it."""
     start = storage_bytes(live)
-    with counting_every_thread(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
-    events = _allocations(prof.profiler.kineto_results.experimental_event_tree())  # type: ignore[union-attr]
+    with counting_every_thread():
+        events = _counts(step)
     if not events:
         return start, start
     _, size, total = events[0]
@@ -81,6 +80,7 @@ def peak_over(step: Callable[[], None], live: Iterable[torch.Tensor]) -> tuple[i
 
 
 def _counts(fn: Callable[[], Any]) -> list[tuple[int, int, int]]:
+    """The allocation events of ``fn()`` (:func:`_allocations`), profiled."""
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     return _allocations(prof.profiler.kineto_results.experimental_event_tree())  # type: ignore[union-attr]
