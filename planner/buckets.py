@@ -68,3 +68,76 @@ def pack(gradients: Iterable[Gradient], bucket_bytes: int) -> tuple[Bucket, ...]
 
 def _bucket(key: tuple[tuple[str, ...], str, tuple[tuple[str, str], ...]], members: list[Gradient]) -> Bucket:
     return Bucket(key[0], key[1], tuple(m.param for m in members), sum(m.nbytes for m in members), key[2])
+
+
+# --------------------------------------------------------------------------- ZeRO-3 parameter units
+
+
+@dataclass(frozen=True)
+class Gather:
+    """One ZeRO-3 parameter gather, as the runtime runs it: a parameter converted by one
+    all-gather over the data-parallel axes straight from its stored layout, on an edge (``site``
+    ``"param->spec"``, shared by every consumer that wants that Spec) or inside a kernel that
+    gathers it itself (``"node:position"``). ``block``: the layer instance of its first consumer
+    ("" outside the repeated layers); ``nbytes``: the gathered bytes; ``regather``: gathered again
+    for backward (the kernel saves the input and frees it); ``reduced``: its gradient is
+    reduce-scattered in backward."""
+
+    site: str
+    param: str
+    block: str
+    axes: tuple[str, ...]
+    dtype: str
+    nbytes: int
+    regather: bool = False
+    reduced: bool = True
+
+
+@dataclass(frozen=True)
+class Unit:
+    """ZeRO-3's unit of communication (FSDP2's per-block flat parameter): the gathers of one
+    block, in forward order, run as one all-gather in forward, one reduce-scatter of their
+    gradients in backward and one all-gather again in backward for those re-gathered."""
+
+    axes: tuple[str, ...]
+    dtype: str
+    gathers: tuple[Gather, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(g.nbytes for g in self.gathers)
+
+    @property
+    def regather_nbytes(self) -> int:
+        return sum(g.nbytes for g in self.gathers if g.regather)
+
+    @property
+    def reduce_nbytes(self) -> int:
+        return sum(g.nbytes for g in self.gathers if g.reduced)
+
+    def collectives(self) -> tuple[tuple[str, str, int], ...]:
+        """(kind, phase, bytes) of each collective the unit runs in a micro-batch."""
+        out = [("all_gather", "fwd", self.nbytes)]
+        if self.regather_nbytes:
+            out.append(("all_gather", "bwd", self.regather_nbytes))
+        if self.reduce_nbytes:
+            out.append(("reduce_scatter", "bwd", self.reduce_nbytes))
+        return tuple(out)
+
+
+def pack_units(gathers: Iterable[Gather], bucket_bytes: int) -> tuple[Unit, ...]:
+    """Units in forward order: runs of consecutive gathers of one block, mesh axes and dtype, a
+    run cut where the next gather would take it over ``bucket_bytes`` (a gather larger than that
+    is a unit alone)."""
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    units: list[Unit] = []
+    run: list[Gather] = []
+    for g in gathers:
+        if run and ((g.block, g.axes, g.dtype) != (run[0].block, run[0].axes, run[0].dtype) or sum(m.nbytes for m in run) + g.nbytes > bucket_bytes):
+            units.append(Unit(run[0].axes, run[0].dtype, tuple(run)))
+            run = []
+        run.append(g)
+    if run:
+        units.append(Unit(run[0].axes, run[0].dtype, tuple(run)))
+    return tuple(units)

@@ -236,6 +236,15 @@ class Conversion:
         return not self.forward and not self.backward
 
 
+def is_unit_gather(conv: Conversion, mesh: Mesh) -> bool:
+    """A ZeRO-3 parameter gather a unit runs: one all-gather over data-parallel axes forward, and
+    backward nothing or one reduce-scatter over the same axes."""
+    fwd, bwd = conv.forward, conv.backward
+    if len(fwd) != 1 or fwd[0].kind != "all_gather" or mesh.group_size(fwd[0].axes) <= 1 or not set(fwd[0].axes) <= set(mesh.dp_axes):
+        return False
+    return not bwd or (len(bwd) == 1 and bwd[0].kind == "reduce_scatter" and bwd[0].axes == fwd[0].axes)
+
+
 def spec_conversion(src: Spec, dst: Spec, mesh: Mesh) -> Conversion:
     return Conversion(
         conversion_steps(src.layout, dst.layout, mesh),

@@ -53,7 +53,7 @@ class CommRecord(_Frozen):
     nbytes: int
     phase: Literal["fwd", "bwd", "step"]
     count: int
-    bucket_bytes: int = Field(default=0, description="a gradient bucket's collective, priced as its gradients' shares (planner.buckets)")
+    bucket_bytes: int = Field(default=0, description="a bucket's or ZeRO-3 unit's collective, priced as its members' shares (planner.buckets)")
 
 
 class GradBucket(_Frozen):
@@ -66,6 +66,30 @@ class GradBucket(_Frozen):
     params: tuple[str, ...]
     nbytes: int
     collectives: tuple[tuple[str, str], ...] = (("all_reduce", "step"),)
+
+
+class UnitGather(_Frozen):
+    """One parameter gather of a ZeRO-3 unit: ``site`` is ``"param->spec"`` (an edge conversion of
+    the traced parameter node to that encoded Spec) or ``"node:position"`` (a kernel's own gather
+    of that input); ``nbytes`` gathered; ``regather``: gathered again for backward; ``reduced``: its
+    gradient reduce-scattered in backward."""
+
+    site: str
+    param: str
+    nbytes: int
+    regather: bool = False
+    reduced: bool = True
+
+
+class ParamUnit(_Frozen):
+    """ZeRO-3's unit (FSDP2's flat parameter of a block): ``gathers`` in forward order, run as one
+    all-gather over ``axes`` in forward, one reduce-scatter of their gradients and one all-gather
+    of the re-gathered ones in backward (:mod:`planner.overlap`)."""
+
+    axes: tuple[str, ...]
+    dtype: str
+    block: str
+    gathers: tuple[UnitGather, ...]
 
 
 class MemoryBreakdown(_Frozen):
@@ -118,6 +142,7 @@ class Plan(_Frozen):
     zero_prefetch: bool = Field(default=False, description="ZeRO-3 parameter gathers started one ahead, overlapping compute")
     grad_bucket_bytes: int = Field(default=DEFAULT_BUCKET_BYTES, gt=0, description="the gradient sync's collectives packed into buckets of this size")
     grad_buckets: tuple[GradBucket, ...] = Field(default=(), description="the gradient sync's buckets, in the order they fill")
+    param_units: tuple[ParamUnit, ...] = Field(default=(), description="ZeRO-3: the parameter gathers packed per block, in forward order")
     step_time_s: float
     compute_time_s: float
     comm_time_s: float

@@ -26,7 +26,7 @@ import logging
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from planner.buckets import DEFAULT_BUCKET_BYTES
 from planner.cdp import LOSS_TARGETS
@@ -42,7 +42,7 @@ from planner.cost import (
 )
 from planner.hardware import HardwareProfile
 from planner.ir import InputRef, IRGraph, Node
-from planner.layout import Conversion, Layout, Spec, spec_conversion
+from planner.layout import Conversion, Layout, Spec, is_unit_gather, spec_conversion
 from planner.mesh import Mesh
 from planner.overlap import prefetch_terms
 from planner.plan import peak_of
@@ -232,7 +232,8 @@ def build_problem(
             node = graph.nodes[name]
             params: dict[int, int | None] = {p: None for p, ref in enumerate(node.inputs) if graph.nodes[ref.node].kind == "param"}
             if params:
-                op_anchors[name] = regather_variants(RuleContext(node, graph, mesh), strategies, params, axes=dp_axes)
+                op_anchors[name] = regather_variants(RuleContext(node, graph, mesh), strategies, params, axes=dp_axes,
+                                                     bucket_bytes=bucket_bytes if cdp == "off" else 0)
     consumers = graph.consumers()
     for node in graph.nodes.values():
         if node.kind == "output":
@@ -582,6 +583,7 @@ class _ConversionCache:
         self.mesh = mesh
         self.steps: dict[tuple[int, int], Conversion] = {}
         self.comms: dict[tuple[int, int, int, bool], tuple[Comm, ...]] = {}
+        self.units: dict[tuple[int, int], tuple[tuple[Comm, ...], tuple[Comm, ...]]] = {}
 
     def conversion(self, a: int, b: int) -> Conversion:
         """The steps from Spec id ``a`` to ``b``."""
@@ -600,6 +602,15 @@ class _ConversionCache:
                 comms += steps_comms(conv.backward, nbytes // spec_of(b).layout.shard_factor(mesh), mesh, "bwd")
             self.comms[key] = comms
         return comms
+
+    def in_units(self, comms: tuple[Comm, ...], bucket_bytes: int) -> tuple[Comm, ...]:
+        """``comms`` run inside ZeRO-3 units of ``bucket_bytes`` (one shared tuple per input, so
+        the edges that share it are priced once)."""
+        key = (id(comms), bucket_bytes)
+        out = self.units.get(key)
+        if out is None or out[0] is not comms:
+            out = self.units[key] = (comms, tuple(replace(c, bucket_bytes=bucket_bytes) for c in comms))
+        return out[1]
 
 
 @functools.lru_cache(maxsize=8)  # the last few meshes' (a search solves one mesh's configurations together)
@@ -632,6 +643,7 @@ def _price_edges(problem: Problem) -> None:
     outs: dict[tuple[str, int], tuple[int, ...]] = {}  # interned Spec ids per strategy, each end
     ins: dict[tuple[str, int], tuple[int, ...]] = {}
     cache = _conversion_cache(mesh)
+    unit_gathers = problem.zero_stage == 3 and problem.cdp == "off"
     sig_ids: dict[tuple[tuple[str, int], ...], int] = {}  # the conversion keys hold a consumer signature's id
     for (ut, index, vt, p, signature), producers in pending.items():
         u = graph.nodes[ut]
@@ -663,7 +675,10 @@ def _price_edges(problem: Problem) -> None:
             key = ("conv", ut, index, a, b, sig)
             term = problem.conversions.get(key)
             if term is None:
-                term = problem.conversions[key] = ConversionTerm(key, 0.0, cache.conversion_comms(a, b, meta.nbytes, with_grad))
+                comms = cache.conversion_comms(a, b, meta.nbytes, with_grad)
+                if unit_gathers and u.kind == "param" and is_unit_gather(cache.conversion(a, b), mesh):
+                    comms = cache.in_units(comms, problem.bucket_bytes)  # a share of its ZeRO-3 unit's latency (planner.overlap)
+                term = problem.conversions[key] = ConversionTerm(key, 0.0, comms)
             term.producers |= producers
             cond = (gu, iu, gv, iv)
             if cond not in term.conditions:

@@ -28,7 +28,7 @@ from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, NamedTuple, TypeVar
 
-from planner.buckets import DEFAULT_BUCKET_BYTES, Bucket, Gradient, pack
+from planner.buckets import DEFAULT_BUCKET_BYTES, Bucket, Gather, Gradient, Unit, pack
 from planner.cdp import PipelineEstimate, pipeline_estimate
 from planner.front import (
     Point,
@@ -44,7 +44,8 @@ from planner.front import (
 from planner.hardware import HardwareProfile
 from planner.ir import IRGraph
 from planner.mesh import Mesh, mesh_text
-from planner.plan import CommRecord, GradBucket, MemoryBreakdown, NodePlan, Plan, SolverInfo, TPFamily, fingerprint
+from planner.overlap import param_units
+from planner.plan import CommRecord, GradBucket, MemoryBreakdown, NodePlan, ParamUnit, Plan, SolverInfo, TPFamily, UnitGather, fingerprint
 from planner.problem import Evaluation, Problem, StrategyFilter, build_problem, zero_param_terms
 from planner.rules import FALLBACK
 from planner.solve import BudgetILP, InfeasibleBudget, Solution, SolverSettings, infeasible_message, solve, solve_within, sweep
@@ -714,6 +715,7 @@ def make_plan(
             fallbacks.append(f"{name} ({graph.nodes[name].target}) in {graph.nodes[name].module_path or '<root>'}")
     ev = solution.evaluation
     buckets = gradient_buckets(graph, problem, solution.assignment)
+    units, loose = param_units(problem, solution.assignment)
     return Plan(
         model=model_name,
         model_fingerprint=fingerprint(graph),
@@ -736,9 +738,14 @@ def make_plan(
         peak_memory_bytes=int(ev.peak_memory),
         memory_breakdown=_breakdown(ev),
         nodes=tuple(nodes),
-        comms=_comm_records(ev, buckets, problem.micro_batches, problem.bucket_bytes),
+        comms=_comm_records(ev, buckets, problem.micro_batches, problem.bucket_bytes, units, loose),
         grad_bucket_bytes=problem.bucket_bytes,
         grad_buckets=tuple(GradBucket(axes=b.axes, dtype=b.dtype, params=b.params, nbytes=b.nbytes, collectives=b.collectives) for b in buckets),
+        param_units=tuple(
+            ParamUnit(axes=u.axes, dtype=u.dtype, block=u.gathers[0].block,
+                      gathers=tuple(UnitGather(site=g.site, param=g.param, nbytes=g.nbytes, regather=g.regather, reduced=g.reduced) for g in u.gathers))
+            for u in units
+        ),
         fallbacks=tuple(fallbacks),
         solver=SolverInfo(
             status="optimal" if solution.status == "optimal" else "time_limit",
@@ -782,10 +789,12 @@ def gradient_buckets(graph: IRGraph, problem: Problem, assignment: dict[str, int
     return pack(gradients, problem.bucket_bytes)
 
 
-def _comm_records(ev: Evaluation, buckets: tuple[Bucket, ...] = (), micro_batches: int = 1, bucket_bytes: int = 0) -> tuple[CommRecord, ...]:
-    """The evaluation's collectives per step, with the packed gradient collectives (one per
-    parameter in the evaluation) as the buckets that run them (a backward-phase bucket, ZeRO-2's
-    reduce-scatter, once per micro-batch), each priced as its gradients' shares."""
+def _comm_records(ev: Evaluation, buckets: tuple[Bucket, ...] = (), micro_batches: int = 1, bucket_bytes: int = 0,
+                  units: tuple[Unit, ...] = (), loose: tuple[Gather, ...] = ()) -> tuple[CommRecord, ...]:
+    """The evaluation's collectives per step, with the packed collectives (one per parameter in
+    the evaluation) as the buckets and ZeRO-3 units that run them (a backward-phase bucket, ZeRO-2's
+    reduce-scatter, and every unit collective, once per micro-batch), each priced as its members'
+    shares; a ``loose`` gather (priced as a share, run alone) as its own collectives."""
     counts: Counter[tuple[str, tuple[str, ...], int, str, int]] = Counter()
     packed: Counter[tuple[str, tuple[str, ...], str]] = Counter()  # bytes the parameters' packed collectives move
     for comm, n in ev.comms:
@@ -798,7 +807,15 @@ def _comm_records(ev: Evaluation, buckets: tuple[Bucket, ...] = (), micro_batche
             n = 1 if phase == "step" else micro_batches
             counts[(kind, bucket.axes, bucket.nbytes, phase, bucket_bytes)] += n
             packed[(kind, bucket.axes, phase)] -= bucket.nbytes * n
-    assert not any(packed.values()), f"the buckets do not move what the evaluation priced: {dict(packed)}"
+    for unit in units:
+        for kind, phase, nbytes in unit.collectives():
+            counts[(kind, unit.axes, nbytes, phase, bucket_bytes)] += micro_batches
+            packed[(kind, unit.axes, phase)] -= nbytes * micro_batches
+    for g in loose:
+        for kind, phase, nbytes in Unit(g.axes, g.dtype, (g,)).collectives():
+            counts[(kind, g.axes, nbytes, phase, bucket_bytes)] += micro_batches
+            packed[(kind, g.axes, phase)] -= nbytes * micro_batches
+    assert not any(packed.values()), f"the buckets and units do not move what the evaluation priced: {dict(packed)}"
     return tuple(
         CommRecord(kind=k, axes=a, nbytes=b, phase=p, count=c, bucket_bytes=s)  # type: ignore[arg-type]
         for (k, a, b, p, s), c in sorted(counts.items())

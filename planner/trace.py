@@ -432,7 +432,7 @@ def _detect_repeats(nodes: dict[str, Node]) -> tuple[RepeatedLayers, ...]:
     by_layer: dict[str, dict[int, list[Node]]] = defaultdict(lambda: defaultdict(list))
     for node in nodes.values():
         if node.kind == "op":
-            m = _match_layer(node.module_path)
+            m = match_layer(node.module_path)
             if m:
                 by_layer[m[0]][m[1]].append(node)
     repeated: list[RepeatedLayers] = []
@@ -463,7 +463,8 @@ def _detect_repeats(nodes: dict[str, Node]) -> tuple[RepeatedLayers, ...]:
     return tuple(repeated)
 
 
-def _match_layer(path: str) -> tuple[str, int] | None:
+def match_layer(path: str) -> tuple[str, int] | None:
+    """(prefix, index) of the numbered submodule a module path lies in (``h.3.attn`` -> ("h", 3))."""
     parts = path.split(".")
     for k in range(1, len(parts)):
         if parts[k].isdigit():

@@ -170,6 +170,9 @@ class _ConvertFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None]:  # type: ignore[override]
         conv: Convert = ctx.conv
+        if conv.unit is not None:  # a ZeRO-3 unit reduces it with the rest of its block (runtime.zero3)
+            conv.unit.reduce(conv, grad)
+            return None, None
         if not conv.backward_steps:
             return grad, None
         return run_steps(grad, conv.backward_steps, conv.mesh_groups, conv.recorder, "bwd"), None
@@ -186,11 +189,13 @@ class Convert(torch.nn.Module):
         self.recorder = recorder
         self.label = label
         self._pending: tuple[int, Any, torch.Tensor, Callable[[], None]] | None = None
+        self.unit: Any = None  # the runtime.zero3.ParamUnits that gathers and reduces it, if any
 
     @property
     def prefetchable(self) -> bool:
-        """A single all-gather (a ZeRO-3 parameter gather): it can be started ahead of use."""
-        return len(self.forward_steps) == 1 and self.forward_steps[0].kind == "all_gather" and self.mesh_groups.size(self.forward_steps[0].axes) > 1
+        """A single all-gather (a ZeRO-3 parameter gather) outside a unit: it can be started
+        ahead of use."""
+        return self.unit is None and len(self.forward_steps) == 1 and self.forward_steps[0].kind == "all_gather" and self.mesh_groups.size(self.forward_steps[0].axes) > 1
 
     def start(self, x: torch.Tensor) -> None:
         """Issue the all-gather of ``x`` now (asynchronously); the next ``forward(x)`` waits for it."""
@@ -205,6 +210,8 @@ class Convert(torch.nn.Module):
         self._pending = (id(x), work, out, finish)
 
     def run_forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.unit is not None:
+            return self.unit.take(self)  # type: ignore[no-any-return]
         pending, self._pending = self._pending, None
         if pending is not None:
             key, work, out, finish = pending
@@ -218,6 +225,12 @@ class Convert(torch.nn.Module):
         if x.requires_grad and torch.is_grad_enabled():
             return _ConvertFn.apply(x, self)  # type: ignore[no-any-return]
         return self.run_forward(x)
+
+    def regather(self, x: torch.Tensor) -> torch.Tensor:
+        """The forward steps again on ``x``, for backward (a unit's members together)."""
+        if self.unit is not None:
+            return self.unit.regather(self)  # type: ignore[no-any-return]
+        return run_steps(x, self.forward_steps, self.mesh_groups, self.recorder, "bwd")
 
     def extra_repr(self) -> str:
         fwd = " ".join(str(s) for s in self.forward_steps) or "-"

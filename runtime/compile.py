@@ -44,6 +44,7 @@ from runtime.kernels import (
     SummaKernel,
 )
 from runtime.module import ParallelModule, attr_name
+from runtime.zero3 import Member, ParamUnits
 
 _BIAS_INPUT = {"linear": 2, "addmm": 0}  # which input of the kernel is the bias
 EXPAND = "aten.expand.default"
@@ -84,12 +85,31 @@ def compile_plan(
         loss_partial_over = loss_partial_over | {a for a in plan.mesh_obj.dp_axes if plan.mesh[a] > 1}
     builder.loss_partial_over = loss_partial_over
     gm = builder.build()
+    units = _param_units(plan, gm, builder.sites, mg, recorder)
     if plan.zero_prefetch:
-        prefetch_parameter_gathers(gm)
+        prefetch_parameter_gathers(gm)  # the gathers outside units, one ahead
     pm = ParallelModule(plan, graph, gm, mg, recorder, builder.param_specs, builder.param_names, builder.input_specs)
+    pm.units = units
     pm.node_origin = builder.origin
     pm.node_values = {key: fx_node.name for key, fx_node in builder.env.items()}
     return pm
+
+
+def _param_units(plan: Plan, gm: torch.fx.GraphModule, sites: dict[str, tuple[Convert, str]], mg: MeshGroups, rec: CommRecorder) -> ParamUnits | None:
+    """The plan's ZeRO-3 units over the gather sites the rewrite made (runtime.zero3)."""
+    if not plan.param_units:
+        return None
+    members = []
+    for unit in plan.param_units:
+        row = []
+        for g in unit.gathers:
+            if g.site not in sites:
+                raise ValueError(f"the plan's ZeRO-3 unit of {unit.block or '<root>'} gathers {g.site}, which the rewritten graph does not: "
+                                 "the plan was made by another version of the planner; re-plan")
+            conv, attr = sites[g.site]
+            row.append(Member(conv, gm.get_parameter(attr), g.regather, g.reduced))
+        members.append(row)
+    return ParamUnits(plan.param_units, members, mg, rec, plan.zero_prefetch)
 
 
 def prefetch_parameter_gathers(gm: torch.fx.GraphModule) -> int:
@@ -160,6 +180,7 @@ class _Builder:
         self.count = 0
         self.loss_partial_over: frozenset[str] = frozenset()
         self.origin: dict[str, str] = {}  # rank-local fx node -> the traced node it computes
+        self.sites: dict[str, tuple[Convert, str]] = {}  # parameter gather sites (planner.overlap's names) -> (gather, parameter attribute)
 
     def build(self) -> torch.fx.GraphModule:
         for node in self.graph.nodes.values():
@@ -226,6 +247,8 @@ class _Builder:
             module = Convert(conv.forward, conv.backward if with_grad else (), self.mg, self.rec, f"{ref.node}: {have} -> {want}")
             name = self._add(f"convert_{ref.node}", module)
             self.converted[key] = self.fx.call_module(name, (src,))
+            if producer.kind == "param":
+                self.sites[f"{ref.node}->{want.encode()}"] = (module, attr_name(ref.node))
         return self.converted[key]
 
     def _add(self, prefix: str, module: torch.nn.Module) -> str:
@@ -255,6 +278,8 @@ class _Builder:
                 assert arrival is not None
                 conv = spec_conversion(arrival, compute, self.mg.mesh)
                 private[pos] = Convert(conv.forward, conv.backward, self.mg, self.rec, f"{node.name}[{pos}]: {arrival} -> {compute} (re-gathered in backward)")
+                if self.graph.nodes[node.inputs[pos].node].kind == "param" and arrival == self.nodes[node.inputs[pos].node].output_specs()[0]:
+                    self.sites[f"{node.name}:{pos}"] = (private[pos], attr_name(node.inputs[pos].node))
             kernel = RegatherKernel(kernel, private, self.mg, self.rec)
         name = self._add(f"k_{node.name}", kernel)
         out = self.fx.call_module(name, values)

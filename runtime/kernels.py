@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils._pytree import tree_map
 
-from runtime.collectives import CommRecorder, Convert, all_reduce, broadcast, reduce, run_steps
+from runtime.collectives import CommRecorder, Convert, all_reduce, broadcast, reduce
 from runtime.groups import MeshGroups
 
 
@@ -330,7 +330,7 @@ class RegatherKernel(torch.nn.Module):
             if not isinstance(packed, tuple):
                 return packed  # type: ignore[no-any-return]
             _, shard, conv, shape, stride, offset = packed
-            full = run_steps(shard, conv.forward_steps, self.mg, self.rec, "bwd")
+            full = conv.regather(shard)
             return full.as_strided(shape, stride, offset)
 
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):

@@ -43,6 +43,7 @@ from runtime.collectives import CommRecorder, all_reduce, relayout
 from runtime.groups import MeshGroups
 from runtime.precision import MasterWeights, find_master_weights
 from runtime.zero import ZeroOptimizer, ZeroShards
+from runtime.zero3 import ParamUnits
 
 
 class KernelError(RuntimeError):
@@ -120,6 +121,7 @@ class ParallelModule(torch.nn.Module):
         self.param_names = param_names
         self.input_specs = input_specs
         self.zero: ZeroShards | None = None
+        self.units: ParamUnits | None = None  # ZeRO-3's per-block gathers (set by compile)
         self._sync = True  # no_sync() turns the data-parallel sync at backward end off
         self.node_origin: dict[str, str] = {}  # rank-local fx node name -> traced node name (set by compile)
         self.node_values: dict[tuple[str, int], str] = {}  # traced (node, output) -> the rank-local fx node holding it
@@ -185,6 +187,8 @@ class ParallelModule(torch.nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         flat, _ = tree_flatten((args, kwargs))
         tensors = [t for t in flat if isinstance(t, torch.Tensor)]
+        if self.units is not None:
+            self.units.begin()
         try:
             # forward itself, not fx's __call__ wrapper: that drops the traceback of an error raised
             # in the generated code (a getitem, a view), the frame that says which node failed
@@ -227,6 +231,8 @@ class ParallelModule(torch.nn.Module):
         ZeRO-2's, which reduce every micro-batch."""
         if self.buckets is not None:  # ZeRO-2's buckets reduce in every backward, the others when syncing
             self.buckets.finish()
+        if self.units is not None:  # ZeRO-3 reduces every micro-batch
+            self.units.finish()
         if not self._sync:
             return
         if self.zero is not None:

@@ -166,7 +166,10 @@ def train_and_compare(rank: int, world: int, plans_json: list[tuple[str, ...]]) 
         predicted = plan.memory_breakdown
         reports.append({
             "mesh": plan.mesh, "zero": plan.zero_stage, "steps": steps, "param_error": param_error, "exact_initial_state": exact_state,
-            "prefetched": sum(1 for n in pm.graph_module.graph.nodes if n.op == "call_module" and str(n.target).startswith("prefetch_")),
+            # gathers started ahead of use: outside ZeRO-3 units (graph nodes), and the units' in the last step
+            "prefetched": sum(1 for n in pm.graph_module.graph.nodes if n.op == "call_module" and str(n.target).startswith("prefetch_"))
+            + (pm.units.prefetched if pm.units is not None else 0),
+            "units": len(plan.param_units),
             "held": held, "predicted": {"params": predicted.params, "grads": predicted.grads, "optimizer": predicted.optimizer},
         })
     return reports

@@ -8,6 +8,7 @@ plan's priced list; and the bytes each rank holds in parameters, gradients and o
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import pytest
@@ -15,6 +16,7 @@ import torch
 
 from models import build_model, example_inputs
 from planner.hardware import A100_80G
+from planner.plan import Plan
 from planner.search import SearchSpace, search
 from planner.trace import micro_batch_inputs, trace
 from tests.dist_checks import BATCH, train_and_compare
@@ -27,13 +29,15 @@ STAGES = (0, 1, 2, 3)
 MODEL = "gpt-tiny-nobias"  # AdamW: see tests/dist_checks.py for why not gpt-tiny
 
 
-def _plan(dp: int, zero: int, allow: Any, devices: int = 4, family: str = "1d", micro_batches: int = 1) -> tuple[str, str, str]:
+def _plan(dp: int, zero: int, allow: Any, devices: int = 4, family: str = "1d", micro_batches: int = 1, objective: str = "time",
+          bucket_bytes: int | None = None) -> tuple[str, str, str]:
     model = build_model(MODEL, dtype=torch.float64)
     args, kwargs = example_inputs(MODEL, batch=BATCH, dtype=torch.float64)
     graph = trace(model, args, kwargs)
     space = SearchSpace(devices=devices, dp=dp, zero=(zero,), tp=("none",) if dp == devices else (family,), micro_batches=(micro_batches,))
-    result = search(graph, space, A100_80G, model_name=MODEL, optimizer="adamw", allow=allow, front=False,
-                    micro_graph=lambda m: trace(model, *micro_batch_inputs(args, kwargs, m)))
+    extra: dict[str, Any] = {"bucket_bytes": bucket_bytes} if bucket_bytes is not None else {}
+    result = search(graph, space, A100_80G, model_name=MODEL, optimizer="adamw", allow=allow, front=False, objective=objective,  # type: ignore[arg-type]
+                    micro_graph=lambda m: trace(model, *micro_batch_inputs(args, kwargs, m)), **extra)
     assert result.best is not None and result.best.zero_stage == zero and result.best.micro_batches == micro_batches
     return MODEL, result.best.model_dump_json(), "adamw"
 
@@ -45,6 +49,12 @@ def results() -> dict[str, list[dict[str, Any]]]:
     # gradient accumulation: 2 micro-batches per step, gradients synced once (ZeRO-2 and 3 reduce per micro-batch)
     cases |= {f"dp=2 x tp=2 zero={z} x2 micro-batches": (2, z, megatron_dp, 4, "1d", 2) for z in STAGES}
     plans = [_plan(*args) for args in cases.values()]
+    # ZeRO-3 that frees each gathered parameter after forward and gathers it again for backward
+    # (the least-memory plan), in units of the plan's default size and of 16 KiB (several per block)
+    regathered = {"dp=4 zero=3 re-gathered": {}, "dp=4 zero=3 re-gathered, 16 KiB units": {"bucket_bytes": 16 * 2**10}}
+    for name, extra in regathered.items():
+        cases[name] = ()
+        plans.append(_plan(4, 3, data_parallel, objective="memory", **extra))
     per_rank = run_world(4, train_and_compare, plans, timeout=900)
     out = {name: [r[i] for r in per_rank] for i, name in enumerate(cases)}
     eight = {f"dp=2 x 2-D 2x2 zero={z}": z for z in STAGES}
@@ -76,14 +86,26 @@ def test_memory_held_equals_memory_predicted_for_every_stage(results) -> None:  
             assert rep["held"] == rep["predicted"], (name, rank, rep["held"], rep["predicted"])
 
 
-def test_stage_3_prefetches_parameter_gathers_and_stays_exact(results) -> None:  # type: ignore[no-untyped-def]
-    """Stage-3 plans prefetch (the default): the runtime starts each parameter gather one ahead,
-    asynchronously, and the checks above (same math, priced = executed) still hold for them."""
+def test_stage_3_gathers_in_units_prefetches_and_stays_exact(results) -> None:  # type: ignore[no-untyped-def]
+    """Stage-3 plans gather their parameters in per-block units (runtime.zero3) and prefetch (the
+    default): each unit's all-gather starts while the one before computes, asynchronously, and the
+    checks above (same math, priced = executed per unit) still hold for them."""
     for name, ranks in results.items():
         if "zero=3" in name:
-            assert all(rep["prefetched"] > 0 for rep in ranks), name
+            assert all(rep["units"] > 1 and rep["prefetched"] > 0 for rep in ranks), name
         else:
-            assert all(rep["prefetched"] == 0 for rep in ranks), name
+            assert all(rep["units"] == 0 and rep["prefetched"] == 0 for rep in ranks), name
+
+
+def test_stage_3_least_memory_plans_re_gather_in_units() -> None:
+    """The re-gathered cases above do what they say: their units gather parameters again for
+    backward, and the 16 KiB units split the blocks."""
+    for extra in ({}, {"bucket_bytes": 16 * 2**10}):
+        plan = Plan.model_validate_json(_plan(4, 3, data_parallel, objective="memory", **extra)[1])  # type: ignore[arg-type]
+        assert any(g.regather for u in plan.param_units for g in u.gathers), extra
+        blocks = [u.block for u in plan.param_units]
+        split = any(a == b for a, b in itertools.pairwise(blocks))  # a block in more than one unit
+        assert split == bool(extra), (extra, blocks)
 
 
 def test_higher_stages_hold_less(results) -> None:  # type: ignore[no-untyped-def]

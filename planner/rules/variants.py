@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from planner.cost import steps_comms
-from planner.layout import Layout, Spec, spec_conversion
+from planner.layout import Layout, Spec, is_unit_gather, spec_conversion
 from planner.rules.context import RuleContext, active_tp
 from planner.strategy import Comm, Strategy, with_dp
 
@@ -52,7 +52,7 @@ def reduced_variants(ctx: RuleContext, strategies: list[Strategy], batch_dims: i
 
 
 def regather_variants(
-    ctx: RuleContext, strategies: list[Strategy], inputs: dict[int, int | None], axes: tuple[str, ...] | None = None
+    ctx: RuleContext, strategies: list[Strategy], inputs: dict[int, int | None], axes: tuple[str, ...] | None = None, bucket_bytes: int = 0
 ) -> list[Strategy]:
     """On 2-D/3-D meshes, each strategy whose inputs are gathered before use (over the
     tensor-parallel axes they leave idle) also comes in a variant that receives them still split
@@ -63,7 +63,9 @@ def regather_variants(
     instead: parameters sharded at rest, gathered before use, freed, gathered again for backward.
 
     ``inputs``: position -> dim that carries the idle axes on arrival (None: the first dim that
-    is already split, else dim 0; for ZeRO-3 the first such dim that divides)."""
+    is already split, else dim 0; for ZeRO-3 the first such dim that divides). ``bucket_bytes``:
+    ZeRO-3's gathers of one all-gather run in units of that size (planner.overlap), each priced as
+    its share of a unit's latency."""
     tp = active_tp(ctx.mesh)
     if axes is None and len(tp) < 2:
         return strategies
@@ -89,7 +91,11 @@ def regather_variants(
             conv = spec_conversion(arrival, compute, ctx.mesh)
             nbytes = ctx.in_meta(pos).nbytes
             gathered = steps_comms(conv.forward, nbytes // arrival_layout.shard_factor(ctx.mesh), ctx.mesh, "fwd")
-            comms += [*gathered, *steps_comms(conv.backward, nbytes // compute.layout.shard_factor(ctx.mesh), ctx.mesh, "bwd")]
+            reduced = steps_comms(conv.backward, nbytes // compute.layout.shard_factor(ctx.mesh), ctx.mesh, "bwd")
+            if axes is not None and bucket_bytes and is_unit_gather(conv, ctx.mesh):
+                gathered = tuple(replace(c, bucket_bytes=bucket_bytes) for c in gathered)
+                reduced = tuple(replace(c, bucket_bytes=bucket_bytes) for c in reduced)
+            comms += [*gathered, *reduced]
             if any(saved.source == "input" and saved.index == pos for saved in ctx.node.saved):
                 comms += [replace(c, phase="bwd") for c in gathered]  # gathered again for backward, where autograd keeps it
             new_inputs[pos] = arrival
