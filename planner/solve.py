@@ -75,6 +75,23 @@ from planner.units import format_bytes
 
 log = logging.getLogger(__name__)
 
+
+def _release_import_frames() -> None:
+    """PuLP keeps the error of each solver it cannot import (a class attribute ``err``); its
+    traceback holds every frame up that import, so the code that first imported the planner
+    kept its locals alive for good (measured: a function that compiled a plan kept its
+    ParallelModule after it returned). The tracebacks go; the messages stay."""
+    for name, module in list(sys.modules.items()):
+        if name == "pulp" or name.startswith("pulp."):
+            for value in list(vars(module).values()):
+                err = getattr(value, "err", None) if isinstance(value, type) else None
+                while isinstance(err, BaseException):
+                    err.__traceback__ = None
+                    err = err.__context__ or err.__cause__
+
+
+_release_import_frames()
+
 TIE_BREAK = 1e-9  # weight of the secondary objective, both objectives normalised (see docstring)
 FEASIBILITY_TOL = 1e-9  # HiGHS' defaults (1e-6, 1e-7) let memory rows slip by ~1 KiB on small models
 MAX_RESOLVES = 4

@@ -119,6 +119,7 @@ class ParamUnits:
         if k not in self.ready:
             flight = self.gathering.pop(k, None) or self._start_gather(k, list(range(len(self.members[k]))), "fwd")
             self.ready[k] = self._arrived(k, flight)
+            del flight  # its result, copied out, goes before the next gather allocates its own
             if self.prefetch and k + 1 < len(self.units) and k + 1 not in self.gathering and k + 1 not in self.ready:
                 self.gathering[k + 1] = self._start_gather(k + 1, list(range(len(self.members[k + 1]))), "fwd")
                 self.prefetched += 1
@@ -137,6 +138,7 @@ class ParamUnits:
         if k not in self.regathered:
             flight = self.regathering.pop(k, None) or self._start_gather(k, self._regather_members(k), "bwd")
             self.regathered[k] = self._arrived(k, flight)
+            del flight
             if self.prefetch:
                 j = next((j for j in range(k - 1, -1, -1) if self._regather_members(j)), None)
                 if j is not None and j not in self.regathering and j not in self.regathered:

@@ -391,3 +391,20 @@ def test_dual_simplex_first_gives_the_interior_points_bound(name: str) -> None:
         else:
             assert b.bound == pytest.approx(a.bound, rel=1e-6)
             assert b.bound <= c.fastest_within(budget) * (1 + 1e-6)  # a lower bound on every plan that fits
+
+
+def test_importing_the_planner_keeps_no_caller_frames_alive() -> None:
+    """PuLP stores the ImportError of every solver it cannot load; with its traceback that held
+    each frame up the first import of the planner, and their locals (a function that compiled a
+    plan kept its module alive). planner.solve drops those tracebacks."""
+    import sys
+
+    import planner.solve  # noqa: F401
+
+    kept = [
+        f"{name}.{cls.__name__}"
+        for name, module in list(sys.modules.items()) if name == "pulp" or name.startswith("pulp.")
+        for cls in list(vars(module).values()) if isinstance(cls, type) and isinstance(getattr(cls, "err", None), BaseException)
+        if cls.err.__traceback__ is not None
+    ]
+    assert not kept, kept
