@@ -16,10 +16,8 @@ their forward:
     hidden_k = min(t(u_{k+1}), sum_{ops in that window} t_fwd(op)),   t_fwd = t_op * F_fwd / (F_fwd + F_bwd)
 
 (t_op the roofline time of :func:`planner.cost.compute_time`, split by the op's forward share of
-FLOPs), and while u_k's first consumer runs, u_{k+1}'s gather (its result and gloo's staging
-buffer, two of its size) is in flight and u_k's other parameters wait in the unit:
-
-    transient = max_k (transient(first consumer of u_k) + 2 bytes(u_{k+1}) + bytes(u_k) - bytes(its first gather))
+FLOPs). The units' temporaries (a unit in flight, its gradients packed for the reduce-scatter,
+its re-gathered members) are in :func:`unit_terms`.
 
 The ILP's objective is linear and cannot take these minima: it prices without overlap, and the
 chosen plan is re-priced here (:func:`planner.problem.evaluate`), whose memory the solver then
@@ -28,7 +26,6 @@ checks against the budget as for any plan.
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -122,25 +119,61 @@ def forward_compute(problem: Problem, assignment: dict[str, int]) -> list[float]
     return out
 
 
-def prefetch_terms(problem: Problem, assignment: dict[str, int]) -> tuple[float, float]:
-    """(seconds of gather time hidden, peak transient bytes with one unit in flight)."""
+def saved_before(problem: Problem) -> list[float]:
+    """The share of the bytes autograd saves (all nodes, unsharded) that the nodes before each
+    graph position have saved: how much of a step's activations forward has made by then."""
+    sizes = [float(sum(x.nbytes for x in node.saved)) if node.kind == "op" else 0.0 for node in problem.graph.nodes.values()]
+    total = sum(sizes) or 1.0
+    out, run = [], 0.0
+    for size in sizes:
+        out.append(run / total)
+        run += size
+    return out
+
+
+def unit_terms(problem: Problem, assignment: dict[str, int], activations: float = 0.0) -> tuple[float, float]:
+    """(seconds of gather time the forward prefetch hides, the transient bytes the units add to
+    the peak), for a ZeRO-3 plan.
+
+    The peak adds its transient to all of a step's activations; a unit's temporaries live while
+    only part of them do, so each is charged less the activations not alive then (as a share of
+    the bytes autograd saves, :func:`saved_before`):
+
+    * forward, at unit k's first consumer (with prefetch): unit k+1 in flight, its result and
+      gloo's staging buffer, 2 bytes(u_{k+1}), and u_k's members not taken yet, beside the
+      consumer's working set; the activations after that consumer are still to come;
+    * backward, when unit k's last gradient arrives (at its first consumer's backward; counted
+      with the activations saved before its last consumer alive, those of its own block
+      included): its reduce-scatter, the flat buffer its
+      gradients are packed into, the result and gloo's copies of the n - 1 other chunks, 2 R_k
+      (the previous unit's has landed first), its re-gathered members G_k and, with prefetch,
+      the next re-gathered unit's result and staging, 2 G_j."""
     sites = [s for s in parameter_gathers(problem, assignment) if not s.loose]
     units = pack_units((s.gather for s in sites), problem.bucket_bytes)
-    if len(units) < 2:
+    if not units:
         return 0.0, 0.0
     first: list[Site] = []
+    last: list[Site] = []
     k = 0
     for unit in units:
         first.append(sites[k])
         k += len(unit.gathers)
-    fwd = forward_compute(problem, assignment)
+        last.append(sites[k - 1])
+    made = saved_before(problem)
     mesh, hw = problem.mesh, problem.hardware
     hidden = 0.0
     transient = 0.0
-    for (unit, site), (nxt, nxt_site) in itertools.pairwise(zip(units, first, strict=True)):
-        window = sum(fwd[site.position : nxt_site.position])
-        hidden += min(comm_time(Comm("all_gather", nxt.axes, nxt.nbytes, "fwd"), mesh, hw), window)
+    fwd = forward_compute(problem, assignment) if problem.prefetch else []
+    for k, (unit, site) in enumerate(zip(units, first, strict=True)):
         key = problem.node_group[site.consumer]
-        waiting = unit.nbytes - site.gather.nbytes
-        transient = max(transient, problem.groups[key].transient[assignment[key]] + 2 * nxt.nbytes + waiting)
+        working = problem.groups[key].transient[assignment[key]]
+        nxt = units[k + 1] if k + 1 < len(units) else None
+        if problem.prefetch and nxt is not None:
+            window = sum(fwd[site.position : first[k + 1].position])
+            hidden += min(comm_time(Comm("all_gather", nxt.axes, nxt.nbytes, "fwd"), mesh, hw), window)
+            waiting = unit.nbytes - site.gather.nbytes
+            transient = max(transient, working + 2 * nxt.nbytes + waiting - activations * (1.0 - made[site.position]))
+        prev = next((u for u in reversed(units[:k]) if u.regather_nbytes), None) if problem.prefetch else None
+        backward = 2 * unit.reduce_nbytes + unit.regather_nbytes + (2 * prev.regather_nbytes if prev is not None else 0.0)
+        transient = max(transient, backward - activations * (1.0 - made[last[k].position]))
     return hidden, transient

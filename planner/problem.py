@@ -44,7 +44,7 @@ from planner.hardware import HardwareProfile
 from planner.ir import InputRef, IRGraph, Node
 from planner.layout import Conversion, Layout, Spec, is_unit_gather, spec_conversion
 from planner.mesh import Mesh
-from planner.overlap import prefetch_terms
+from planner.overlap import unit_terms
 from planner.plan import peak_of
 from planner.rules import RuleContext, anchor_strategies, follow, is_follower
 from planner.rules.variants import regather_variants
@@ -804,10 +804,10 @@ def evaluate(problem: Problem, assignment: dict[str, int]) -> Evaluation:
         if any(assignment[gu] in iu and (gv is None or assignment[gv] in iv) for gu, iu, gv, iv in hold.conditions):
             act += hold.nbytes
     hidden = 0.0
-    if problem.prefetch:
-        hidden, in_flight = prefetch_terms(problem, assignment)
+    if problem.zero_stage == 3 and problem.cdp == "off":
+        hidden, in_units = unit_terms(problem, assignment, act)
         hidden *= problem.micro_batches  # the gathers repeat, and hide, in every micro-batch's forward
-        transient = max(transient, in_flight)
+        transient = max(transient, in_units)
     if problem.cdp != "off":
         # the ILP priced a message pair per parameter; the runtime sends one pair per stage, and
         # they travel while the workers compute (the chain runs during backward, the ring into the

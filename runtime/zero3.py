@@ -14,8 +14,10 @@ block (:mod:`planner.overlap`); here each unit is:
   saves it and the plan keeps it).
 * **backward**: each member's gradient (of its full tensor) is handed to the unit instead of
   being reduced on its own; when the last has arrived, the unit packs its chunks rank-major and
-  starts one reduce-scatter, asynchronously, and waits for the previous unit's, whose result
-  becomes its shards' ``.grad`` (summed into it across micro-batches). The members a kernel
+  starts one reduce-scatter, asynchronously, while backward goes on; the previous unit's, whose result
+  becomes its shards' ``.grad`` (summed into it across micro-batches) first, so that one
+  reduce-scatter's buffers are alive at a time (the packed gradients, and gloo's copies of the
+  other ranks' chunks). The members a kernel
   re-gathers for backward are gathered again together, at the first saved tensor backward asks
   for, and the next unit in backward order is prefetched then.
 
@@ -158,6 +160,8 @@ class ParamUnits:
             self._start_reduce(k)
 
     def _start_reduce(self, k: int) -> None:
+        while self.reducing:  # the previous unit's lands first: one reduce-scatter's buffers at a time
+            self._deliver(*self.reducing.pop(0))
         n, group = self._group(k)
         got = self.grads.pop(k)
         self.regathered.pop(k, None)  # the unit's backward is over: its re-gathered tensors go
@@ -169,8 +173,6 @@ class ParamUnits:
         out = flat.new_empty(flat.numel() // n)
         self.rec.add("reduce_scatter", self.mg.mesh.sort_axes(self.units[k].axes), _nbytes(flat), "bwd")
         work = dist.reduce_scatter(out, list(flat.chunk(n)), group=group, async_op=True)
-        while self.reducing:  # at most this one in flight: the previous unit's lands now
-            self._deliver(*self.reducing.pop(0))
         self.reducing.append((k, order, work, out))
 
     def _deliver(self, k: int, order: list[int], work: Any, out: torch.Tensor) -> None:

@@ -59,7 +59,7 @@ KINDS = {
 }
 CDP_STAGES = 2
 # plans whose measured peak is more than 10 % from the prediction today (issue 15 stays open for
-# them; measured: Mixtral under ZeRO-3 +14 %, the ops model under ZeRO-3 +10 % and 1-D -25 %, ViT
+# them; measured: Mixtral under ZeRO-3 +11.5 %, the ops model under ZeRO-3 +11.7 % and 1-D -25 %, ViT
 # under 1-D -11 %): held to 10 % by the strict xfail below, the rest above
 MEMORY_GAPS = {("hf-mixtral", "zero3"), (OPS_MODEL, "zero3"), (OPS_MODEL, "1d"), ("hf-vit", "1d")}
 FAILING_MODULE = "model.layers.1.mlp.down_proj"  # whose kernel the error check breaks (Llama, 1-D)

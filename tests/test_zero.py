@@ -16,8 +16,10 @@ import torch
 
 from models import build_model, example_inputs
 from planner.hardware import A100_80G
+from planner.ir import Node
 from planner.plan import Plan
 from planner.search import SearchSpace, search
+from planner.strategy import Strategy
 from planner.trace import micro_batch_inputs, trace
 from tests.dist_checks import BATCH, train_and_compare
 from tests.harness import run_world
@@ -42,6 +44,18 @@ def _plan(dp: int, zero: int, allow: Any, devices: int = 4, family: str = "1d", 
     return MODEL, result.best.model_dump_json(), "adamw"
 
 
+def zero3_regathering(node: Node, s: Strategy) -> bool:
+    """Data parallel, and every block linear frees its gathered weight after forward and gathers
+    it again for backward (ZeRO-3's least-memory variant)."""
+    if node.target == "aten.linear.default" and node.module_path.startswith("h."):
+        return s.algorithm == "dp+zero3"
+    return data_parallel(node, s)
+
+
+# ZeRO-3 re-gathering, in units of the plan's default size and of 16 KiB (several per block)
+REGATHERED: dict[str, dict[str, Any]] = {"dp=4 zero=3 re-gathered": {}, "dp=4 zero=3 re-gathered, 16 KiB units": {"bucket_bytes": 16 * 2**10}}
+
+
 @pytest.fixture(scope="module")
 def results() -> dict[str, list[dict[str, Any]]]:
     cases = {f"dp=4 zero={z}": (4, z, data_parallel) for z in STAGES}
@@ -49,12 +63,9 @@ def results() -> dict[str, list[dict[str, Any]]]:
     # gradient accumulation: 2 micro-batches per step, gradients synced once (ZeRO-2 and 3 reduce per micro-batch)
     cases |= {f"dp=2 x tp=2 zero={z} x2 micro-batches": (2, z, megatron_dp, 4, "1d", 2) for z in STAGES}
     plans = [_plan(*args) for args in cases.values()]
-    # ZeRO-3 that frees each gathered parameter after forward and gathers it again for backward
-    # (the least-memory plan), in units of the plan's default size and of 16 KiB (several per block)
-    regathered = {"dp=4 zero=3 re-gathered": {}, "dp=4 zero=3 re-gathered, 16 KiB units": {"bucket_bytes": 16 * 2**10}}
-    for name, extra in regathered.items():
+    for name, extra in REGATHERED.items():
         cases[name] = ()
-        plans.append(_plan(4, 3, data_parallel, objective="memory", **extra))
+        plans.append(_plan(4, 3, zero3_regathering, **extra))
     per_rank = run_world(4, train_and_compare, plans, timeout=900)
     out = {name: [r[i] for r in per_rank] for i, name in enumerate(cases)}
     eight = {f"dp=2 x 2-D 2x2 zero={z}": z for z in STAGES}
@@ -97,11 +108,11 @@ def test_stage_3_gathers_in_units_prefetches_and_stays_exact(results) -> None:  
             assert all(rep["units"] == 0 and rep["prefetched"] == 0 for rep in ranks), name
 
 
-def test_stage_3_least_memory_plans_re_gather_in_units() -> None:
+def test_stage_3_re_gathering_plans_re_gather_in_units() -> None:
     """The re-gathered cases above do what they say: their units gather parameters again for
     backward, and the 16 KiB units split the blocks."""
-    for extra in ({}, {"bucket_bytes": 16 * 2**10}):
-        plan = Plan.model_validate_json(_plan(4, 3, data_parallel, objective="memory", **extra)[1])  # type: ignore[arg-type]
+    for extra in REGATHERED.values():
+        plan = Plan.model_validate_json(_plan(4, 3, zero3_regathering, **extra)[1])
         assert any(g.regather for u in plan.param_units for g in u.gathers), extra
         blocks = [u.block for u in plan.param_units]
         split = any(a == b for a, b in itertools.pairwise(blocks))  # a block in more than one unit
