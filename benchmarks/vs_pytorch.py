@@ -1,6 +1,6 @@
 """The project's data parallelism and ZeRO against PyTorch's own, side by side (figures, not a test).
 
-    python benchmarks/vs_pytorch.py [--world 4] [--steps 10] [--warmup 3] [--cases dp,zero1,zero2,zero3,zero3-min]
+    python benchmarks/vs_pytorch.py [--world 4] [--steps 10] [--warmup 3] [--cases dp,zero1,zero2,zero3,zero3-min,tp,dp2tp2]
 
 On ``--world`` gloo ranks of this host: the project's GPT (4 layers, hidden 384, 8 heads, seq 128,
 vocab 2048, 8.7 M parameters), float32, AdamW, global batch 16. Each case trains the same
@@ -14,6 +14,10 @@ initialisation on the same batches two ways, the plan the planner makes for the 
                              vs  FSDP2 fully_shard per block + root, reshard_after_forward=False
     zero3-min  ZeRO-3, the least-memory plan (frees them after forward, gathers them again in backward)
                              vs  FSDP2 fully_shard per block + root (reshard_after_forward=True, its default)
+    tp     Megatron 1-D over tp=world (the model untied: embedding and head apart)
+                             vs  parallelize_module: Colwise/Rowwise, vocab-parallel embedding, loss_parallel
+    dp2tp2 dp=2 x Megatron tp=2 (untied)
+                             vs  the same parallelize_module plan on the inner dim of a 2-D DeviceMesh, DDP over the outer
 
 Step time: warm-up steps, then ``--steps`` steps of each side interleaved (ours, theirs, ours,
 ...), each step timed on the slowest rank (the maximum over ranks after a barrier); the median.
@@ -26,6 +30,7 @@ losses of both sides are compared (they train the same model on the same data).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import statistics
 import sys
@@ -43,16 +48,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: te
 from tests.harness import run_world
 
 CONFIG = GPTConfig(n_layer=4, n_head=8, n_embd=384, block_size=128, vocab_size=2048)
+# tensor parallelism: the same model with its embedding and head untied (parallelize_module cannot
+# shard one parameter for two modules); both sides train this one
+CONFIG_TP = dataclasses.replace(CONFIG, tie_embeddings=False)
 GLOBAL_BATCH = 16
 LR = 1e-3
-CASES = {"dp": (0, "time"), "zero1": (1, "time"), "zero2": (2, "time"), "zero3": (3, "time"), "zero3-min": (3, "memory")}  # ZeRO stage, objective
+CASES = {"dp": (0, "time"), "zero1": (1, "time"), "zero2": (2, "time"), "zero3": (3, "time"), "zero3-min": (3, "memory"),
+         "tp": (0, "time"), "dp2tp2": (0, "time")}  # ZeRO stage, objective
 BASELINES = {"dp": "DDP", "zero1": "DDP + ZeroRedundancyOptimizer", "zero2": "FSDP2 (no reshard after forward)",
-             "zero3": "FSDP2 (no reshard after forward)", "zero3-min": "FSDP2"}
+             "zero3": "FSDP2 (no reshard after forward)", "zero3-min": "FSDP2", "tp": "parallelize_module",
+             "dp2tp2": "parallelize_module + DDP"}
 
 
-def make_model() -> torch.nn.Module:
+def config(case: str) -> GPTConfig:
+    return CONFIG_TP if case.endswith("tp2") or case == "tp" else CONFIG
+
+
+def make_model(case: str = "dp") -> torch.nn.Module:
     torch.manual_seed(0)
-    model = GPT(CONFIG)
+    model = GPT(config(case))
     model.reset_parameters()
     return model
 
@@ -68,10 +82,17 @@ def plan_json(world: int, case: str) -> str:
     from planner.search import SearchSpace, search
     from planner.trace import trace
 
-    graph = trace(make_model(), batch(0), {})
+    graph = trace(make_model(case), batch(0), {})
     zero, objective = CASES[case]
-    result = search(graph, SearchSpace(devices=world, dp=world, tp=("none",), zero=(zero,)), A100_80G, model_name="gpt-bench", front=False,
-                    objective=objective)  # type: ignore[arg-type]
+    if case in ("tp", "dp2tp2"):  # Megatron 1-D (inside data parallelism), as parallelize_module's Colwise/Rowwise plan below
+        from tests.test_same_math import megatron, megatron_dp
+
+        dp = 1 if case == "tp" else 2
+        space = SearchSpace(devices=world, dp=dp, tp=("1d",), zero=(0,))
+        result = search(graph, space, A100_80G, model_name="gpt-bench", front=False, allow=megatron if dp == 1 else megatron_dp)
+    else:
+        result = search(graph, SearchSpace(devices=world, dp=world, tp=("none",), zero=(zero,)), A100_80G, model_name="gpt-bench", front=False,
+                        objective=objective)  # type: ignore[arg-type]
     assert result.best is not None and result.best.zero_stage == zero, [c.reason for c in result.candidates]
     return result.best.model_dump_json()
 
@@ -79,11 +100,11 @@ def plan_json(world: int, case: str) -> str:
 Step = Callable[[int], float]  # step number -> this rank's loss
 
 
-def ours(text: str) -> tuple[Step, Any]:
+def ours(text: str, case: str = "dp") -> tuple[Step, Any]:
     from planner.plan import Plan
     from runtime.compile import compile_plan
 
-    pm = compile_plan(Plan.model_validate_json(text), make_model(), batch(0), {})
+    pm = compile_plan(Plan.model_validate_json(text), make_model(case), batch(0), {})
     opt = pm.make_optimizer(torch.optim.AdamW, lr=LR)
 
     def step(k: int) -> float:
@@ -97,10 +118,53 @@ def ours(text: str) -> tuple[Step, Any]:
     return step, (pm, opt)
 
 
+def _tensor_parallel(model: torch.nn.Module, world: int, dp: int = 1) -> tuple[torch.nn.Module, Any]:
+    """Megatron 1-D with PyTorch's DTensor over the inner ``world // dp`` ranks: q/k/v and fc
+    column-parallel, out and proj row-parallel, the embedding vocab-parallel, the head
+    column-parallel into loss_parallel. Returns the module and its 2-D mesh (dp, tp)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (dp, world // dp), mesh_dim_names=("dp", "tp"))
+    plan: dict[str, Any] = {"wte": RowwiseParallel(input_layouts=Replicate()),
+                            "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
+    for i in range(CONFIG_TP.n_layer):
+        plan |= {f"h.{i}.attn.{name}": ColwiseParallel() for name in ("q_proj", "k_proj", "v_proj")}
+        plan |= {f"h.{i}.attn.out_proj": RowwiseParallel(), f"h.{i}.mlp.fc": ColwiseParallel(), f"h.{i}.mlp.proj": RowwiseParallel()}
+    return parallelize_module(model, mesh["tp"], plan), mesh
+
+
 def theirs(case: str, rank: int, world: int) -> tuple[Step, Any]:
-    model = make_model()
+    model = make_model(case)
     rows = GLOBAL_BATCH // world
     opt: Any
+    if case in ("tp", "dp2tp2"):
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        dp = 1 if case == "tp" else 2
+        module, mesh = _tensor_parallel(model, world, dp)
+        if dp > 1:  # DDP over the data-parallel dim of the 2-D mesh, TP inside
+            from torch.nn.parallel import DistributedDataParallel
+
+            module = DistributedDataParallel(module, device_mesh=mesh["dp"])
+        opt = torch.optim.AdamW(module.parameters(), lr=LR)
+        part = GLOBAL_BATCH // dp
+        me = mesh["dp"].get_local_rank()
+
+        def tp_step(k: int) -> float:
+            idx, targets = batch(k)  # each data-parallel group computes its part of the batch, its share of each layer
+            with loss_parallel():
+                loss = module(idx[me * part:(me + 1) * part], targets[me * part:(me + 1) * part])
+                loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            out = loss.detach().full_tensor()
+            if dp > 1:
+                dist.all_reduce(out, group=mesh["dp"].get_group())
+            return float(out) / dp
+
+        return tp_step, (module, opt)
     if case in ("dp", "zero1"):
         from torch.nn.parallel import DistributedDataParallel
 
@@ -165,7 +229,7 @@ def compare(rank: int, world: int, cases: list[tuple[str, str]], steps: int, war
 
     rows = []
     for case, text in cases:
-        mine, keep_mine = ours(text)
+        mine, keep_mine = ours(text, case)
         other, keep_other = theirs(case, rank, world)
         first = (mine(0), other(0))
         for k in range(1, warmup):
@@ -178,7 +242,7 @@ def compare(rank: int, world: int, cases: list[tuple[str, str]], steps: int, war
         del mine, other, keep_mine, keep_other
         gc.collect()
         with counting_every_thread():
-            m_mine = _peak(lambda text=text: ours(text), warmup)
+            m_mine = _peak(lambda text=text, case=case: ours(text, case), warmup)
             m_other = _peak(lambda case=case: theirs(case, rank, world), warmup)
         rows.append({"case": case, "ours_s": statistics.median(t_mine), "theirs_s": statistics.median(t_other),
                      "ours_peak": m_mine, "theirs_peak": m_other, "loss": first})

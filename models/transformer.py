@@ -58,8 +58,9 @@ class Attention(nn.Module):
         self.resid_dropout = nn.Dropout(dropout)
 
     def _split_heads(self, t: torch.Tensor, B: int, T: int, C: int) -> torch.Tensor:
-        """``[B, T, C] -> [B, H, T, D]``."""
-        return t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        """``[B, T, C] -> [B, H, T, D]``. The head count follows the width (``-1``), so a
+        projection sharded by output columns (PyTorch's ``ColwiseParallel``) leaves whole heads."""
+        return t.view(B, T, -1, C // self.n_head).transpose(1, 2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x: [B, T, C] -> [B, T, C]``."""
@@ -74,7 +75,7 @@ class Attention(nn.Module):
             dropout_p=self.attn_dropout_p if self.training else 0.0,
             is_causal=self.causal,
         )
-        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        y = y.transpose(1, 2).contiguous().view(B, T, -1)
         return self.resid_dropout(self.out_proj(y))
 
 
