@@ -94,8 +94,8 @@ def parameter_gathers(problem: Problem, assignment: dict[str, int]) -> list[Site
 
 
 def param_units(problem: Problem, assignment: dict[str, int]) -> tuple[tuple[Unit, ...], tuple[Gather, ...]]:
-    """The plan's ZeRO-3 units and its loose gathers (none for other stages, or under CDP)."""
-    if problem.zero_stage != 3 or problem.cdp != "off":
+    """The plan's ZeRO-3 units and its loose gathers (none for other stages)."""
+    if not problem.in_units:
         return (), ()
     sites = parameter_gathers(problem, assignment)
     units = pack_units((s.gather for s in sites if not s.loose), problem.bucket_bytes)

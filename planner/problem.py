@@ -134,6 +134,11 @@ class Problem:
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     packed_whole: bool = True  # every packed gradient fits one bucket, whatever the choices
 
+    @property
+    def in_units(self) -> bool:
+        """ZeRO-3 gathers its parameters in units (planner.overlap; CDP never runs with ZeRO-3)."""
+        return self.zero_stage == 3
+
     def repeats(self, comm: Comm) -> int:
         """How many times per step ``comm`` runs: once per micro-batch, except the step phase's."""
         return 1 if comm.phase == "step" else self.micro_batches
@@ -232,8 +237,7 @@ def build_problem(
             node = graph.nodes[name]
             params: dict[int, int | None] = {p: None for p, ref in enumerate(node.inputs) if graph.nodes[ref.node].kind == "param"}
             if params:
-                op_anchors[name] = regather_variants(RuleContext(node, graph, mesh), strategies, params, axes=dp_axes,
-                                                     bucket_bytes=bucket_bytes if cdp == "off" else 0)
+                op_anchors[name] = regather_variants(RuleContext(node, graph, mesh), strategies, params, axes=dp_axes, bucket_bytes=bucket_bytes)
     consumers = graph.consumers()
     for node in graph.nodes.values():
         if node.kind == "output":
@@ -582,8 +586,7 @@ class _ConversionCache:
     def __init__(self, mesh: Mesh) -> None:
         self.mesh = mesh
         self.steps: dict[tuple[int, int], Conversion] = {}
-        self.comms: dict[tuple[int, int, int, bool], tuple[Comm, ...]] = {}
-        self.units: dict[tuple[int, int], tuple[tuple[Comm, ...], tuple[Comm, ...]]] = {}
+        self.comms: dict[tuple[int, int, int, bool, int], tuple[Comm, ...]] = {}
 
     def conversion(self, a: int, b: int) -> Conversion:
         """The steps from Spec id ``a`` to ``b``."""
@@ -592,25 +595,20 @@ class _ConversionCache:
             conv = self.steps[(a, b)] = spec_conversion(spec_of(a), spec_of(b), self.mesh)
         return conv
 
-    def conversion_comms(self, a: int, b: int, nbytes: int, with_grad: bool) -> tuple[Comm, ...]:
-        key = (a, b, nbytes, with_grad)
+    def conversion_comms(self, a: int, b: int, nbytes: int, with_grad: bool, bucket_bytes: int = 0) -> tuple[Comm, ...]:
+        """The collectives of ``a -> b`` on a tensor of ``nbytes``; with ``bucket_bytes``, run
+        inside ZeRO-3 units of that size (each a share of a unit's latency, planner.overlap)."""
+        key = (a, b, nbytes, with_grad, bucket_bytes)
         comms = self.comms.get(key)
         if comms is None:
             mesh, conv = self.mesh, self.conversion(a, b)
             comms = steps_comms(conv.forward, nbytes // spec_of(a).layout.shard_factor(mesh), mesh, "fwd")
             if with_grad:
                 comms += steps_comms(conv.backward, nbytes // spec_of(b).layout.shard_factor(mesh), mesh, "bwd")
+            if bucket_bytes:
+                comms = tuple(replace(c, bucket_bytes=bucket_bytes) for c in comms)
             self.comms[key] = comms
         return comms
-
-    def in_units(self, comms: tuple[Comm, ...], bucket_bytes: int) -> tuple[Comm, ...]:
-        """``comms`` run inside ZeRO-3 units of ``bucket_bytes`` (one shared tuple per input, so
-        the edges that share it are priced once)."""
-        key = (id(comms), bucket_bytes)
-        out = self.units.get(key)
-        if out is None or out[0] is not comms:
-            out = self.units[key] = (comms, tuple(replace(c, bucket_bytes=bucket_bytes) for c in comms))
-        return out[1]
 
 
 @functools.lru_cache(maxsize=8)  # the last few meshes' (a search solves one mesh's configurations together)
@@ -643,7 +641,6 @@ def _price_edges(problem: Problem) -> None:
     outs: dict[tuple[str, int], tuple[int, ...]] = {}  # interned Spec ids per strategy, each end
     ins: dict[tuple[str, int], tuple[int, ...]] = {}
     cache = _conversion_cache(mesh)
-    unit_gathers = problem.zero_stage == 3 and problem.cdp == "off"
     sig_ids: dict[tuple[tuple[str, int], ...], int] = {}  # the conversion keys hold a consumer signature's id
     for (ut, index, vt, p, signature), producers in pending.items():
         u = graph.nodes[ut]
@@ -675,9 +672,8 @@ def _price_edges(problem: Problem) -> None:
             key = ("conv", ut, index, a, b, sig)
             term = problem.conversions.get(key)
             if term is None:
-                comms = cache.conversion_comms(a, b, meta.nbytes, with_grad)
-                if unit_gathers and u.kind == "param" and is_unit_gather(cache.conversion(a, b), mesh):
-                    comms = cache.in_units(comms, problem.bucket_bytes)  # a share of its ZeRO-3 unit's latency (planner.overlap)
+                in_unit = problem.in_units and u.kind == "param" and is_unit_gather(cache.conversion(a, b), mesh)
+                comms = cache.conversion_comms(a, b, meta.nbytes, with_grad, problem.bucket_bytes if in_unit else 0)
                 term = problem.conversions[key] = ConversionTerm(key, 0.0, comms)
             term.producers |= producers
             cond = (gu, iu, gv, iv)
@@ -804,7 +800,7 @@ def evaluate(problem: Problem, assignment: dict[str, int]) -> Evaluation:
         if any(assignment[gu] in iu and (gv is None or assignment[gv] in iv) for gu, iu, gv, iv in hold.conditions):
             act += hold.nbytes
     hidden = 0.0
-    if problem.zero_stage == 3 and problem.cdp == "off":
+    if problem.in_units:
         hidden, in_units = unit_terms(problem, assignment, act)
         hidden *= problem.micro_batches  # the gathers repeat, and hide, in every micro-batch's forward
         transient = max(transient, in_units)
