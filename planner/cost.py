@@ -158,16 +158,21 @@ def steps_comms(steps: tuple[Step, ...], local_bytes: int, mesh: Mesh, phase: Ph
     return tuple(comms)
 
 
-def step_peak(step: Step, local_bytes_before: int, mesh: Mesh) -> int:
+def step_peak(step: Step, local_bytes_before: int, mesh: Mesh, contiguous: bool = True) -> int:
     """Bytes live while the runtime (:mod:`runtime.collectives`, on gloo) runs ``step`` on a
     tensor of ``s = local_bytes_before``, counting that tensor; ``o`` its output, ``n`` the group:
 
         all_reduce      s + o          (a copy, reduced in place)
         all_gather      s + 2 o        (gathered into the result; gloo stages the o bytes in a flat
-                                        buffer of its own while the collective runs, or, where the
-                                        result's chunks are not contiguous, into n parts, then cat)
-        reduce_scatter  s + s          (chunks passed as views where contiguous; gloo copies this
-                                        rank's chunk into the output and clones the other n - 1)
+                                        buffer of its own while the collective runs; where the
+                                        result's chunks are not contiguous, into one [n, shard]
+                                        buffer, then concatenated once the staging is freed)
+        reduce_scatter  s + s          (chunks passed as views; gloo copies this rank's chunk into
+                                        the output and clones the other n - 1)
+                        s + 2 s        (``contiguous=False``: the chunks along the dim are not
+                                        contiguous, a dim of more than one element before it, so
+                                        they are copied first; measured, HF ViT 1-D: a
+                                        [4, 17, 32] reduce-scatter along dim 2 held 3 x 8,704 B)
         slice           s + o          (a copy, so that the whole tensor can be freed)
         zero            s + o          (the value times 1 or 0)
 
@@ -179,19 +184,29 @@ def step_peak(step: Step, local_bytes_before: int, mesh: Mesh) -> int:
     if step.kind == "all_gather":
         return local_bytes_before + 2 * after
     if step.kind == "reduce_scatter":
-        return 2 * local_bytes_before
+        return (2 if contiguous else 3) * local_bytes_before
     return local_bytes_before + after
 
 
-def steps_working_set(steps: tuple[Step, ...], local_bytes_before: int, mesh: Mesh) -> int:
+def steps_working_set(steps: tuple[Step, ...], local_bytes_before: int, mesh: Mesh, local_shape: tuple[int, ...] | None = None) -> int:
     """Peak bytes live while a conversion's ``steps`` run on a tensor of ``s0`` local bytes: the
     largest, over its steps k, of the step's own peak (:func:`step_peak`, on the tensor the steps
     before made of it) plus ``s0`` from the second step on (the conversion's input stays alive: its
-    producer or autograd holds it; the intermediates before step k are freed). 0 with no steps."""
+    producer or autograd holds it; the intermediates before step k are freed). 0 with no steps.
+    ``local_shape`` (the tensor's local shape before the steps) tells where a step's chunks are
+    not contiguous; without it they are taken to be."""
     peak, size = 0, local_bytes_before
+    shape = list(local_shape) if local_shape is not None else None
     for k, step in enumerate(steps):
-        peak = max(peak, (local_bytes_before if k else 0) + step_peak(step, size, mesh))
+        contiguous = shape is None or step.dim is None or math.prod(shape[: step.dim]) == 1
+        peak = max(peak, (local_bytes_before if k else 0) + step_peak(step, size, mesh, contiguous))
         _, size = step_bytes(step, size, mesh)
+        if shape is not None and step.dim is not None:
+            n = mesh.group_size(step.axes)
+            if step.kind == "all_gather":
+                shape[step.dim] *= n
+            elif step.kind in ("reduce_scatter", "slice"):
+                shape[step.dim] //= n
     return peak
 
 

@@ -115,9 +115,10 @@ def peak_phase(plan: Plan) -> tuple[str, tuple[str, ...]]:
     """Which moment sets the peak and the terms held then (see MemoryBreakdown): forward/backward
     with the activations, the end of backward with the gradients, or the optimizer step."""
     m = plan.memory_breakdown
+    at = f" at {m.peak_at}" if m.peak_at else ""
     options = [
-        (m.activations + m.transient, "forward/backward, while activations are held", ("activations", "transient")),
-        (m.grads + m.transient, "the end of backward, once all gradients exist", ("grads", "transient")),
+        (m.activations + m.transient, f"forward/backward{at}, while activations are held", ("activations", "transient")),
+        (m.grads + m.transient, f"backward{at}, once the gradients exist", ("grads", "transient")),
         (m.grads + m.step_transient, "the optimizer step", ("grads", "step_transient")),
     ]
     _, phase, terms = max(options, key=lambda o: o[0])

@@ -95,7 +95,10 @@ class ParamUnit(_Frozen):
 class MemoryBreakdown(_Frozen):
     """Bytes per device. The terms do not all peak at once: activations are freed during backward
     while gradients appear, and the optimizer step's temporaries come after both, so the peak is
-    params + optimizer + max(activations + transient, grads + transient, grads + step_transient)."""
+    params + optimizer + max(activations + transient, grads + transient, grads + step_transient).
+    ``transient`` is what the busiest moment of forward and backward (the op ``peak_at``, with the
+    activations and gradients alive then and its working set: :mod:`planner.peak`) holds beyond
+    the larger of all activations and all gradients."""
 
     params: int
     grads: int
@@ -103,6 +106,7 @@ class MemoryBreakdown(_Frozen):
     activations: int
     transient: int
     step_transient: int = 0
+    peak_at: str = ""  # the op (and module) at whose forward or backward that moment is
 
     @property
     def total(self) -> int:

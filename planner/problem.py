@@ -27,6 +27,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import cast
 
 from planner.buckets import DEFAULT_BUCKET_BYTES
 from planner.cdp import LOSS_TARGETS
@@ -45,6 +46,7 @@ from planner.ir import InputRef, IRGraph, Node
 from planner.layout import Conversion, Layout, Spec, is_unit_gather, spec_conversion
 from planner.mesh import Mesh
 from planner.overlap import unit_terms
+from planner.peak import Form, Instant, instants, peak
 from planner.plan import peak_of
 from planner.rules import RuleContext, anchor_strategies, follow, is_follower
 from planner.rules.variants import regather_variants
@@ -68,6 +70,15 @@ class Group:
     # the most of time[i] evaluate() may hide behind compute (ZeRO-3 prefetch: the forward compute
     # of the group's ops; CDP: its point-to-point messages); 0 where nothing overlaps
     credit: list[float] = field(default_factory=list)
+
+
+@dataclass
+class NodeTerms:
+    """One node's memory, one instance, per strategy of its group (for :mod:`planner.peak`)."""
+
+    saved: list[float]  # bytes it saves for backward itself (its internal intermediates)
+    work: list[float]  # bytes live while it runs (op_working_set; a tied weight: its gradients' sum)
+    grads: list[float]  # a parameter: its gradient's bytes held
 
 
 @dataclass
@@ -96,12 +107,14 @@ class EdgeTerm:
     src_sets: dict[int, frozenset[int]]  # by the interned Spec id (spec_id; spec_of gives the Spec)
     dst_sets: dict[int, frozenset[int]]
     conversions: dict[tuple[int, int], set[tuple[object, ...]]]
+    index: int = 0  # its position in Problem.edges (the ILP's transportation variables e[index])
 
 
 @dataclass
 class HoldTerm:
     key: tuple[object, ...]
     nbytes: float  # all instances
+    saver: str = ""  # the template of the first node that saves it (it is alive from there)
     # h >= [group_u in idx_u] (+ [group_v in idx_v] - 1 when group_v is given)
     conditions: list[tuple[str, frozenset[int], str | None, frozenset[int]]] = field(default_factory=list)
 
@@ -133,6 +146,11 @@ class Problem:
     # the gradient sync's collectives packed into buckets of this many bytes (planner.buckets)
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     packed_whole: bool = True  # every packed gradient fits one bucket, whatever the choices
+    node_terms: dict[str, NodeTerms] = field(default_factory=dict)  # by template
+    # the conversions into each consumer template's input, a form over x (within a group) or e
+    # (an edge's pair of Specs): the bytes the conversion of the pair chosen holds while it runs
+    conversion_work: list[tuple[str, Form]] = field(default_factory=list)
+    instants: list[Instant] | None = None  # the moments the peak may happen (planner.peak; price_edges makes them)
 
     @property
     def in_units(self) -> bool:
@@ -309,6 +327,7 @@ def price_edges(problem: Problem) -> Problem:
     if not problem.edges_priced:
         t0 = time.perf_counter()
         _price_edges(problem)
+        problem.instants = instants(problem)
         problem.edges_priced = True
         problem.build_seconds += time.perf_counter() - t0
     return problem
@@ -407,6 +426,8 @@ def _price_nodes(problem: Problem, optimizer: str, master_itemsize: int | None) 
             continue
         group = problem.groups[problem.node_group[node.name]]
         count = problem.instances[node.name]
+        n = len(problem.choices[node.name])
+        terms = problem.node_terms[node.name] = NodeTerms([0.0] * n, [0.0] * n, [0.0] * n)
         for i, strategy in enumerate(problem.choices[node.name]):
             in_bytes = input_bytes(graph, node, strategy, mesh)
             # forward and backward run once per micro-batch
@@ -439,6 +460,7 @@ def _price_nodes(problem: Problem, optimizer: str, master_itemsize: int | None) 
                 group.bucketed[i] += max((c.nbytes for c in step if c.bucket_bytes), default=0) * count
                 p, g, o = group.param_memory[i]
                 group.param_memory[i] = (p + params * count, g + grads * count, o + states * count)
+                terms.grads[i] = grads
                 group.memory[i] += (params + grads + states) * count
                 # the step's temporaries: one copy of the parameter's size for its gradient sync
                 # (the all-reduce's copy; ZeRO-1/2: the reduce-scatter's output and clones of the
@@ -460,6 +482,7 @@ def _price_nodes(problem: Problem, optimizer: str, master_itemsize: int | None) 
                 if sum(1 for c, _ in consumers_of[node.name] if graph.nodes[c].kind == "op") > 1:
                     # a weight read twice (tied): backward holds both gradient contributions while summing
                     group.transient[i] = max(group.transient[i], local)
+                    terms.work[i] = local
             if problem.cdp != "off" and node.target in LOSS_TARGETS:  # CDP: local count x N, no all-reduce
                 comms = [c for c in comms if not (c.kind == "all_reduce" and set(c.axes) & set(mesh.dp_axes))]
             if node.name == consumers_of_output:
@@ -479,17 +502,17 @@ def _price_nodes(problem: Problem, optimizer: str, master_itemsize: int | None) 
             group.comms[i].extend((c, count * problem.repeats(c)) for c in comms)
             internal = sum(saved.nbytes for saved in node.saved if saved.source == "internal") / mesh.group_size(strategy.split_axes)
             if node.kind == "op":
-                group.transient[i] = max(group.transient[i], float(op_working_set(graph, node, strategy, mesh, internal)))
+                terms.work[i] = float(op_working_set(graph, node, strategy, mesh, internal))
+                group.transient[i] = max(group.transient[i], terms.work[i])
+            terms.saved[i] = internal
             group.memory[i] += internal * count
 
 
-def _conversion_working_sets(nbytes: int, src: Spec, dst: Spec, mesh: Mesh) -> tuple[int, int]:
+def _conversion_working_sets(nbytes: int, src: Spec, dst: Spec, mesh: Mesh, shape: tuple[int, ...] | None = None) -> tuple[int, int]:
     """The working sets of the two halves of ``src -> dst`` on a tensor of ``nbytes``
     (:func:`planner.cost.steps_working_set`): the forward steps on its local bytes in ``src``, the
     backward steps on its gradient's in ``dst``."""
-    conv = _conversion_cache(mesh).conversion(spec_id(src), spec_id(dst))
-    return (steps_working_set(conv.forward, nbytes // src.layout.shard_factor(mesh), mesh),
-            steps_working_set(conv.backward, nbytes // dst.layout.shard_factor(mesh), mesh))
+    return _conversion_cache(mesh).working_sets(spec_id(src), spec_id(dst), nbytes, shape)
 
 
 def op_working_set(graph: IRGraph, node: Node, strategy: Strategy, mesh: Mesh, internal: float) -> float:
@@ -516,11 +539,12 @@ def op_working_set(graph: IRGraph, node: Node, strategy: Strategy, mesh: Mesh, i
     peak = kernel_in + out_local + internal
     final = strategy.outputs[0]
     if strategy.raw_output is not None and final is not None:
-        reduce, gather = _conversion_working_sets(node.out.nbytes, strategy.raw_output, final, mesh)
+        reduce, gather = _conversion_working_sets(node.out.nbytes, strategy.raw_output, final, mesh, node.out.shape)
         peak = max(peak, reduce, gather if node.requires_grad else 0)
     for p, compute in strategy.regather:
         nbytes = _input_spec_bytes(graph, node.inputs[p])
-        gather, reduce = _conversion_working_sets(nbytes, strategy.inputs[p], compute, mesh)
+        meta = graph.nodes[node.inputs[p].node].outputs[node.inputs[p].index]
+        gather, reduce = _conversion_working_sets(nbytes, strategy.inputs[p], compute, mesh, meta.shape if meta is not None else None)
         peak = max(peak, kernel_in - nbytes // compute.layout.shard_factor(mesh) + gather, reduce)
     return peak
 
@@ -587,6 +611,7 @@ class _ConversionCache:
         self.mesh = mesh
         self.steps: dict[tuple[int, int], Conversion] = {}
         self.comms: dict[tuple[int, int, int, bool, int], tuple[Comm, ...]] = {}
+        self.works: dict[tuple[int, int, int, tuple[int, ...] | None], tuple[int, int]] = {}
 
     def conversion(self, a: int, b: int) -> Conversion:
         """The steps from Spec id ``a`` to ``b``."""
@@ -609,6 +634,22 @@ class _ConversionCache:
                 comms = tuple(replace(c, bucket_bytes=bucket_bytes) for c in comms)
             self.comms[key] = comms
         return comms
+
+
+    def working_sets(self, a: int, b: int, nbytes: int, shape: tuple[int, ...] | None = None) -> tuple[int, int]:
+        """The working sets of the two halves of ``a -> b`` on a tensor of ``nbytes`` (of
+        ``shape``, where known: :func:`planner.cost.steps_working_set`): the forward steps on its
+        local bytes in ``a``, the backward steps on its gradient's in ``b``."""
+        key = (a, b, nbytes, shape)
+        works = self.works.get(key)
+        if works is None:
+            mesh, conv, src, dst = self.mesh, self.conversion(a, b), spec_of(a).layout, spec_of(b).layout
+            fits = shape is not None and src.divides(shape, mesh) and dst.divides(shape, mesh)
+            works = self.works[key] = (
+                steps_working_set(conv.forward, nbytes // src.shard_factor(mesh), mesh, src.local_shape(shape, mesh) if fits else None),  # type: ignore[arg-type]
+                steps_working_set(conv.backward, nbytes // dst.shard_factor(mesh), mesh, dst.local_shape(shape, mesh) if fits else None),  # type: ignore[arg-type]
+            )
+        return works
 
 
 @functools.lru_cache(maxsize=8)  # the last few meshes' (a search solves one mesh's configurations together)
@@ -642,6 +683,7 @@ def _price_edges(problem: Problem) -> None:
     ins: dict[tuple[str, int], tuple[int, ...]] = {}
     cache = _conversion_cache(mesh)
     sig_ids: dict[tuple[tuple[str, int], ...], int] = {}  # the conversion keys hold a consumer signature's id
+    works_seen: set[tuple[str, frozenset[tuple[tuple[object, ...], float]]]] = set()
     for (ut, index, vt, p, signature), producers in pending.items():
         u = graph.nodes[ut]
         gu, gv = problem.node_group[ut], problem.node_group[vt]
@@ -665,8 +707,19 @@ def _price_edges(problem: Problem) -> None:
             edge_key = (gu, gv, tuple(src_sets.items()), tuple(dst_sets.items()))
             edge = problem.edges.get(edge_key)
             if edge is None:
-                edge = problem.edges[edge_key] = EdgeTerm(gu, gv, src_sets, dst_sets, {})
+                edge = problem.edges[edge_key] = EdgeTerm(gu, gv, src_sets, dst_sets, {}, index=len(problem.edges))
             pairs = {(a, b): (ia, ib) for a, ia in src_sets.items() for b, ib in dst_sets.items() if a != b}
+        work: Form = {}
+        for (a, b), (iu, _iv) in pairs.items():
+            forward, backward = cache.working_sets(a, b, meta.nbytes, meta.shape)
+            if max(forward, backward if with_grad else 0):
+                if edge is None:
+                    work.update({("x", gu, i): float(max(forward, backward if with_grad else 0)) for i in iu})
+                else:
+                    work[("e", edge.index, a, b)] = float(max(forward, backward if with_grad else 0))
+        if work and (vt, frozenset(work.items())) not in works_seen:
+            works_seen.add((vt, frozenset(work.items())))
+            problem.conversion_work.append((vt, work))
         sig = sig_ids.setdefault(signature, len(sig_ids))
         for (a, b), (iu, iv) in pairs.items():
             key = ("conv", ut, index, a, b, sig)
@@ -717,7 +770,7 @@ def _add_hold(problem: Problem, root: InputRef, gv: str, specs: list[tuple[int, 
         key = ("hold", root_node.template, root.index, axes)
         term = problem.holds.get(key)
         if term is None:
-            term = HoldTerm(key, meta.nbytes / mesh.group_size(axes) * instances)
+            term = HoldTerm(key, meta.nbytes / mesh.group_size(axes) * instances, saver=v.template)
             problem.holds[key] = term
         if root_node.kind == "param":
             gp = problem.node_group[root_node.name]
@@ -741,6 +794,7 @@ class Evaluation:
     memory: dict[str, float]  # params, grads, optimizer, activations, transient
     comms: tuple[tuple[Comm, int], ...]
     overlap_time: float = 0.0  # communication hidden behind compute (ZeRO-3 prefetch), already out of step_time
+    peak_at: str = ""  # the op at whose forward or backward the memory peaks (planner.peak); "" at the optimizer step
 
     @property
     def peak_memory(self) -> float:
@@ -774,7 +828,7 @@ def evaluate(problem: Problem, assignment: dict[str, int]) -> Evaluation:
     total = 0.0
     comm_t = 0.0
     params = grads = opt = act = 0.0
-    transient = step_t = packed = 0.0
+    step_t = packed = 0.0
     comms: list[tuple[Comm, int]] = []
     for key, group in problem.groups.items():
         i = assignment[key]
@@ -784,7 +838,6 @@ def evaluate(problem: Problem, assignment: dict[str, int]) -> Evaluation:
         p, g, o = group.param_memory[i]
         params, grads, opt = params + p, grads + g, opt + o
         act += group.memory[i] - p - g - o
-        transient = max(transient, group.transient[i])
         if group.step_transient:
             step_t = max(step_t, group.step_transient[i])
         if group.bucketed:
@@ -796,14 +849,37 @@ def evaluate(problem: Problem, assignment: dict[str, int]) -> Evaluation:
             total += term.cost
             comm_t += term.cost
             comms.extend((c, term.count * problem.repeats(c)) for c in term.comms)
-    for hold in problem.holds.values():
+    held: set[tuple[object, ...]] = set()
+    for hold_key, hold in problem.holds.items():
         if any(assignment[gu] in iu and (gv is None or assignment[gv] in iv) for gu, iu, gv, iv in hold.conditions):
+            held.add(hold_key)
             act += hold.nbytes
+
+    edges = list(problem.edges.values())
+
+    def value(var: tuple[object, ...]) -> float:
+        kind = var[0]
+        if kind == "x":
+            return 1.0 if assignment[cast(str, var[1])] == var[2] else 0.0
+        if kind == "e":  # the edge's chosen pair of Specs
+            edge = edges[cast(int, var[1])]
+            src, dst = edge.src_sets[cast(int, var[2])], edge.dst_sets[cast(int, var[3])]
+            return 1.0 if assignment[edge.group_u] in src and assignment[edge.group_v] in dst else 0.0
+        return 1.0 if var[1] in held else 0.0
+
+    during, peak_at = peak(problem.instants or [], value)
+    if peak_at:
+        at = problem.graph.nodes[peak_at]
+        peak_at += f" ({at.module_path})" if at.module_path else ""
+    during = max(during, act, grads)
     hidden = 0.0
     if problem.in_units:
         hidden, in_units = unit_terms(problem, assignment, act)
         hidden *= problem.micro_batches  # the gathers repeat, and hide, in every micro-batch's forward
-        transient = max(transient, in_units)
+        if act + in_units > during:
+            during, peak_at = act + in_units, "a ZeRO-3 unit's gather"
+    # the breakdown's transient is what the peak adds to the larger of activations and gradients
+    transient = during - max(act, grads)
     if problem.cdp != "off":
         # the ILP priced a message pair per parameter; the runtime sends one pair per stage, and
         # they travel while the workers compute (the chain runs during backward, the ring into the
@@ -822,4 +898,6 @@ def evaluate(problem: Problem, assignment: dict[str, int]) -> Evaluation:
             average, busiest = cdp_owner_bytes(problem, assignment)
             opt += busiest - average
     memory = {"params": params, "grads": grads, "optimizer": opt, "activations": act, "transient": transient, "step_transient": step_t}
-    return Evaluation(total - hidden, total - comm_t, comm_t, memory, tuple(comms), hidden)
+    if grads + step_t > during:
+        peak_at = ""
+    return Evaluation(total - hidden, total - comm_t, comm_t, memory, tuple(comms), hidden, peak_at)

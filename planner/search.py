@@ -764,6 +764,7 @@ def _breakdown(ev: Evaluation) -> MemoryBreakdown:
     return MemoryBreakdown(
         params=int(m["params"]), grads=int(m["grads"]), optimizer=int(m["optimizer"]),
         activations=int(m["activations"]), transient=int(m["transient"]), step_transient=int(m["step_transient"]),
+        peak_at=ev.peak_at,
     )
 
 

@@ -8,8 +8,8 @@ Variables:
     x[g,i] in {0,1}   strategy i chosen for group g
     y[c]   in [0,1]   conversion c is executed   (integral at the optimum: it is pushed down)
     z[h]   in [0,1]   tensor h is held
-    T      >= 0       the largest transient working set of an op
     S      >= 0       the largest temporary of the gradient sync / optimizer step
+    P[k], Q[k] >= 0   at instant k of planner.peak: activations alive, gradients made
     Z      >= 0       the part of the peak that changes over the step
 
 Minimise   Time / t_unit + eps * M / m_unit
@@ -29,13 +29,15 @@ subject to (each family is one function below; constraints carry their family's 
     hold:          z[h] >= sum_{j in J} x[gv,j]       (or the pair form, for gathered weights)
                    (the pair form: z >= x_u + x_v - 1; in the LP relaxations also z >= the
                    sum of an edge's transportation variables over the pairs, see _Model.hold)
-    transient:     T >= sum_i transient[g,i] x[g,i]                     for every g
-                   S >= sum_i step_transient[g,i] x[g,i]                for every g
+    step:          S >= sum_i step_transient[g,i] x[g,i]                for every g
                    S >= sum_{g,i} bucketed[g,i] x[g,i]   (a gradient bucket's buffer, one row;
                    a full bucket's bytes instead where the choices may need several buckets:
                    Problem.bucket_transient)
-    peak:          Z >= A + T,  Z >= G + T,  Z >= G + S   (activations are freed in backward as
-                   gradients appear; the step's temporaries come after: planner.plan.MemoryBreakdown)
+    peak:          at every instant k (an op; planner.peak), for each w of what may run there
+                   (the op's working set, a conversion into it: a form over x or y):
+                   P[k] = P[k-1] + saved[k],  Q[k] = Q[k+1] + grads[k]   (forms over x and z)
+                   Z >= P[k] + Q[k] + in_flight[k] + w
+                   Z >= A,  Z >= G,  Z >= G + S   (the loss; the end of backward; the step after)
     memory_budget: M <= budget
 
 ``t_unit`` and ``m_unit`` are the largest time and memory coefficients of the problem, so every
@@ -64,12 +66,13 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
-from typing import Literal, NamedTuple
+from typing import Literal, NamedTuple, cast
 
 import highspy
 import numpy as np
 import pulp
 
+from planner.peak import Form
 from planner.problem import EdgeTerm, Evaluation, Group, Problem, evaluate, price_edges
 from planner.units import format_bytes
 
@@ -146,20 +149,21 @@ class _Model:
         self.y: dict[tuple[object, ...], pulp.LpVariable] = {}  # conversion executed (conversion() makes them)
         # the transportation variables of the edges between two groups (conversion() makes them)
         self.e: dict[tuple[str, str], list[tuple[EdgeTerm, dict[tuple[int, int], pulp.LpVariable]]]] = {}
+        self.e_of: list[dict[tuple[int, int], pulp.LpVariable]] = []  # by EdgeTerm.index
         self.pair_rows: list[pulp.LpConstraint] = []  # relaxation-only hold rows (hold() makes them)
         self.z = {key: lp.add_variable(f"z_{k}", 0, 1) for k, key in enumerate(problem.holds)}
-        self.transient = lp.add_variable("transient", 0)
         self.step_transient = lp.add_variable("step_transient", 0)
         self.budget_row: pulp.LpConstraint | None = None
         self.peak = lp.add_variable("peak", 0)
         mem = [m for g in problem.groups.values() for m in (*g.memory, *g.transient, *g.step_transient)] + [h.nbytes for h in problem.holds.values()]
+        mem += [v for _, form in problem.conversion_work for v in form.values()]
         self.m_unit = max([abs(m) for m in mem if m] or [1.0])
         times = [t for g in problem.groups.values() for t in g.time] + [c.cost for c in problem.conversions.values()]
         self.t_unit = max([abs(t) for t in times if t] or [1.0])
         self.one_strategy()
         self.conversion()
         self.hold()
-        self.transient_bound()
+        self.step_bound()
         self.peak_bound()
 
     def time_expr(self, credited: bool = False) -> pulp.LpAffineExpression:
@@ -192,10 +196,42 @@ class _Model:
     def memory_expr(self) -> pulp.LpAffineExpression:
         return self._terms("PO") + self.peak
 
+    def _form(self, form: Form) -> pulp.LpAffineExpression:
+        """A linear form of planner.peak over the indicators x, z, y (in ``m_unit``)."""
+        terms = []
+        for var, v in form.items():
+            kind = var[0]
+            if kind == "x":
+                terms.append((self.x[cast(str, var[1])][cast(int, var[2])], v / self.m_unit))
+            elif kind == "e":
+                terms.append((self.e_of[cast(int, var[1])][(cast(int, var[2]), cast(int, var[3]))], v / self.m_unit))
+            else:
+                terms.append((self.z[cast(tuple[object, ...], var[1])], v / self.m_unit))
+        return pulp.LpAffineExpression(terms)
+
     def peak_bound(self) -> None:
-        activations, grads = self._terms("A"), self._terms("G")
-        self.lp += self.peak >= activations + self.transient, "peak_forward"
-        self.lp += self.peak >= grads + self.transient, "peak_backward"
+        """The peak over the step's instants (planner.peak): P_k, the activations alive, and Q_k, the
+        gradients made, as chains of one variable each per instant; Z >= P_k + Q_k + F_k + w for
+        what may run there; every activation, every gradient, and the optimizer step after them."""
+        points = self.problem.instants or []
+        alive = [self.lp.add_variable(f"alive_{k}", 0) for k in range(len(points))]
+        made = [self.lp.add_variable(f"made_{k}", 0) for k in range(len(points))]
+        for k, point in enumerate(points):
+            before = alive[k - 1] if k else 0
+            self.lp += alive[k] == before + self._form(point.saved), f"peak_alive_{k}"
+            after = made[k + 1] if k + 1 < len(points) else 0
+            self.lp += made[k] == after + self._form(point.grads), f"peak_made_{k}"
+        for k, point in enumerate(points):
+            base = alive[k] + made[k] + self._form(point.in_flight)
+            if len(point.work) > 1:  # one variable for what is alive, so each row is short
+                held = self.lp.add_variable(f"held_{k}", 0)
+                self.lp += held == base, f"peak_held_{k}"
+                base = held
+            for m, work in enumerate(point.work):
+                self.lp += self.peak >= base + self._form(work), f"peak_{k}_{m}"
+        grads = self._terms("G")
+        self.lp += self.peak >= self._terms("A"), "peak_activations"
+        self.lp += self.peak >= grads, "peak_gradients"
         self.lp += self.peak >= grads + self.step_transient, "peak_step"
 
     def _sum(self, g: str, idx: frozenset[int]) -> pulp.LpAffineExpression:
@@ -232,6 +268,7 @@ class _Model:
                 for m, (a, b) in enumerate((a, b) for a in edge.src_sets for b in edge.dst_sets)
             }
             self.e.setdefault((edge.group_u, edge.group_v), []).append((edge, e))
+            self.e_of.append(e)
             for a, iu in edge.src_sets.items():
                 self.lp += pulp.lpSum(e[(a, b)] for b in edge.dst_sets) == self._sum(edge.group_u, iu), f"edge_{k}_src_{a}"
             for b, iv in edge.dst_sets.items():
@@ -276,11 +313,8 @@ class _Model:
                 return pulp.lpSum(e[(a, b)] for a in srcs for b in dsts)
         return None
 
-    def transient_bound(self) -> None:
+    def step_bound(self) -> None:
         for g, grp in self.problem.groups.items():
-            if any(grp.transient):
-                expr = pulp.lpSum(t / self.m_unit * v for t, v in zip(grp.transient, self.x[g], strict=True))
-                self.lp += self.transient >= expr, f"transient_{self.gid[g]}"
             if any(grp.step_transient):
                 expr = pulp.lpSum(t / self.m_unit * v for t, v in zip(grp.step_transient, self.x[g], strict=True))
                 self.lp += self.step_transient >= expr, f"step_transient_{self.gid[g]}"

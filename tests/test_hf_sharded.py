@@ -10,8 +10,7 @@ tensor-parallel plans use their family on every op that multiplies by a weight, 
 allow) and nothing falls back to replication; three optimizer steps in float64 give the single
 device's losses, gradients and parameters to 1e-9; the collectives executed equal the plan's
 priced list. The same plans made for float32 and trained with AdamW hold, per rank, a peak within
-10 % of the plan's prediction, measured by the CPU allocator (tests/memory_probe.py), except the
-open gaps of MEMORY_GAPS (a strict xfail holds them to the same 10 %).
+10 % of the plan's prediction, measured by the CPU allocator (tests/memory_probe.py).
 
 One world per size runs every check (run_many): spawning 8 ranks and importing transformers in
 each are most of the cost; the world's plans are made by two processes at once (_plans).
@@ -58,10 +57,6 @@ KINDS = {
     "3d": (8, 1, "3d", "time"),
 }
 CDP_STAGES = 2
-# plans whose measured peak is more than 10 % from the prediction today (issue 15 stays open for
-# them; measured: Mixtral under ZeRO-3 +11.5 %, the ops model under ZeRO-3 +11.7 % and 1-D -25 %, ViT
-# under 1-D -11 %): held to 10 % by the strict xfail below, the rest above
-MEMORY_GAPS = {("hf-mixtral", "zero3"), (OPS_MODEL, "zero3"), (OPS_MODEL, "1d"), ("hf-vit", "1d")}
 FAILING_MODULE = "model.layers.1.mlp.down_proj"  # whose kernel the error check breaks (Llama, 1-D)
 
 
@@ -186,17 +181,10 @@ def _outside(errors: dict[tuple[str, str], list[tuple[float, int, int, int]]], k
 
 
 def test_peak_memory_within_10_percent_of_the_plan(world: dict[str, Any]) -> None:
+    """Every plan of the world (planner.peak: the peak at the op where it happens, with the
+    activations and gradients alive then and its working set or a conversion into it)."""
     errors = _memory_errors(world)
-    assert not _outside(errors, set(errors) - MEMORY_GAPS)
-
-
-@pytest.mark.xfail(strict=True, reason="issue 15 open: the memory terms these plans miss (MEMORY_GAPS)")
-def test_peak_memory_of_the_open_gaps_within_10_percent(world: dict[str, Any]) -> None:
-    errors = _memory_errors(world)
-    gaps = MEMORY_GAPS & set(errors)
-    if not gaps:
-        pytest.skip("no open gap on this world")
-    assert not _outside(errors, gaps)
+    assert not _outside(errors, set(errors))
 
 
 def test_cdp_v1_equals_its_serial_update_rule_without_collectives(world: dict[str, Any]) -> None:

@@ -59,7 +59,7 @@ def test_cli_json_has_the_documented_fields(capsys: pytest.CaptureFixture[str]) 
     assert doc["pareto"], doc
     for entry in doc["pareto"]:
         assert set(entry) >= {"step_time_s", "peak_memory_bytes", "memory_breakdown", "mesh", "tp", "zero_stage", "cdp"}
-        assert set(entry["memory_breakdown"]) == {"params", "grads", "optimizer", "activations", "transient", "step_transient"}
+        assert set(entry["memory_breakdown"]) == {"params", "grads", "optimizer", "activations", "transient", "step_transient", "peak_at"}
         assert entry["peak_memory_bytes"] <= 80 * 2**30
     steps = [e["step_time_s"] for e in doc["pareto"]]
     mems = [e["peak_memory_bytes"] for e in doc["pareto"]]
