@@ -506,11 +506,14 @@ class BudgetILP:
             # without presolve HiGHS may find no incumbent at all (measured: the least-memory MIP of
             # a 2-layer Llama on 2 x 2 x 2, 58k columns, none in 60 s; with presolve optimal in 15 s):
             # a first attempt capped in proportion to the model's size, then presolve for the rest
+            # when it has not proved its answer optimal (the peak rows of planner.peak made GPT-3
+            # 13B's least-memory MIP on 8 x 8 stop at the cap with an unproved incumbent)
             limit = self.settings.time_limit_s
             highs.setOptionValue("time_limit", min(limit, max(2.0, 1e-4 * highs.getNumCol())))
             t0 = time.perf_counter()
             highs.run()
-            if highs.getInfo().primal_solution_status != 2 and highs.getModelStatus() != highspy.HighsModelStatus.kInfeasible:  # 2: feasible
+            unproved = highs.getModelStatus() == highspy.HighsModelStatus.kTimeLimit
+            if unproved or (highs.getInfo().primal_solution_status != 2 and highs.getModelStatus() != highspy.HighsModelStatus.kInfeasible):  # 2: feasible
                 highs.setOptionValue("presolve", "choose")
                 highs.setOptionValue("time_limit", max(limit - (time.perf_counter() - t0), 1.0))
                 highs.run()
