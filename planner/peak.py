@@ -30,7 +30,8 @@ As ILP rows (:mod:`planner.solve`), with P and Q as chains of one variable per i
     Z >= A,   Z >= G
 
 Each term is a linear form over the ILP's indicators (:data:`Var`): strategies x, holds z and
-conversions y; :func:`peak` evaluates the same forms for one assignment.
+an edge's chosen pair of Specs e (its transportation variables); :func:`peak` evaluates the same
+forms for one assignment.
 """
 
 from __future__ import annotations
@@ -75,9 +76,9 @@ def instants(problem: Problem) -> list[Instant]:
         g = problem.node_group[template]
         return {("x", g, i): v for i, v in enumerate(values) if v}
 
-    def add(form: Form, more: Form, scale: float = 1.0) -> None:
+    def add(form: Form, more: Form) -> None:
         for var, v in more.items():
-            form[var] = form.get(var, 0.0) + v * scale
+            form[var] = form.get(var, 0.0) + v
 
     def upto(p: int) -> int:  # the first instant at or after position p
         return min(bisect.bisect_left(keep, p), len(keep) - 1)

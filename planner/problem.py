@@ -713,11 +713,11 @@ def _price_edges(problem: Problem) -> None:
         work: Form = {}
         for (a, b), (iu, _iv) in pairs.items():
             forward, backward = cache.working_sets(a, b, meta.nbytes, meta.shape)
-            if max(forward, backward if with_grad else 0):
-                if edge is None:
-                    work.update({("x", gu, i): float(max(forward, backward if with_grad else 0)) for i in iu})
-                else:
-                    work[("e", edge.index, a, b)] = float(max(forward, backward if with_grad else 0))
+            held = float(max(forward, backward if with_grad else 0))
+            if held and edge is not None:
+                work[("e", edge.index, a, b)] = held
+            elif held:
+                work.update({("x", gu, i): held for i in iu})
         if work and (vt, frozenset(work.items())) not in works_seen:
             works_seen.add((vt, frozenset(work.items())))
             problem.conversion_work.append((vt, work))

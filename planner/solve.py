@@ -34,7 +34,7 @@ subject to (each family is one function below; constraints carry their family's 
                    a full bucket's bytes instead where the choices may need several buckets:
                    Problem.bucket_transient)
     peak:          at every instant k (an op; planner.peak), for each w of what may run there
-                   (the op's working set, a conversion into it: a form over x or y):
+                   (the op's working set, a conversion into it: a form over x or e):
                    P[k] = P[k-1] + saved[k],  Q[k] = Q[k+1] + grads[k]   (forms over x and z)
                    Z >= P[k] + Q[k] + in_flight[k] + w
                    Z >= A,  Z >= G,  Z >= G + S   (the loss; the end of backward; the step after)
@@ -197,7 +197,7 @@ class _Model:
         return self._terms("PO") + self.peak
 
     def _form(self, form: Form) -> pulp.LpAffineExpression:
-        """A linear form of planner.peak over the indicators x, z, y (in ``m_unit``)."""
+        """A linear form of planner.peak over the indicators x, z, e (in ``m_unit``)."""
         terms = []
         for var, v in form.items():
             kind = var[0]
