@@ -261,9 +261,7 @@ class CDPTrainer:
             self.masters = {}
             self.optimizer = optimizer_class(list(self.params.values()), **optimizer_kwargs)
         self.step_index = 0
-        self._totals: dict[tuple[int, int], torch.Tensor] = {}  # (step, stage) -> summed gradient (or, ZeRO, new parameters)
-        self._ring: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}  # pending ring receives
-        self._sends: list[Any] = []
+        self._buffers: dict[tuple[int, int], _StageBuffer] = {}  # (step, stage) -> its flat buffer here
         self._old: dict[str, torch.Tensor] = {}
         self.messages: list[tuple[int, int, str]] = []  # (step, stage, "chain"|"ring") sent by this rank
 
@@ -292,10 +290,10 @@ class CDPTrainer:
     def _tag(self, step: int, stage: int, kind: int) -> int:
         return 4 * stage + 2 * (step % 2) + kind
 
-    def _send(self, buf: torch.Tensor, worker: int, step: int, stage: int, kind: int) -> None:
+    def _send(self, buf: torch.Tensor, worker: int, step: int, stage: int, kind: int) -> Any:
         self.pm.recorder.add("send", (self.axis,), buf.numel() * buf.element_size(), "bwd")
         self.messages.append((step, stage, "ring" if kind else "chain"))
-        self._sends.append((dist.isend(buf, self._peer(worker), tag=self._tag(step, stage, kind)), buf))
+        return dist.isend(buf, self._peer(worker), tag=self._tag(step, stage, kind))
 
     def _flat(self, stage: int, grads: bool) -> torch.Tensor:
         parts = []
@@ -314,85 +312,111 @@ class CDPTrainer:
         return out
 
     def _reduce_stage(self, stage: int) -> None:
-        """Chain-sum stage ``stage``'s gradient toward its owner; post the ring receive."""
+        """Chain-sum stage ``stage``'s gradient toward its owner (the module's gradients of the
+        stage move into one flat buffer and are let go: the buffer is the stage's only copy)."""
         big_n, t = self.num_workers, self.step_index
         if not self.runner.stage_params[stage]:
             return  # a stage without parameters sends nothing
         buf = self._flat(stage, grads=True)
+        for attr in self.runner.stage_params[stage]:
+            self.params[attr].grad = None
         position = self._position(stage)
         if position > 0:
             partial = torch.empty_like(buf)
             dist.recv(partial, self._peer(self._worker_at(stage, position - 1)), tag=self._tag(t, stage, 0))
-            buf = partial + buf
+            buf.add_(partial)  # the same sum as partial + buf (IEEE addition commutes)
+            del partial
+        record = _StageBuffer(buf)
         if position < big_n - 1:
-            self._send(buf, self._worker_at(stage, position + 1), t, stage, 0)
-            source = self.owner(stage) if position == 0 else self._worker_at(stage, position - 1)
-            incoming = torch.empty_like(buf)
-            self._ring[(t, stage)] = (dist.irecv(incoming, self._peer(source), tag=self._tag(t, stage, 1)), incoming)
-        else:
-            self._totals[(t, stage)] = buf
-            if big_n > 1 and not self.zero:  # the sum itself goes around the ring
-                self._send(buf, self._worker_at(stage, 0), t, stage, 1)
+            record.chain = self._send(buf, self._worker_at(stage, position + 1), t, stage, 0)
+            record.source = self.owner(stage) if position == 0 else self._worker_at(stage, position - 1)
+        elif big_n > 1 and not self.zero:  # the owner: the sum itself goes around the ring
+            record.forward = self._send(buf, self._worker_at(stage, 0), t, stage, 1)
+        self._buffers[(t, stage)] = record
 
-    def _finish_ring(self, key: tuple[int, int], wait: bool) -> None:
-        work, incoming = self._ring[key]
-        if not wait and not work.is_completed():
-            return
-        work.wait()
-        del self._ring[key]
-        self._totals[key] = incoming
+    def _receive_ring(self, key: tuple[int, int], record: _StageBuffer) -> None:
+        """Post the ring's receive into the buffer the chain sent from (its send has completed)."""
+        record.chain = None
+        record.ring = dist.irecv(record.buf, self._peer(record.source), tag=self._tag(key[0], key[1], 1))
+
+    def _pass_on(self, key: tuple[int, int], record: _StageBuffer) -> None:
+        """The ring's copy is in: send it on (the place before the owner is the last)."""
+        record.ring, record.source = None, -1
         position = self._position(key[1])
-        if position < self.num_workers - 2:  # pass it on (the place before the owner is the last)
-            self._send(incoming, self._worker_at(key[1], position + 1), key[0], key[1], 1)
+        if position < self.num_workers - 2:
+            record.forward = self._send(record.buf, self._worker_at(key[1], position + 1), key[0], key[1], 1)
 
     def _progress(self) -> None:
-        for key in sorted(self._ring):
-            self._finish_ring(key, wait=False)
+        """Move the ring on where messages have completed without waiting (NCCL reports completion;
+        gloo's point-to-point works report it only through wait(), so on gloo the ring moves in
+        :meth:`_settle`)."""
+        for key, record in sorted(self._buffers.items()):
+            if record.chain is not None and record.chain.is_completed():
+                self._receive_ring(key, record)
+            if record.ring is not None and record.ring.is_completed():
+                self._pass_on(key, record)
 
-    def _wait_ring(self, step: int) -> None:
-        for stage in range(self.num_stages):
-            if (step, stage) in self._ring:
-                self._finish_ring((step, stage), wait=True)
+    def _settle(self, step: int) -> dict[int, torch.Tensor]:
+        """Every stage's final buffer of ``step`` (the summed gradient; ZeRO: the new parameters),
+        its ring copy received and passed on."""
+        out = {}
+        for (t, stage), record in sorted(self._buffers.items()):
+            if t != step:
+                continue
+            if record.chain is not None:  # done: the ring's copy (below) comes after it
+                record.chain.wait()
+                self._receive_ring((t, stage), record)
+            if record.ring is not None:
+                record.ring.wait()
+                self._pass_on((t, stage), record)
+            out[stage] = record.buf
+        return out
+
+    def _retire(self, step: int) -> None:
+        """Let go of ``step``'s buffers once their last sends have completed (each waits for its
+        receiver to reach the end of the same step at the latest: no cycle, see the module)."""
+        for key in [k for k in self._buffers if k[0] == step]:
+            record = self._buffers.pop(key)
+            if record.forward is not None:
+                record.forward.wait()
 
     # ---------------------------------------------------------------- updates
 
     def _apply(self, step: int) -> None:
-        """Without ZeRO: give every parameter the summed gradient of ``step`` and step."""
-        self._wait_ring(step)
-        for stage in range(self.num_stages):
-            if not self.runner.stage_params[stage]:
-                continue
-            for attr, g in self._unflat(stage, self._totals.pop((step, stage))).items():
-                self.params[attr].grad = g.clone()
+        """Without ZeRO: give every parameter the summed gradient of ``step`` (views of the stage
+        buffers, no copies) and step."""
+        for stage, buf in self._settle(step).items():
+            for attr, g in self._unflat(stage, buf).items():
+                self.params[attr].grad = g
         assert self.optimizer is not None
         self.optimizer.step()
+        for p in self.params.values():
+            p.grad = None
+        self._retire(step)
 
     def _owner_update(self, step: int) -> None:
         """ZeRO: the owner steps its masters with the summed gradient of ``step`` and sends the new
-        parameters around the ring (tagged with ``step``)."""
-        for stage in self.owned():
-            for attr, g in self._unflat(stage, self._totals.pop((step, stage))).items():
-                self.masters[attr].grad = g.clone()
+        parameters around the ring (tagged with ``step``), in the buffer the sum arrived in."""
+        for stage in self.owned():  # the chain ends here: the sum is final
+            for attr, g in self._unflat(stage, self._buffers[(step, stage)].buf).items():
+                self.masters[attr].grad = g
         if self.optimizer is not None:
             self.optimizer.step()
+        for m in self.masters.values():
+            m.grad = None
         for stage in self.owned():
-            flat = torch.cat([self.masters[a].detach().reshape(-1) for a in self.runner.stage_params[stage]])
+            record = self._buffers[(step, stage)]
+            torch.cat([self.masters[a].detach().reshape(-1) for a in self.runner.stage_params[stage]], out=record.buf)
             if self.num_workers > 1:
-                self._send(flat, self._worker_at(stage, 0), step, stage, 1)
-            self._totals[(step, stage)] = flat
-            for m in self.masters.values():
-                m.grad = None
+                record.forward = self._send(record.buf, self._worker_at(stage, 0), step, stage, 1)
 
     def _install(self, step: int) -> None:
         """ZeRO: put the parameters sent around the ring after ``step`` (and the owned ones) in place."""
-        self._wait_ring(step)
         with torch.no_grad():
-            for stage in range(self.num_stages):
-                flat = self._totals.pop((step, stage), None)
-                if flat is None:
-                    continue
+            for stage, flat in self._settle(step).items():
                 for attr, value in self._unflat(stage, flat).items():
                     self.params[attr].copy_(value)
+        self._retire(step)
 
     # ---------------------------------------------------------------- v2 versions
 
@@ -450,7 +474,6 @@ class CDPTrainer:
             self._install(t)
         for p in self.params.values():
             p.grad = None
-        self._sends = [(w, b) for w, b in self._sends if not w.is_completed()]
         self.step_index += 1
         return loss
 
@@ -469,12 +492,23 @@ class CDPTrainer:
 
     def finish(self) -> None:
         """Complete outstanding messages (call once after the last step)."""
-        for key in sorted(self._ring):
-            self._finish_ring(key, wait=True)
-        for work, _ in self._sends:
-            work.wait()
-        self._sends.clear()
-        self._totals.clear()
+        for step in sorted({t for t, _ in self._buffers}):
+            self._settle(step)
+            self._retire(step)
+
+
+@dataclass
+class _StageBuffer:
+    """One stage's flat buffer of one step on this rank and the messages on it: the chain's sum
+    sent on (``chain``), then the ring's copy received into the same buffer (``ring``, from
+    ``source``; posted once the chain's send has completed, so one buffer serves both) and passed
+    on (``forward``). The buffer is let go when its last send completes (CDPTrainer._retire)."""
+
+    buf: torch.Tensor
+    chain: Any = None
+    ring: Any = None
+    forward: Any = None
+    source: int = -1  # the worker the ring's copy comes from; -1: nothing to receive
 
 
 # --------------------------------------------------------------------------- memory, in one process

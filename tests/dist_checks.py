@@ -219,3 +219,75 @@ def measure_peak_memory(rank: int, world: int, cases: list[tuple[str, str]]) -> 
                     "breakdown": {"params": m.params, "grads": m.grads, "optimizer": m.optimizer, "activations": m.activations,
                                   "transient": m.transient, "step_transient": m.step_transient}})
     return out
+
+
+def measure_cdp_peak_memory(rank: int, world: int, cases: list[tuple[str, str]]) -> list[dict[str, Any]]:
+    """measure_peak_memory for CDP plans: each (model preset, CDP plan JSON made in float32 with
+    AdamW) trained by runtime.cdp.CDPTrainer, whose step holds more than the module and the
+    optimizer between steps (v1's pending summed gradient, ring buffers in flight): the bytes live
+    at a step's start are every tensor the trainer holds then, found by walking its attributes."""
+    from planner.plan import Plan
+    from planner.trace import trace
+    from runtime.cdp import CDPTrainer
+    from runtime.compile import compile_plan
+    from tests.memory_probe import peak_over
+
+    out = []
+    graphs: dict[str, Any] = {}
+    for name, text in cases:
+        plan = Plan.model_validate_json(text)
+        batches = _batches(name, 4, torch.float32)
+        model = build(name, torch.float32)
+        if name not in graphs:
+            graphs[name] = trace(model, *batches[0])
+        dp_axes = frozenset(a for a in plan.mesh_obj.dp_axes if plan.mesh[a] > 1)
+        pm = compile_plan(plan, model, *batches[0], graph=graphs[name], loss_partial_over=dp_axes)
+        trainer = CDPTrainer(pm, torch.optim.AdamW, lr=1e-3)
+        measured = (0, 0)
+        for k, (args, kwargs) in enumerate(batches):
+            local_args, local_kwargs = pm.shard_batch(*args, **kwargs)
+
+            def step(trainer: Any = trainer, local_args: Any = local_args, local_kwargs: Any = local_kwargs) -> None:
+                trainer.step(*local_args, **local_kwargs)
+
+            if k < 2:  # warm-up: the optimizer's states appear (v1 first steps at step 1)
+                step()
+                continue
+            this = peak_over(step, _held_tensors(trainer))
+            measured = this if k == 2 else min(measured, this)
+        trainer.finish()
+        m = plan.memory_breakdown
+        out.append({"peak": measured[0], "start": measured[1], "predicted": plan.peak_memory_bytes,
+                    "breakdown": {"params": m.params, "grads": m.grads, "optimizer": m.optimizer, "activations": m.activations,
+                                  "transient": m.transient, "step_transient": m.step_transient}})
+    return out
+
+
+def _held_tensors(root: Any) -> list[torch.Tensor]:
+    """Every tensor reachable from ``root``'s attributes, containers and optimizer states (modules
+    and optimizers included), each once."""
+    seen: set[int] = set()
+    found: list[torch.Tensor] = []
+    stack = [root]
+    while stack:
+        x = stack.pop()
+        if id(x) in seen:
+            continue
+        seen.add(id(x))
+        if isinstance(x, torch.Tensor):
+            found.append(x)
+            if x.grad is not None:
+                stack.append(x.grad)
+        elif isinstance(x, dict):
+            stack.extend(x.keys())
+            stack.extend(x.values())
+        elif isinstance(x, list | tuple | set):
+            stack.extend(x)
+        elif isinstance(x, torch.nn.Module):
+            stack.extend(x.parameters())
+            stack.extend(x.buffers())
+        elif isinstance(x, torch.optim.Optimizer):
+            stack.append(x.state)
+        elif hasattr(x, "__dict__") and type(x).__module__.startswith(("runtime", "tests")):
+            stack.append(vars(x))
+    return found
