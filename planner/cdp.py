@@ -31,6 +31,7 @@ from planner.layout import Spec
 from planner.strategy import Comm, Strategy
 
 if TYPE_CHECKING:
+    from planner.peak import Form
     from planner.problem import Problem
 
 StrategyFilter = Callable[[Node, Strategy], bool]
@@ -128,6 +129,30 @@ def parameter_stages(graph: IRGraph, num_stages: int) -> dict[str, int]:
         p.name: min((stage_of[c] for c, _ in consumers[p.name] if c in stage_of), default=0)
         for p in graph.params
     }
+
+
+def stage_buffers(problem: Problem) -> tuple[list[Form], list[str]]:
+    """Each stage's gradient buffer on a rank (the local shards of its parameters' gradients, a
+    form over the strategies x), and the last op of every stage but the last, in graph order.
+
+    runtime.cdp.CDPTrainer flattens stage l's gradients into one buffer when the stage's backward
+    ends, and a worker past the chain's head receives the partial sum of the workers before it
+    into a second buffer that size, added and let go: stage l's buffer once more, beside
+    everything alive at that moment. For l >= 1 that moment is the backward of stage l-1's last
+    op (the activations of the stages before l and the gradients of l and after are alive:
+    planner.peak places the form at that op's instant); for stage 0 it is the end of backward,
+    with every gradient made (the step's bound S, planner.solve.step_bound)."""
+    from planner.stages import cut_stages
+
+    sums: list[Form] = [{} for _ in range(problem.cdp_stages)]
+    for node in problem.graph.params:
+        group = problem.node_group[node.name]
+        form = sums[problem.param_stage[node.name]]
+        for i, v in enumerate(problem.node_terms[node.template].grads):
+            if v:
+                form[("x", group, i)] = form.get(("x", group, i), 0.0) + v
+    cut = cut_stages(problem.graph, problem.cdp_stages)
+    return sums, [names[-1] for names in cut.stages[:-1]]
 
 
 def cdp_messages(problem: Problem, assignment: dict[str, int]) -> list[Comm]:

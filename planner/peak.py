@@ -13,7 +13,9 @@ repeated layer, its first and its last instance) the bytes alive beside what run
 and the peak is the largest, over the ops, of B_v plus one of what runs at v: its own working set
 (:func:`planner.problem.op_working_set`), a conversion into it (the larger of its halves' buffers,
 :func:`planner.cost.steps_working_set`; a conversion several consumers share is placed at each),
-or a tied weight's gradient contributions being summed (at its first consumer). Two more moments
+or a tied weight's gradient contributions being summed (at its first consumer), or under CDP a
+stage's partial gradient sum received (:func:`planner.cdp.stage_buffers`; CDP v1's previous
+buffer, alive through the step, is in every Q_v). Two more moments
 bound it from below: every activation (the loss, end of forward) and every gradient (end of
 backward). Forward, Q and F are not alive yet: counting them there over-states B_v by at most the
 gradients in flight, and the working set is already the larger of the op's two halves.
@@ -67,7 +69,8 @@ def instants(problem: Problem) -> list[Instant]:
     by_template: dict[str, list[int]] = defaultdict(list)
     for n in order:
         by_template[n.template].append(pos[n.name])
-    keep = sorted({p for ps in by_template.values() if order[ps[0]].kind == "op" for p in (ps[0], ps[-1])})
+    keep = sorted({p for ps in by_template.values() if order[ps[0]].kind == "op" for p in (ps[0], ps[-1])}
+                  | {pos[name] for name in problem.stage_ends})
     if not keep:
         return []
     at = {p: k for k, p in enumerate(keep)}
@@ -128,6 +131,13 @@ def instants(problem: Problem) -> list[Instant]:
     for vt, form in problem.conversion_work:
         for p in {by_template[vt][0], by_template[vt][-1]}:
             work[upto(p)].append(form)
+    for k, name in enumerate(problem.stage_ends):  # CDP: stage k+1's partial sum arrives (planner.cdp.stage_buffers)
+        work[at[pos[name]]].append(problem.stage_sums[k + 1])
+    held: Form = {}  # held through the whole step (CDP v1's previous buffer): in every Q_k
+    for n in order:
+        if n.kind == "param" and any(problem.node_terms[n.template].held):
+            add(held, x(n.template, problem.node_terms[n.template].held))
+    add(grads[-1], held)
     return [Instant(order[p].name, saved[k], grads[k], flight[k], _undominated(work[k], floor[k])) for k, p in enumerate(keep)]
 
 

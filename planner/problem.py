@@ -79,7 +79,8 @@ class NodeTerms:
 
     saved: list[float]  # bytes it saves for backward itself (its internal intermediates)
     work: list[float]  # bytes live while it runs (op_working_set; a tied weight: its gradients' sum)
-    grads: list[float]  # a parameter: its gradient's bytes held
+    grads: list[float]  # a parameter: its gradient's bytes, made in backward
+    held: list[float]  # a parameter: bytes held through the whole step beside them (CDP v1's previous buffer)
 
 
 @dataclass
@@ -152,6 +153,10 @@ class Problem:
     # (an edge's pair of Specs): the bytes the conversion of the pair chosen holds while it runs
     conversion_work: list[tuple[str, Form]] = field(default_factory=list)
     instants: list[Instant] | None = None  # the moments the peak may happen (planner.peak; price_edges makes them)
+    # CDP: each stage's gradient buffer (a form over x) and the last op of each stage but the last
+    # (planner.cdp.stage_buffers; a worker past the chain's head receives a partial sum that size)
+    stage_sums: list[Form] = field(default_factory=list)
+    stage_ends: list[str] = field(default_factory=list)
 
     @property
     def in_units(self) -> bool:
@@ -328,6 +333,10 @@ def price_edges(problem: Problem) -> Problem:
     if not problem.edges_priced:
         t0 = time.perf_counter()
         _price_edges(problem)
+        if problem.cdp != "off":
+            from planner.cdp import stage_buffers
+
+            problem.stage_sums, problem.stage_ends = stage_buffers(problem)
         problem.instants = instants(problem)
         problem.edges_priced = True
         problem.build_seconds += time.perf_counter() - t0
@@ -428,7 +437,7 @@ def _price_nodes(problem: Problem, optimizer: str, master_itemsize: int | None) 
         group = problem.groups[problem.node_group[node.name]]
         count = problem.instances[node.name]
         n = len(problem.choices[node.name])
-        terms = problem.node_terms[node.name] = NodeTerms([0.0] * n, [0.0] * n, [0.0] * n)
+        terms = problem.node_terms[node.name] = NodeTerms([0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n)
         for i, strategy in enumerate(problem.choices[node.name]):
             in_bytes = input_bytes(graph, node, strategy, mesh)
             # forward and backward run once per micro-batch
@@ -440,6 +449,7 @@ def _price_nodes(problem: Problem, optimizer: str, master_itemsize: int | None) 
                 opt_factor = optimizer_bytes_per_value(optimizer, node.out.itemsize, master_itemsize) / node.out.itemsize
                 params, grads, states, step = zero_param_terms(node.out.shape, node.out.itemsize, spec, mesh, problem.zero_stage, opt_factor,
                                                                problem.bucket_bytes)
+                held = 0.0  # bytes of a buffer held through the whole step (CDP v1)
                 if problem.cdp != "off":  # the chain and the ring instead of the all-reduce
                     params, grads, states, step = zero_param_terms(node.out.shape, node.out.itemsize, spec, mesh, 0, opt_factor)
                     step = [Comm("send", c.axes, c.nbytes, "bwd") for c in step for _ in range(2)]
@@ -449,19 +459,22 @@ def _price_nodes(problem: Problem, optimizer: str, master_itemsize: int | None) 
                         owned = states + params
                         problem.cdp_owned.setdefault(node.name, [0.0] * len(problem.choices[node.name]))[i] = owned
                         states = owned / mesh.group_size(spec.grad_partial)
-                        if problem.cdp == "v2":
-                            params += params  # the previous parameter version
-                    elif problem.cdp == "v1":
-                        grads += params  # the previous step's summed gradient, applied one step late
-                    else:
+                    if problem.cdp == "v2":
                         params += params  # the previous parameter version
+                    else:
+                        # v1: the previous step's buffer (its summed gradient, applied one step
+                        # late; ZeRO: the parameters the owner sent, installed one step late),
+                        # alive through the whole step, beside this step's gradient
+                        held = params
+                        grads += held
                 comms += step
                 if not group.bucketed:
                     group.bucketed = [0.0] * len(group.strategies)
                 group.bucketed[i] += max((c.nbytes for c in step if c.bucket_bytes), default=0) * count
                 p, g, o = group.param_memory[i]
                 group.param_memory[i] = (p + params * count, g + grads * count, o + states * count)
-                terms.grads[i] = grads
+                terms.grads[i] = grads - held
+                terms.held[i] = held
                 group.memory[i] += (params + grads + states) * count
                 # the step's temporaries: one copy of the parameter's size for its gradient sync
                 # (the all-reduce's copy; ZeRO-1/2: the reduce-scatter's output and clones of the
@@ -868,6 +881,8 @@ def evaluate(problem: Problem, assignment: dict[str, int]) -> Evaluation:
             return 1.0 if assignment[edge.group_u] in src and assignment[edge.group_v] in dst else 0.0
         return 1.0 if var[1] in held else 0.0
 
+    if problem.stage_sums:  # CDP: stage 0's partial sum arrives at the end of backward
+        step_t = max(step_t, sum(v * value(var) for var, v in problem.stage_sums[0].items()))
     during, peak_at = peak(problem.instants or [], value)
     if peak_at:
         at = problem.graph.nodes[peak_at]

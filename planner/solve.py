@@ -157,6 +157,7 @@ class _Model:
         self.peak = lp.add_variable("peak", 0)
         mem = [m for g in problem.groups.values() for m in (*g.memory, *g.transient, *g.step_transient)] + [h.nbytes for h in problem.holds.values()]
         mem += [v for _, form in problem.conversion_work for v in form.values()]
+        mem += [v for form in problem.stage_sums for v in form.values()]
         self.m_unit = max([abs(m) for m in mem if m] or [1.0])
         times = [t for g in problem.groups.values() for t in g.time] + [c.cost for c in problem.conversions.values()]
         self.t_unit = max([abs(t) for t in times if t] or [1.0])
@@ -314,6 +315,8 @@ class _Model:
         return None
 
     def step_bound(self) -> None:
+        if self.problem.stage_sums:  # CDP: stage 0's partial sum arrives at the end of backward
+            self.lp += self.step_transient >= self._form(self.problem.stage_sums[0]), "step_transient_cdp"
         for g, grp in self.problem.groups.items():
             if any(grp.step_transient):
                 expr = pulp.lpSum(t / self.m_unit * v for t, v in zip(grp.step_transient, self.x[g], strict=True))

@@ -14,6 +14,16 @@ chain makes worker n wait for n-1 at each stage, which staggers the workers as C
 does, and the ring messages travel while later stages compute. Tensor-parallel collectives inside
 a worker are unchanged (the TP ranks of a worker share its coordinate n).
 
+Memory (what planner.problem prices for CDP): a stage's gradients move into one flat buffer when
+its backward ends and are let go; a worker past the chain's head receives the partial sum into a
+second buffer that size, adds it and lets it go; the ring's copy is received into the buffer the
+chain sent from, once that send has completed (gloo's point-to-point works report completion only
+through wait(), so on gloo the ring moves at the update, :meth:`CDPTrainer._settle`). A step's
+buffers go when their last send completes, at the update that uses them: under v1 one buffer per
+stage (the previous step's) is alive through each step, beside the step's own gradients. Each
+retiring send waits for its receiver to reach the same update; the receivers need nothing more
+from this worker by then, so the waits form no cycle.
+
 Update rules (theta(t) the parameters step t computes with, g(.) the gradient summed over workers):
 
 * ``sync``:  theta(t+1) = theta(t) - lr g(theta(t))       (delta = 0: plain DP, through the chain)
@@ -97,6 +107,20 @@ class StagedRunner:
             tuple(name for name, consumers in self._consumers.items() if self.stage_of[name] < stage and max(consumers) >= stage)
             for stage in range(self.num_stages)
         ]
+        # forward lets a value go after its last reader in its stage (autograd keeps what it saved),
+        # unless a later stage or the loss reads it: the values crossing a cut stay for backward
+        keep = set(self._consumers) | {a.name for a in self.output.all_input_nodes}
+        last_reader: dict[str, str] = {}
+        for node in gm.graph.nodes:
+            if node.name in self.stage_of:
+                last_reader.setdefault(node.name, node.name)  # read by nobody: goes at once
+                for a in node.all_input_nodes:
+                    if self.stage_of.get(a.name) == self.stage_of[node.name]:
+                        last_reader[a.name] = node.name
+        self._release: dict[str, list[str]] = {}
+        for name, reader in last_reader.items():
+            if name not in keep:
+                self._release.setdefault(reader, []).append(name)
 
     # ----------------------------------------------------------------- forward
 
@@ -135,6 +159,8 @@ class StagedRunner:
             else:
                 raise NotImplementedError(f"fx node {node.op} {node.target} in a stage")
             mb.values[node.name] = out
+            for name in self._release.get(node.name, ()):
+                del mb.values[name]
         if stage == self.num_stages - 1:
             mb.loss = self._value(self.output.args[0], stage, mb)  # type: ignore[arg-type]
 

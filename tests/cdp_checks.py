@@ -9,7 +9,7 @@ import torch
 
 STEPS = 5
 BATCH = 8
-SGD = {"lr": 0.1, "momentum": 0.9}
+SGD: dict[str, Any] = {"lr": 0.1, "momentum": 0.9}
 
 
 def _batches(name: str) -> list[tuple[tuple[Any, ...], dict[str, Any]]]:

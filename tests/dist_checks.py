@@ -16,6 +16,7 @@ parameters would then differ by ~lr for reasons that have nothing to do with par
 
 from __future__ import annotations
 
+import functools
 import importlib
 from typing import Any
 
@@ -225,12 +226,14 @@ def measure_cdp_peak_memory(rank: int, world: int, cases: list[tuple[str, str]])
     """measure_peak_memory for CDP plans: each (model preset, CDP plan JSON made in float32 with
     AdamW) trained by runtime.cdp.CDPTrainer, whose step holds more than the module and the
     optimizer between steps (v1's pending summed gradient, ring buffers in flight): the bytes live
-    at a step's start are every tensor the trainer holds then, found by walking its attributes."""
+    at a step's start are every tensor the trainer holds then, found by walking its attributes.
+    The two measured steps and the trainer's last messages run in one profiling session
+    (tests.memory_probe.peaks_over_steps says why); the smaller peak, as measure_peak_memory."""
     from planner.plan import Plan
     from planner.trace import trace
     from runtime.cdp import CDPTrainer
     from runtime.compile import compile_plan
-    from tests.memory_probe import peak_over
+    from tests.memory_probe import peaks_over_steps
 
     out = []
     graphs: dict[str, Any] = {}
@@ -243,19 +246,11 @@ def measure_cdp_peak_memory(rank: int, world: int, cases: list[tuple[str, str]])
         dp_axes = frozenset(a for a in plan.mesh_obj.dp_axes if plan.mesh[a] > 1)
         pm = compile_plan(plan, model, *batches[0], graph=graphs[name], loss_partial_over=dp_axes)
         trainer = CDPTrainer(pm, torch.optim.AdamW, lr=1e-3)
-        measured = (0, 0)
-        for k, (args, kwargs) in enumerate(batches):
-            local_args, local_kwargs = pm.shard_batch(*args, **kwargs)
-
-            def step(trainer: Any = trainer, local_args: Any = local_args, local_kwargs: Any = local_kwargs) -> None:
-                trainer.step(*local_args, **local_kwargs)
-
-            if k < 2:  # warm-up: the optimizer's states appear (v1 first steps at step 1)
-                step()
-                continue
-            this = peak_over(step, _held_tensors(trainer))
-            measured = this if k == 2 else min(measured, this)
-        trainer.finish()
+        local = [pm.shard_batch(*args, **kwargs) for args, kwargs in batches]
+        for a, kw in local[:2]:  # warm-up, unprofiled: the optimizer's states appear (v1 first steps at step 1)
+            trainer.step(*a, **kw)
+        steps = [functools.partial(trainer.step, *a, **kw) for a, kw in local[2:]]
+        measured = min(peaks_over_steps(steps, functools.partial(_held_tensors, trainer), trainer.finish))
         m = plan.memory_breakdown
         out.append({"peak": measured[0], "start": measured[1], "predicted": plan.peak_memory_bytes,
                     "breakdown": {"params": m.params, "grads": m.grads, "optimizer": m.optimizer, "activations": m.activations,

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import os
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -98,3 +98,42 @@ def peak_count(fn: Callable[[], Any]) -> int:
     """The largest count of live bytes while ``fn()`` runs (inside :func:`counting_every_thread`)."""
     events = _counts(fn)
     return max((t for _, _, t in events), default=allocator_count())
+
+
+MARK_BYTES = 1_000_003  # a step boundary's marker allocation (a prime: no tensor here has that size)
+
+
+def peaks_over_steps(steps: Sequence[Callable[[], object]], live: Callable[[], Iterable[torch.Tensor]], after: Callable[[], None]) -> list[tuple[int, int]]:
+    """:func:`peak_over` for several steps in one profiling session, ``after()`` (which must
+    complete every message the steps began) inside it too: (peak bytes, bytes live at its start)
+    per step, ``live()`` read before each.
+
+    Why one session: a process group's work records a profiler range when it begins inside a
+    session and closes it when it completes; a point-to-point message that begins in one step's
+    session and completes in the next one's (or after the last, CDP's ring) closes a range of a
+    session already gone, and the process dies of heap corruption (measured: runtime.cdp's
+    CDPTrainer under one session per step, 3 ranks of 4 aborted with 'free(): invalid size' or
+    'double free or corruption'). The steps are told apart by a marker allocation of
+    MARK_BYTES before each."""
+    starts: list[int] = []
+
+    def run() -> None:
+        for step in steps:
+            starts.append(storage_bytes(live()))
+            mark = torch.empty(MARK_BYTES, dtype=torch.uint8)
+            del mark
+            step()
+        after()
+
+    with counting_every_thread():
+        events = _counts(run)
+    marks = [k for k, (_, size, _) in enumerate(events) if size == MARK_BYTES]
+    assert len(marks) == len(steps), f"{len(marks)} step markers of {MARK_BYTES} B for {len(steps)} steps"
+    out = []
+    for k, at in enumerate(marks):
+        before = events[at][2] - MARK_BYTES
+        # the step's events: after the marker's free, up to the next marker
+        end = marks[k + 1] if k + 1 < len(marks) else len(events)
+        during = [t for _, size, t in events[at + 1 : end] if abs(size) != MARK_BYTES]
+        out.append((starts[k] + max(0, max(during, default=before) - before), starts[k]))
+    return out

@@ -9,8 +9,9 @@ dp=2 x tp=2, 2-D 2x2 and CDP v1 on 4 ranks and 3-D 2x2x2 on 8. For every plan: i
 tensor-parallel plans use their family on every op that multiplies by a weight, where shapes
 allow) and nothing falls back to replication; three optimizer steps in float64 give the single
 device's losses, gradients and parameters to 1e-9; the collectives executed equal the plan's
-priced list. The same plans made for float32 and trained with AdamW hold, per rank, a peak within
-10 % of the plan's prediction, measured by the CPU allocator (tests/memory_probe.py).
+priced list. The same plans made for float32 and trained with AdamW (CDP's by its trainer) hold,
+per rank, a peak within 10 % of the plan's prediction, measured by the CPU allocator
+(tests/memory_probe.py).
 
 One world per size runs every check (run_many): spawning 8 ranks and importing transformers in
 each are most of the cost; the world's plans are made by two processes at once (_plans).
@@ -38,7 +39,7 @@ from planner.search import SearchSpace, search
 from planner.trace import trace
 from tests.cdp_checks import BATCH as CDP_BATCH
 from tests.cdp_checks import cdp_train
-from tests.dist_checks import BATCH, build, inputs, measure_peak_memory, train_and_compare
+from tests.dist_checks import BATCH, build, inputs, measure_cdp_peak_memory, measure_peak_memory, train_and_compare
 from tests.harness import run_world
 from tests.hf_checks import failing_kernel_message, family_mesh, require_family, run_many
 
@@ -75,19 +76,22 @@ def _plan(name: str, kind: str, dtype: torch.dtype) -> Plan:
     return result.best
 
 
-def _cdp_plan(name: str) -> Plan:
-    graph = _graph(name, torch.float64, CDP_BATCH)
+def _cdp_plan(name: str, dtype: torch.dtype) -> Plan:
+    """CDP v1 over 4 workers: in float64 with SGD for the same-math check (tests/cdp_checks.py's
+    batch), in float32 with AdamW for the memory check (tests/dist_checks.py's)."""
+    same_math = dtype == torch.float64
+    graph = _graph(name, dtype, CDP_BATCH if same_math else BATCH)
     space = SearchSpace(devices=4, dp=4, tp=("none",), cdp=("v1",), cdp_stages=CDP_STAGES)
-    result = search(graph, space, A100_80G, model_name=name, optimizer="sgd", allow=cdp_filter(graph), front=False)
+    result = search(graph, space, A100_80G, model_name=name, optimizer="sgd" if same_math else "adamw", allow=cdp_filter(graph), front=False)
     assert result.best is not None and result.best.cdp == "v1", (name, [c.reason for c in result.candidates])
     return result.best
 
 
 def _plan_job(job: tuple[str, str, str]) -> str:
-    """One plan, as JSON: (model, kind, dtype name), or (model, "cdp", "float64") for _cdp_plan."""
+    """One plan, as JSON: (model, kind, dtype name); kind "cdp" is _cdp_plan's."""
     torch.set_num_threads(1)
     name, kind, dtype = job
-    plan = _cdp_plan(name) if kind == "cdp" else _plan(name, kind, getattr(torch, dtype))
+    plan = _cdp_plan(name, getattr(torch, dtype)) if kind == "cdp" else _plan(name, kind, getattr(torch, dtype))
     return plan.model_dump_json()
 
 
@@ -107,11 +111,12 @@ def _world(devices: int) -> dict[str, Any]:
     kinds = [k for k, spec in KINDS.items() if spec[0] == devices]
     models = (*MODELS, OPS_MODEL) if devices == 4 else MODELS
     jobs = [(m, k, dtype) for dtype in ("float64", "float32") for m in models for k in kinds]
-    jobs += [(m, "cdp", "float64") for m in MODELS] if devices == 4 else []
+    jobs += [(m, "cdp", dtype) for dtype in ("float64", "float32") for m in MODELS] if devices == 4 else []
     plans = _plans(jobs)
     same = {(m, k): plans[(m, k, "float64")] for m in models for k in kinds}
     memory = {(m, k): plans[(m, k, "float32")] for m in models for k in kinds}
     cdp = {m: plans[(m, "cdp", "float64")] for m in MODELS} if devices == 4 else {}
+    cdp_memory = {(m, "cdp"): plans[(m, "cdp", "float32")] for m in MODELS} if devices == 4 else {}
     calls: list[Any] = [
         (train_and_compare, ([(m, p.model_dump_json()) for (m, _), p in same.items()],)),
         (measure_peak_memory, ([(m, p.model_dump_json()) for (m, _), p in memory.items()],)),
@@ -119,6 +124,7 @@ def _world(devices: int) -> dict[str, Any]:
     if cdp:
         calls.append((cdp_train, ([(m, p.model_dump_json(), "plan", CDP_STAGES) for m, p in cdp.items()],)))
         calls.append((failing_kernel_message, ("hf-llama", memory[("hf-llama", "1d")].model_dump_json(), FAILING_MODULE)))
+        calls.append((measure_cdp_peak_memory, ([(m, p.model_dump_json()) for (m, _), p in cdp_memory.items()],)))
     t0 = time.perf_counter()
     per_rank = run_world(devices, run_many, calls, timeout=1500)
     print(f"world {devices}: planned in {t0 - t_plan:.0f} s, ran in {time.perf_counter() - t0:.0f} s, per call {[r for r in per_rank[0][-1]]}")
@@ -126,7 +132,8 @@ def _world(devices: int) -> dict[str, Any]:
         "plans": same,
         "memory_plans": memory,
         "same_math": {key: [r[0][i] for r in per_rank] for i, key in enumerate(same)},
-        "memory": {key: [r[1][i] for r in per_rank] for i, key in enumerate(memory)},
+        "memory": {key: [r[1][i] for r in per_rank] for i, key in enumerate(memory)}
+                  | {key: [r[4][i] for r in per_rank] for i, key in enumerate(cdp_memory)},
         "cdp": {m: [r[2][i] for r in per_rank] for i, m in enumerate(cdp)} if cdp else {},
         "kernel_error": [r[3] for r in per_rank] if cdp else [],
     }
@@ -181,8 +188,9 @@ def _outside(errors: dict[tuple[str, str], list[tuple[float, int, int, int]]], k
 
 
 def test_peak_memory_within_10_percent_of_the_plan(world: dict[str, Any]) -> None:
-    """Every plan of the world (planner.peak: the peak at the op where it happens, with the
-    activations and gradients alive then and its working set or a conversion into it)."""
+    """Every plan of the world, CDP v1's through runtime.cdp.CDPTrainer (planner.peak: the peak at
+    the op where it happens, with the activations and gradients alive then and its working set or
+    a conversion into it; CDP: the previous step's buffer throughout and a stage's partial sum)."""
     errors = _memory_errors(world)
     assert not _outside(errors, set(errors))
 

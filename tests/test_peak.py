@@ -9,8 +9,10 @@ of rows that does not grow with a model's depth (repeated layers: their first an
 
 from __future__ import annotations
 
+import itertools
 import random
 
+import pytest
 import torch
 from torch import nn
 
@@ -85,3 +87,35 @@ def test_the_peak_rows_do_not_grow_with_depth() -> None:
         points = problem.instants or []
         sizes.append((len(points), sum(len(p.work) for p in points)))
     assert sizes[0] == sizes[1], sizes
+
+
+def test_cdp_peak_rows_equal_the_evaluation_and_count_the_stage_buffers() -> None:
+    """CDP v1 (with and without ZeRO-1) on dp=2 x tp=2, 2 stages: the least-memory MIP equals brute
+    force over every assignment, and every plan's peak holds v1's previous buffer at every instant
+    (its activations and its gradients each beside it) and a stage's partial sum beside its gradients."""
+    from planner.cdp import cdp_filter
+    from planner.solve import solve
+    from tests.test_solver import _graph
+
+    graph = _graph("two-linear")
+    for zero in (0, 1):
+        problem = build_problem(graph, Mesh(("dp", "tp"), (2, 2)), A100_80G, cdp="v1", cdp_stages=2, zero_stage=zero,
+                                allow=cdp_filter(graph))
+        keys = list(problem.groups)
+        sizes = [len(problem.groups[k].strategies) for k in keys]
+        assert len(problem.stage_sums) == 2 and len(problem.stage_ends) == 1
+        least = float("inf")
+        for combo in itertools.product(*(range(n) for n in sizes)):
+            assignment = dict(zip(keys, combo, strict=True))
+            ev = evaluate(problem, assignment)
+            least = min(least, ev.peak_memory)
+            m = ev.memory
+            value = {("x", g, i): 1.0 for g, i in assignment.items()}
+            held = sum(problem.node_terms[p.template].held[assignment[problem.node_group[p.name]]] for p in graph.params)
+            stage0 = sum(v * value.get(var, 0.0) for var, v in problem.stage_sums[0].items())
+            assert held > 0 and stage0 > 0
+            during = max(m["activations"], m["grads"]) + m["transient"]
+            assert during >= m["activations"] + held - 1e-6, (zero, combo, m, held)
+            assert m["step_transient"] >= stage0 - 1e-6, (zero, combo, m, stage0)
+        sol = solve(problem, memory_budget=float("inf"), objective="memory")
+        assert sol.evaluation.peak_memory == pytest.approx(least, rel=1e-6), (zero, sol.evaluation.peak_memory, least)
