@@ -498,8 +498,6 @@ class CDPTrainer:
         else:
             self._owner_update(t)
             self._install(t)
-        for p in self.params.values():
-            p.grad = None
         self.step_index += 1
         return loss
 

@@ -186,8 +186,6 @@ def measure_peak_memory(rank: int, world: int, cases: list[tuple[str, str]]) -> 
     now and then counts one buffer twice (measured: HF Llama and Mistral under 1-D, rank 1, once
     in a few runs, +5,120 B: one activation of that model, 151,892 B against 146,772 B)."""
     from planner.plan import Plan
-    from planner.trace import trace
-    from runtime.compile import compile_plan
     from tests.memory_probe import peak_over
 
     out = []
@@ -195,10 +193,7 @@ def measure_peak_memory(rank: int, world: int, cases: list[tuple[str, str]]) -> 
     for name, text in cases:
         plan = Plan.model_validate_json(text)
         batches = _batches(name, 3, torch.float32)
-        model = build(name, torch.float32)
-        if name not in graphs:
-            graphs[name] = trace(model, *batches[0])
-        pm = compile_plan(plan, model, *batches[0], graph=graphs[name])
+        pm = _compiled_float32(name, plan, batches[0], graphs)
         opt = pm.make_optimizer(torch.optim.AdamW, lr=1e-3)
         measured = (0, 0)
         for k, (args, kwargs) in enumerate(batches):
@@ -215,10 +210,7 @@ def measure_peak_memory(rank: int, world: int, cases: list[tuple[str, str]]) -> 
             held = [*pm.parameters(), *(t for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor))]
             this = peak_over(step, held)
             measured = this if k == 1 else min(measured, this)
-        m = plan.memory_breakdown
-        out.append({"peak": measured[0], "start": measured[1], "predicted": plan.peak_memory_bytes,
-                    "breakdown": {"params": m.params, "grads": m.grads, "optimizer": m.optimizer, "activations": m.activations,
-                                  "transient": m.transient, "step_transient": m.step_transient}})
+        out.append(_memory_row(plan, measured))
     return out
 
 
@@ -230,9 +222,7 @@ def measure_cdp_peak_memory(rank: int, world: int, cases: list[tuple[str, str]])
     The two measured steps and the trainer's last messages run in one profiling session
     (tests.memory_probe.peaks_over_steps says why); the smaller peak, as measure_peak_memory."""
     from planner.plan import Plan
-    from planner.trace import trace
     from runtime.cdp import CDPTrainer
-    from runtime.compile import compile_plan
     from tests.memory_probe import peaks_over_steps
 
     out = []
@@ -240,22 +230,36 @@ def measure_cdp_peak_memory(rank: int, world: int, cases: list[tuple[str, str]])
     for name, text in cases:
         plan = Plan.model_validate_json(text)
         batches = _batches(name, 4, torch.float32)
-        model = build(name, torch.float32)
-        if name not in graphs:
-            graphs[name] = trace(model, *batches[0])
         dp_axes = frozenset(a for a in plan.mesh_obj.dp_axes if plan.mesh[a] > 1)
-        pm = compile_plan(plan, model, *batches[0], graph=graphs[name], loss_partial_over=dp_axes)
+        pm = _compiled_float32(name, plan, batches[0], graphs, loss_partial_over=dp_axes)
         trainer = CDPTrainer(pm, torch.optim.AdamW, lr=1e-3)
         local = [pm.shard_batch(*args, **kwargs) for args, kwargs in batches]
         for a, kw in local[:2]:  # warm-up, unprofiled: the optimizer's states appear (v1 first steps at step 1)
             trainer.step(*a, **kw)
         steps = [functools.partial(trainer.step, *a, **kw) for a, kw in local[2:]]
         measured = min(peaks_over_steps(steps, functools.partial(_held_tensors, trainer), trainer.finish))
-        m = plan.memory_breakdown
-        out.append({"peak": measured[0], "start": measured[1], "predicted": plan.peak_memory_bytes,
-                    "breakdown": {"params": m.params, "grads": m.grads, "optimizer": m.optimizer, "activations": m.activations,
-                                  "transient": m.transient, "step_transient": m.step_transient}})
+        out.append(_memory_row(plan, measured))
     return out
+
+
+def _compiled_float32(name: str, plan: Any, batch: tuple[tuple[Any, ...], dict[str, Any]], graphs: dict[str, Any], **kwargs: Any) -> Any:
+    """A fresh float32 ``name`` compiled under ``plan`` (its traced graph cached in ``graphs``)."""
+    from planner.trace import trace
+    from runtime.compile import compile_plan
+
+    model = build(name, torch.float32)
+    if name not in graphs:
+        graphs[name] = trace(model, *batch)
+    return compile_plan(plan, model, *batch, graph=graphs[name], **kwargs)
+
+
+def _memory_row(plan: Any, measured: tuple[int, int]) -> dict[str, Any]:
+    """A memory check's report: the peak measured and the bytes live at its step's start, beside
+    the plan's predicted peak and its breakdown."""
+    m = plan.memory_breakdown
+    return {"peak": measured[0], "start": measured[1], "predicted": plan.peak_memory_bytes,
+            "breakdown": {"params": m.params, "grads": m.grads, "optimizer": m.optimizer, "activations": m.activations,
+                          "transient": m.transient, "step_transient": m.step_transient}}
 
 
 def _held_tensors(root: Any) -> list[torch.Tensor]:

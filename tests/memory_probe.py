@@ -22,6 +22,7 @@ sets it while it measures.
 from __future__ import annotations
 
 import ctypes
+import itertools
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -113,27 +114,29 @@ def peaks_over_steps(steps: Sequence[Callable[[], object]], live: Callable[[], I
     session and completes in the next one's (or after the last, CDP's ring) closes a range of a
     session already gone, and the process dies of heap corruption (measured: runtime.cdp's
     CDPTrainer under one session per step, 3 ranks of 4 aborted with 'free(): invalid size' or
-    'double free or corruption'). The steps are told apart by a marker allocation of
-    MARK_BYTES before each."""
+    'double free or corruption'). The steps, and ``after()`` (not counted in any step), are told
+    apart by a marker allocation of MARK_BYTES before each."""
     starts: list[int] = []
+
+    def mark() -> None:
+        torch.empty(MARK_BYTES, dtype=torch.uint8)
 
     def run() -> None:
         for step in steps:
             starts.append(storage_bytes(live()))
-            mark = torch.empty(MARK_BYTES, dtype=torch.uint8)
-            del mark
+            mark()
             step()
+        mark()
         after()
 
     with counting_every_thread():
         events = _counts(run)
     marks = [k for k, (_, size, _) in enumerate(events) if size == MARK_BYTES]
-    assert len(marks) == len(steps), f"{len(marks)} step markers of {MARK_BYTES} B for {len(steps)} steps"
+    assert len(marks) == len(steps) + 1, f"{len(marks)} markers of {MARK_BYTES} B for {len(steps)} steps and after()"
     out = []
-    for k, at in enumerate(marks):
+    for k, (at, end) in enumerate(itertools.pairwise(marks)):
         before = events[at][2] - MARK_BYTES
         # the step's events: after the marker's free, up to the next marker
-        end = marks[k + 1] if k + 1 < len(marks) else len(events)
         during = [t for _, size, t in events[at + 1 : end] if abs(size) != MARK_BYTES]
         out.append((starts[k] + max(0, max(during, default=before) - before), starts[k]))
     return out
