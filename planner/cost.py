@@ -69,10 +69,14 @@ STEP_TRAFFIC = {"adamw": (11, 10), "adam": (11, 9), "sgd": (7, 4), "sgd-momentum
 
 def optimizer_step_time(optimizer: str, updated_bytes: float, hw: HardwareProfile) -> float:
     """The optimizer's update of one parameter tensor (``updated_bytes``: what this rank updates):
-    memory-bound, t = traffic * bytes / bw_mem + ops * o."""
+    memory-bound, t = traffic * bytes / bw_mem + ops * o; on a calibrated profile the measured
+    t = per_tensor + per_byte * bytes of torch's own step (``hw.optimizer_steps``)."""
     traffic, ops = STEP_TRAFFIC.get(optimizer, (0, 0))
     if not updated_bytes or not traffic:
         return 0.0
+    if optimizer in hw.optimizer_steps:  # measured by planner calibrate: torch's own step, per tensor and per byte
+        per_tensor, per_byte = hw.optimizer_steps[optimizer]
+        return per_tensor + per_byte * updated_bytes
     return traffic * updated_bytes / hw.memory_bandwidth + ops * hw.op_overhead
 
 
@@ -100,14 +104,20 @@ def _spans_nodes(axes: tuple[str, ...], mesh: Mesh, devices_per_node: int) -> bo
 
 def comm_time(comm: Comm, mesh: Mesh, hw: HardwareProfile) -> float:
     """Alpha-beta time of ``comm`` on its group's tier: ``steps`` latencies plus the bytes each
-    rank sends over the bandwidth. A bucketed gradient all-reduce (``bucket_bytes``) pays its
+    rank sends over the bandwidth. A calibrated profile's fit of that collective kind
+    (``hw.collectives``: its own latency and bandwidth, times its measured / fitted ratio at this
+    payload, the comm's own bytes for a bucket member) replaces the tier inside a node. A bucketed gradient all-reduce (``bucket_bytes``) pays its
     share of one bucket's latency, ``nbytes / bucket_bytes`` of it (all of it when it is a bucket
     alone); its bytes travel as they would alone."""
     n = mesh.group_size(comm.axes)
     if n <= 1 or comm.nbytes == 0:
         return 0.0
-    tier = hw.tier(spans_nodes(comm.axes, mesh, hw))
-    bw = tier.bandwidth * hw.bandwidth_efficiency
+    spans = spans_nodes(comm.axes, mesh, hw)
+    tier = hw.tier(spans)
+    fit = None if spans else hw.collectives.get(comm.kind)
+    latency = fit.latency if fit is not None else tier.latency
+    bw = fit.bandwidth if fit is not None else tier.bandwidth * hw.bandwidth_efficiency
+    scale = fit.scale_at(comm.nbytes) if fit is not None else 1.0  # measured / fitted at this payload
     if comm.kind == "all_reduce":
         steps, sent = 2 * (n - 1), 2 * (n - 1) / n * comm.nbytes
     elif comm.kind in ("all_gather", "reduce_scatter", "all_to_all"):
@@ -119,7 +129,7 @@ def comm_time(comm: Comm, mesh: Mesh, hw: HardwareProfile) -> float:
     else:
         raise ValueError(f"no cost formula for collective {comm.kind}")
     share = min(1.0, comm.nbytes / comm.bucket_bytes) if comm.bucket_bytes else 1.0
-    return steps * tier.latency * share + sent / bw
+    return (steps * latency * share + sent / bw) * scale
 
 
 def ring_volume(comm: Comm, mesh: Mesh) -> float:

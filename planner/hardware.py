@@ -26,6 +26,42 @@ class LinkTier(BaseModel):
     latency: float = Field(ge=0, description="seconds per message step (alpha)")
 
 
+class CollectiveFit(BaseModel):
+    """One collective kind as ``planner calibrate`` measured it on this host's tier: the alpha-beta
+    fit of its own timings (``latency`` per ring step, ``bandwidth`` 1/beta, under the ring formula
+    of :func:`planner.cost.comm_time` for that kind) and, by payload size, the measured time over
+    the fitted one (``scale``: (payload bytes, ratio) points, interpolated in log bytes, flat past
+    the ends), so the priced time is the measured one at every measured size. On gloo a
+    reduce-scatter costs about what an all-reduce does and a 64 MiB all-gather runs at a third of a
+    16 MiB one's bandwidth, which one fit for every kind and size cannot say."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    latency: float = Field(ge=0, description="seconds per ring step (alpha)")
+    bandwidth: float = Field(gt=0, description="bytes/s (alpha-beta 1/beta)")
+    scale: list[tuple[float, float]] = Field(default_factory=list, description="(payload bytes, measured / fitted seconds) points")
+
+    def scale_at(self, nbytes: float) -> float:
+        return interpolate_log(self.scale, nbytes, 1.0)
+
+
+def interpolate_log(points: list[tuple[float, float]], x: float, default: float) -> float:
+    """Piecewise linear in log x between the (x, y) ``points`` (sorted by x), flat outside them;
+    ``default`` without points or for x <= 0."""
+    if not points or x <= 0:
+        return default
+    if x <= points[0][0]:
+        return points[0][1]
+    if x >= points[-1][0]:
+        return points[-1][1]
+    lx = math.log(x)
+    for (x0, y0), (x1, y1) in itertools.pairwise(points):
+        if x0 <= x <= x1:
+            w = (lx - math.log(x0)) / (math.log(x1) - math.log(x0))
+            return y0 + w * (y1 - y0)
+    return points[-1][1]
+
+
 class HardwareProfile(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -45,6 +81,16 @@ class HardwareProfile(BaseModel):
         "interpolated in log FLOPs and held flat past the ends; measured by planner calibrate. "
         "A dtype without points uses compute_efficiency at every size",
     )
+    collectives: dict[str, CollectiveFit] = Field(
+        default_factory=dict,
+        description="by collective kind ('all_reduce', 'all_gather', 'reduce_scatter', 'broadcast'), its own fit on the "
+        "intra-node tier, measured by planner calibrate; a kind without one, and every group that spans nodes, uses its tier",
+    )
+    optimizer_steps: dict[str, tuple[float, float]] = Field(
+        default_factory=dict,
+        description="by optimizer ('adamw', 'sgd-momentum'), (seconds per parameter tensor, seconds per updated byte) of "
+        "torch's own optimizer step, measured by planner calibrate; one without uses the memory-bandwidth estimate",
+    )
     sources: dict[str, str] = Field(default_factory=dict, description="where each number comes from")
 
     def flops(self, dtype: str) -> float:
@@ -59,18 +105,7 @@ class HardwareProfile(BaseModel):
         fixed start-up cost) and poorer blocking/caching of small tiles, which the calibrated points
         carry. Piecewise linear in log F between measured points, flat outside them."""
         points = self.matmul_efficiency.get(dtype) or self.matmul_efficiency.get("torch.float32")
-        if not points or flops <= 0:
-            return self.compute_efficiency
-        if flops <= points[0][0]:
-            return points[0][1]
-        if flops >= points[-1][0]:
-            return points[-1][1]
-        x = math.log(flops)
-        for (f0, e0), (f1, e1) in itertools.pairwise(points):
-            if f0 <= flops <= f1:
-                w = (x - math.log(f0)) / (math.log(f1) - math.log(f0))
-                return e0 + w * (e1 - e0)
-        return points[-1][1]
+        return interpolate_log(points or [], flops, self.compute_efficiency)
 
     def tier(self, spans_nodes: bool) -> LinkTier:
         return self.inter_node if spans_nodes else self.intra_node

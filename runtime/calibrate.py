@@ -6,19 +6,26 @@ Micro-benchmarks (each repeated, the best or median kept as noted):
   ``peak_flops[dtype]`` with ``compute_efficiency = 1`` (the peak is what was reached), and each
   size's fraction of it, launch cost taken out, becomes ``matmul_efficiency[dtype]`` (the planner
   prices small tensor-parallel shards with it);
-* op overhead: the average time of a one-element add (what every op pays however small);
+* op overhead: a chain of one-element matmuls and multiplies through autograd, forward and
+  backward, per op over its 3 launches (what every op pays however small);
 * memory bandwidth: a 64 MiB copy (read + write), averaged;
-* collectives over ``world`` processes on this host (NCCL on GPUs, gloo on CPUs): all-reduce and
-  all-gather by size; a least-squares fit of the alpha-beta ring formulas of
-  :mod:`planner.cost` gives the link tier's latency (alpha) and bandwidth (1/beta), with
-  ``bandwidth_efficiency = 1``. One host cannot measure an inter-node link: the profile copies the
-  measured tier and says so in ``sources``.
+* the optimizer step (AdamW, SGD with momentum) as torch runs it by default: seconds per
+  parameter tensor and per updated byte (:func:`measure_optimizer_steps`);
+* collectives over ``world`` processes on this host (NCCL on GPUs, gloo on CPUs), in the forms
+  the runtime issues (in-place all-reduce, list all-gather and reduce-scatter, broadcast), by
+  size: a least-squares fit of the alpha-beta ring formulas of :mod:`planner.cost` over the
+  all-reduces and all-gathers gives the link tier's latency (alpha) and bandwidth (1/beta), with
+  ``bandwidth_efficiency = 1``, and each kind gets its own fit and bandwidth fraction by payload
+  (``HardwareProfile.collectives``: on gloo a reduce-scatter is no cheaper than an all-reduce).
+  One host cannot measure an inter-node link: the profile copies the measured tier and says so
+  in ``sources``.
 
 ``quick`` keeps sizes and repeats small (well under a minute on a 2-core CPU).
 """
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import statistics
@@ -30,7 +37,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from planner.hardware import HardwareProfile, LinkTier
+from planner.hardware import CollectiveFit, HardwareProfile, LinkTier
 
 
 def _progress(text: str) -> None:
@@ -79,15 +86,86 @@ def measure_matmul(dtype: torch.dtype, sizes: list[int], device: torch.device, m
     return out
 
 
-def measure_op_overhead(device: torch.device, min_seconds: float = 0.05) -> float:
-    x = torch.zeros(1, device=device)
-    return 1.0 / _rate(lambda: x.add_(1), min_seconds, device)
+def measure_op_overhead(device: torch.device, min_seconds: float = 0.05, ops: int = 64) -> float:
+    """The fixed cost of one op launch as training pays it: a chain of ``ops`` one-element ops
+    through autograd, forward and backward, half of them matmuls with a parameter of their own
+    (backward: two matmuls and a gradient accumulation) and half elementwise (one launch back),
+    per op, over the 3 launches :func:`planner.cost.compute_time` charges an op. A bare
+    ``x.add_(1)`` (what this measured before) costs about a quarter of that: it has no autograd
+    node, no saved tensor and no gradient to accumulate."""
+    weights = [torch.ones(1, 1, device=device, requires_grad=True) for _ in range(ops // 2)]
+    x = torch.ones(1, 1, device=device, requires_grad=True)
+
+    def chain() -> None:
+        y = x
+        for w in weights:
+            y = (y @ w) * 1.0
+        y.sum().backward()
+
+    return 1.0 / _rate(chain, min_seconds, device) / (len(weights) * 2) / 3
 
 
 def measure_memory_bandwidth(device: torch.device, min_seconds: float) -> float:
     src = torch.ones(64 * 2**20 // 4, dtype=torch.float32, device=device)  # pages touched: no zero-page shortcut
     dst = torch.zeros_like(src)
     return 2 * src.numel() * 4 * _rate(lambda: dst.copy_(src), min_seconds, device)
+
+
+OPTIMIZERS: dict[str, Callable[[list[torch.Tensor]], torch.optim.Optimizer]] = {
+    "adamw": lambda params: torch.optim.AdamW(params, lr=1e-3),
+    "sgd-momentum": lambda params: torch.optim.SGD(params, lr=1e-3, momentum=0.9),
+}
+
+
+def measure_optimizer_steps(device: torch.device, min_seconds: float, large: int = 2**22) -> dict[str, tuple[float, float]]:
+    """(seconds per parameter tensor, seconds per updated byte) of each optimizer's ``step()`` as
+    torch runs it by default on ``device``: solved from two float32 parameter lists, 64 tensors of
+    4 KiB (the per-tensor cost) and 4 of ``large`` values (the per-byte cost)."""
+    out = {}
+    for name, make in OPTIMIZERS.items():
+        timings = []
+        for count, numel in ((64, 1024), (4, large)):
+            params = [torch.ones(numel, device=device, requires_grad=True) for _ in range(count)]
+            for q in params:
+                q.grad = torch.full_like(q, 1e-3)
+            opt = make(params)
+            timings.append((count, count * numel * 4, 1.0 / _rate(opt.step, min_seconds, device)))
+            del opt, params
+        (n1, b1, t1), (n2, b2, t2) = timings
+        per_byte = max((t2 - t1 * n2 / n1) / (b2 - b1 * n2 / n1), 0.0)
+        out[name] = (max((t1 - per_byte * b1) / n1, 0.0), per_byte)
+    return out
+
+
+# the collectives the runtime issues, in the form it issues them (list all-gather and
+# reduce-scatter: runtime.collectives, runtime.buckets), with the payload planner.cost counts:
+# all-reduce and broadcast the tensor, all-gather its output, reduce-scatter its input
+COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
+
+
+def ring_terms(kind: str, n: int) -> tuple[float, float]:
+    """(latency steps, bytes sent per payload byte) of ``kind`` on ``n`` ranks, as
+    :func:`planner.cost.comm_time` prices it."""
+    if kind == "all_reduce":
+        return 2 * (n - 1), 2 * (n - 1) / n
+    if kind == "broadcast":
+        return math.ceil(math.log2(n)), 1.0
+    return n - 1, (n - 1) / n
+
+
+def _collective_call(kind: str, payload: int, world: int, device: torch.device) -> Callable[[], Any]:
+    import torch.distributed as dist
+
+    if kind in ("all_reduce", "broadcast"):
+        t = torch.ones(payload // 4, dtype=torch.float32, device=device)
+        return (lambda: dist.all_reduce(t)) if kind == "all_reduce" else (lambda: dist.broadcast(t, src=0))
+    full = torch.ones(payload // 4 // world * world, dtype=torch.float32, device=device)
+    chunk = torch.empty(full.numel() // world, dtype=torch.float32, device=device)
+    if kind == "all_gather":
+        parts = list(full.chunk(world))
+        return lambda: dist.all_gather(parts, chunk)
+    inputs = list(full.chunk(world))
+    return lambda: dist.reduce_scatter(chunk, inputs)
 
 
 def _collective_worker(rank: int, world: int, port: int, sizes: list[int], repeats: int, backend: str, compute: dict[str, Any], out: Any) -> None:
@@ -112,24 +190,25 @@ def _benchmark(rank: int, world: int, port: int, sizes: list[int], repeats: int,
     overhead = measure_op_overhead(device)
     dist.barrier()
     bandwidth = measure_memory_bandwidth(device, compute["seconds"])
+    dist.barrier()
+    optimizers = measure_optimizer_steps(device, compute["seconds"])
     rows: list[Any] = []
-    warm = torch.ones(1024, device=device)
-    for _ in range(5):  # connections and buffers set up before anything is timed
-        dist.all_reduce(warm)
-        dist.all_gather([torch.empty_like(warm) for _ in range(world)], warm)
+    for kind in COLLECTIVE_KINDS:  # connections and buffers set up before anything is timed
+        warm = _collective_call(kind, 4096 * world, world, device)
+        for _ in range(3):
+            warm()
     for nbytes in sizes:
-        t = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
-        parts = [torch.empty_like(t) for _ in range(world)]
-        dist.all_reduce(t)
-        for kind, fn in (("all_reduce", lambda t=t: dist.all_reduce(t)), ("all_gather", lambda t=t, parts=parts: dist.all_gather(parts, t))):
+        for kind in COLLECTIVE_KINDS:
+            fn = _collective_call(kind, nbytes, world, device)
+            fn()
             times = []
             for _ in range(repeats):
                 dist.barrier()
                 times.append(min(_time(fn, 1, device)))
-            # the payload as planner.cost counts it: all-reduce the tensor, all-gather the output
-            rows.append((kind, nbytes if kind == "all_reduce" else nbytes * world, statistics.median(times)))
+            rows.append((kind, nbytes, statistics.median(times)))
+            del fn
     if rank == 0:
-        out.put({"collectives": rows, "matmul": curves, "op_overhead": overhead, "memory_bandwidth": bandwidth})
+        out.put({"collectives": rows, "matmul": curves, "op_overhead": overhead, "memory_bandwidth": bandwidth, "optimizers": optimizers})
     dist.barrier()
     dist.destroy_process_group()
 
@@ -177,10 +256,9 @@ def fit_alpha_beta(rows: list[tuple[str, int, float]], world: int) -> tuple[floa
     alpha too, and latency-bound plans were priced several times too fast). Returns (alpha
     seconds, b bytes/s). When noise makes the fit unphysical (negative alpha or 1/b), latency
     comes from the smallest message and bandwidth from the largest instead."""
-    n = world
     xs = []
     for kind, nbytes, seconds in rows:
-        steps, volume = (2 * (n - 1), 2 * (n - 1) / n) if kind == "all_reduce" else ((n - 1), (n - 1) / n)
+        steps, volume = ring_terms(kind, world)
         xs.append((steps, volume * nbytes, seconds))
     # normal equations for t/t = a * steps/t + c * bytes/t, c = 1/b
     w = [(x / t, y / t) for x, y, t in xs]
@@ -201,6 +279,18 @@ def fit_alpha_beta(rows: list[tuple[str, int, float]], world: int) -> tuple[floa
     return alpha, large[1] / max(large[2] - large[0] * alpha, large[2] / 2)
 
 
+def fit_collective(rows: list[tuple[str, int, float]], world: int) -> CollectiveFit:
+    """One kind's fit: the alpha-beta of :func:`fit_alpha_beta` over its rows, and at each
+    measured payload the measured time over the fitted one (so the priced time is the measured
+    one at every measured size on ``world`` ranks)."""
+    alpha, b = fit_alpha_beta(rows, world)
+    points = []
+    for kind, nbytes, seconds in sorted(rows, key=lambda r: r[1]):
+        steps, volume = ring_terms(kind, world)
+        points.append((float(nbytes), seconds / (steps * alpha + volume * nbytes / b)))
+    return CollectiveFit(latency=alpha, bandwidth=b, scale=points)
+
+
 def calibrate(*, quick: bool = False, world: int = 2, name: str | None = None) -> HardwareProfile:
     """Measure with ``world`` processes running at once (as the plans will run: on a CPU host they
     share its cores, so each gets its share of the compute; GPUs are measured one per process)."""
@@ -209,15 +299,18 @@ def calibrate(*, quick: bool = False, world: int = 2, name: str | None = None) -
     repeats = 5 if quick else 10
     sizes = [64, 128, 256, 512] if quick else [64, 128, 256, 512, 1024, 2048] + ([4096, 8192] if gpu else [])
     dtypes = [torch.bfloat16, torch.float16, torch.float32] if gpu else [torch.float32, torch.float64]
-    coll_sizes = [2**12, 2**18, 2**22] if quick else [2**12, 2**14, 2**16, 2**18, 2**20, 2**22, 2**24]
+    coll_sizes = [2**12, 2**18, 2**22] if quick else [2**12, 2**14, 2**16, 2**18, 2**20, 2**22, 2**24, 2**26]
     backend = "nccl" if gpu else "gloo"
     _progress(f"{world} {backend} processes: matmul {[str(d).removeprefix('torch.') for d in dtypes]} n={sizes}, op overhead, "
-              f"memory bandwidth, then all-reduce/all-gather of {coll_sizes} B")
+              f"memory bandwidth, optimizer steps, then {', '.join(COLLECTIVE_KINDS)} of {coll_sizes} B")
     measured = measure_on_world(world, coll_sizes, repeats, backend, {"sizes": sizes, "dtypes": dtypes, "seconds": 0.1 if quick else 0.4})
     peak = {dt: max(f for _, f in curve) for dt, curve in measured["matmul"].items()}
     curves = {f"matmul {dt}": ", ".join(f"n={n}: {f / 1e9:.1f} GFLOP/s" for n, f in curve) for dt, curve in measured["matmul"].items()}
     rows = [tuple(r) for r in measured["collectives"]]
-    alpha, link_bw = fit_alpha_beta(rows, world) if world >= 2 else (0.0, measured["memory_bandwidth"])  # type: ignore[arg-type]
+    tier_rows = [r for r in rows if r[0] in ("all_reduce", "all_gather")]
+    alpha, link_bw = fit_alpha_beta(tier_rows, world) if world >= 2 else (0.0, measured["memory_bandwidth"])  # type: ignore[arg-type]
+    fits = {kind: fit_collective([r for r in rows if r[0] == kind], world) for kind in COLLECTIVE_KINDS} if world >= 2 else {}  # type: ignore[misc]
+    optimizers = {name: (float(a), float(c)) for name, (a, c) in measured["optimizers"].items()}
     overhead, bandwidth = measured["op_overhead"], measured["memory_bandwidth"]
     efficiency = {dt: matmul_efficiency(curve, peak[dt], overhead) for dt, curve in measured["matmul"].items()}
     _progress(f"fitted link: {link_bw / 1e9:.3f} GB/s, latency {alpha * 1e6:.0f} us")
@@ -238,13 +331,19 @@ def calibrate(*, quick: bool = False, world: int = 2, name: str | None = None) -
         bandwidth_efficiency=1.0,
         op_overhead=overhead,
         matmul_efficiency=efficiency,
+        collectives=fits,
+        optimizer_steps=optimizers,
         sources={
             "peak_flops": f"{note}: best matmul FLOP/s over the sizes",
             **curves,
             "matmul_efficiency": f"{note}: per size, FLOPs / ((t - op_overhead) * peak) of the matmul timings above",
-            "op_overhead": f"{note}: average one-element add, {overhead * 1e6:.1f} us",
+            "op_overhead": f"{note}: one-element matmul and multiply chain through autograd, forward and backward, per op / 3 launches, {overhead * 1e6:.1f} us",
+            "optimizer_steps": f"{note}: torch's default step, 64 x 4 KiB and 4 x 16 MiB float32 tensors: "
+            + ", ".join(f"{k} {a * 1e6:.1f} us per tensor + {1 / c / 1e9 if c else float('inf'):.2f} GB/s" for k, (a, c) in optimizers.items()),
+            "collectives": f"{note}: per kind, alpha-beta fit of its own timings and its bandwidth fraction by payload: "
+            + "; ".join(f"{k} {f.bandwidth / 1e9:.3f} GB/s + {f.latency * 1e6:.0f} us" for k, f in fits.items()),
             "memory_bandwidth": f"{note}: 64 MiB copy, {bandwidth / 1e9:.2f} GB/s",
-            "intra_node": f"{note}: alpha-beta fit of {len(rows)} {backend} all-reduce/all-gather timings"
+            "intra_node": f"{note}: alpha-beta fit of {len(tier_rows)} {backend} all-reduce/all-gather timings"
             + "".join(f"; {k} {b} B {t * 1e3:.3f} ms" for k, b, t in rows),
             "inter_node": "not measured (one host): a copy of the measured tier",
             "device_memory": "GPU total memory" if gpu else f"host RAM / {world} processes",

@@ -69,6 +69,10 @@ def test_planner_calibrate_quick_writes_a_profile_the_report_uses(tmp_path: Path
     assert profile.peak_flops["torch.float32"] > 1e8 and profile.memory_bandwidth > 1e8
     assert profile.intra_node.bandwidth > 0 and profile.op_overhead > 0
     assert "measured by planner calibrate --quick" in data["sources"]["peak_flops"]
+    assert set(profile.collectives) == {"all_reduce", "all_gather", "reduce_scatter", "broadcast"}
+    assert all(f.bandwidth > 0 and len(f.scale) == 3 for f in profile.collectives.values())  # --quick: 3 sizes
+    assert set(profile.optimizer_steps) == {"adamw", "sgd-momentum"}
+    assert all(a >= 0 and c >= 0 and a + c > 0 for a, c in profile.optimizer_steps.values())
     text = io.StringIO()
     with contextlib.redirect_stdout(text):
         assert main(["report", "gpt-tiny", "--devices", "2", "--tp", "none", "--hardware", str(out)]) == 0
@@ -90,3 +94,43 @@ def test_calibrated_efficiency_curve_slows_small_shards_and_holds_flat_past_its_
     mid = hw.efficiency("torch.float32", (small * large) ** 0.5)  # half-way in log FLOPs
     assert mid == pytest.approx((points[0][1] + 1.0) / 2)
     assert CPU_GLOO.efficiency("torch.float32", small) == CPU_GLOO.compute_efficiency  # no curve: the constant
+
+
+def test_a_collective_kinds_fit_prices_its_measured_times_and_groups_across_nodes_keep_the_tier() -> None:
+    """Timings that no one alpha-beta fits (a 64 MiB message at a third of the bandwidth): the
+    kind's fit and its measured / fitted ratios price every measured size at its measured time,
+    sizes between on the interpolated ratio; a group spanning nodes pays the inter-node tier."""
+    from planner.cost import comm_time
+    from planner.hardware import CPU_GLOO
+    from planner.mesh import Mesh
+    from planner.strategy import Comm
+    from runtime.calibrate import fit_collective
+
+    n, alpha, b = 4, 700e-6, 1e9
+    sizes = [2**12, 2**16, 2**20, 2**24, 2**26]
+    rows = [("all_gather", s, (n - 1) * alpha + (n - 1) / n * s / b * (3.0 if s == 2**26 else 1.0)) for s in sizes]
+    fit = fit_collective(rows, n)
+    hw = CPU_GLOO.model_copy(update={"collectives": {"all_gather": fit}, "devices_per_node": 4})
+    mesh = Mesh(("dp",), (4,))
+    for _, size, seconds in rows:
+        assert comm_time(Comm("all_gather", ("dp",), size, "fwd"), mesh, hw) == pytest.approx(seconds, rel=1e-9)
+    between = comm_time(Comm("all_gather", ("dp",), 2**25, "fwd"), mesh, hw)
+    assert rows[3][2] * 2 < between < rows[4][2]
+    # another kind keeps the tier's fit; a group across two nodes of 2 pays the inter-node tier
+    assert comm_time(Comm("all_reduce", ("dp",), 2**20, "bwd"), mesh, hw) == comm_time(Comm("all_reduce", ("dp",), 2**20, "bwd"), mesh, CPU_GLOO)
+    two_nodes = hw.model_copy(update={"devices_per_node": 2})
+    assert comm_time(Comm("all_gather", ("dp",), 2**20, "fwd"), mesh, two_nodes) == comm_time(
+        Comm("all_gather", ("dp",), 2**20, "fwd"), mesh, CPU_GLOO.model_copy(update={"devices_per_node": 2}))
+
+
+def test_a_measured_optimizer_step_replaces_the_bandwidth_estimate() -> None:
+    from planner.cost import optimizer_step_time
+    from planner.hardware import CPU_GLOO
+    from runtime.calibrate import measure_optimizer_steps
+
+    hw = CPU_GLOO.model_copy(update={"optimizer_steps": {"adamw": (30e-6, 2e-9)}})
+    assert optimizer_step_time("adamw", 1e6, hw) == pytest.approx(30e-6 + 2e-3)
+    assert optimizer_step_time("sgd-momentum", 1e6, hw) == optimizer_step_time("sgd-momentum", 1e6, CPU_GLOO)  # not measured: the estimate
+    assert optimizer_step_time("adamw", 0, hw) == 0.0
+    measured = measure_optimizer_steps(torch.device("cpu"), 0.02, large=2**16)
+    assert set(measured) == {"adamw", "sgd-momentum"} and all(a >= 0 and c >= 0 and a + c > 0 for a, c in measured.values())
