@@ -151,10 +151,38 @@ def compute_time(node: Node, strategy: Strategy, mesh: Mesh, hw: HardwareProfile
         if meta is not None and spec is not None:
             out_bytes += meta.nbytes // max(spec.layout.shard_factor(mesh), 1)
     dtype = next((m.dtype for m in node.outputs if m is not None), "torch.float32")
-    # efficiency by the size of one launch: the forward matmul (backward runs two of that size)
-    t_flops = flops / (hw.efficiency(dtype, node.flops_fwd / split) * hw.flops(dtype))
+    # efficiency by the size of one launch: the forward matmul (backward runs two of that size),
+    # and by how thin it is (the backward's two have the same three dimensions)
+    eff = hw.efficiency(dtype, node.flops_fwd / split)
+    if hw.matmul_thin and node.target in MATMULS:
+        thinnest = _thinnest_dim(node, strategy, mesh, split)
+        eff *= hw.thin_factor(dtype, thinnest) if thinnest else 1.0
+    t_flops = flops / (eff * hw.flops(dtype))
     t_bytes = 3 * (in_bytes + out_bytes) / hw.memory_bandwidth
     return 3 * hw.op_overhead + max(t_flops, t_bytes)
+
+
+MATMULS = frozenset({"aten.mm.default", "aten.addmm.default", "aten.bmm.default", "aten.matmul.default", "aten.linear.default"})
+
+
+def _thinnest_dim(node: Node, strategy: Strategy, mesh: Mesh, split: int) -> float:
+    """The smallest of a matmul's local M, K, N: M and N from its local output (a bmm's M its
+    second-last dim, otherwise every leading dim flattened), K from its local forward FLOPs
+    (2 M K N); 0 when the output's layout is unknown."""
+    meta, spec = node.outputs[0], strategy.outputs[0] if strategy.outputs else None
+    if meta is None or spec is None or not meta.shape:
+        return 0.0
+    try:
+        local = spec.layout.local_shape(tuple(meta.shape), mesh)
+    except ValueError:
+        return 0.0
+    n = local[-1]
+    m = local[-2] if node.target == "aten.bmm.default" and len(local) >= 2 else math.prod(local[:-1])
+    batches = math.prod(local[:-2]) if node.target == "aten.bmm.default" else 1
+    if not m or not n:
+        return 0.0
+    k = node.flops_fwd / split / (2 * m * n * batches)
+    return float(min(m, n, k))
 
 
 def steps_comms(steps: tuple[Step, ...], local_bytes: int, mesh: Mesh, phase: Phase) -> tuple[Comm, ...]:

@@ -81,6 +81,12 @@ class HardwareProfile(BaseModel):
         "interpolated in log FLOPs and held flat past the ends; measured by planner calibrate. "
         "A dtype without points uses compute_efficiency at every size",
     )
+    matmul_thin: dict[str, list[tuple[float, float]]] = Field(
+        default_factory=dict,
+        description="by dtype, (thinnest dimension of a matmul, fraction of the square curve's efficiency it reaches) "
+        "points, interpolated in log size; measured by planner calibrate (a [16, 4096] x [4096, 4096] matmul runs at "
+        "about half a square one's FLOP/s on a CPU). A dtype without points: 1",
+    )
     collectives: dict[str, CollectiveFit] = Field(
         default_factory=dict,
         description="by collective kind ('all_reduce', 'all_gather', 'reduce_scatter', 'broadcast'), its own fit on the "
@@ -106,6 +112,13 @@ class HardwareProfile(BaseModel):
         carry. Piecewise linear in log F between measured points, flat outside them."""
         points = self.matmul_efficiency.get(dtype) or self.matmul_efficiency.get("torch.float32")
         return interpolate_log(points or [], flops, self.compute_efficiency)
+
+    def thin_factor(self, dtype: str, thinnest: float) -> float:
+        """The share of :meth:`efficiency` a matmul keeps whose thinnest dimension (rows, inner
+        or output columns) is ``thinnest``: what a square matmul of the same FLOPs reaches is not
+        what a skinny one does (its weight streams from memory once per few rows)."""
+        points = self.matmul_thin.get(dtype) or self.matmul_thin.get("torch.float32")
+        return interpolate_log(points or [], thinnest, 1.0)
 
     def tier(self, spans_nodes: bool) -> LinkTier:
         return self.inter_node if spans_nodes else self.intra_node

@@ -6,6 +6,8 @@ Micro-benchmarks (each repeated, the best or median kept as noted):
   ``peak_flops[dtype]`` with ``compute_efficiency = 1`` (the peak is what was reached), and each
   size's fraction of it, launch cost taken out, becomes ``matmul_efficiency[dtype]`` (the planner
   prices small tensor-parallel shards with it);
+* thin matmuls (d rows, or an inner dimension of d, against 2048 x 2048): the share of the
+  square curve's efficiency they reach, by d (``matmul_thin``);
 * op overhead: a chain of one-element matmuls and multiplies through autograd, forward and
   backward, per op over its 3 launches (what every op pays however small);
 * memory bandwidth: a 64 MiB copy (read + write), averaged;
@@ -72,10 +74,16 @@ def _rate(fn: Callable[[], Any], min_seconds: float, device: torch.device) -> fl
             return calls / elapsed
 
 
-def measure_matmul(dtype: torch.dtype, sizes: list[int], device: torch.device, min_seconds: float) -> list[tuple[int, float]]:
-    """(n, FLOP/s) of n x n x n matmuls, averaged over ``min_seconds`` per size."""
+def measure_matmul(dtype: torch.dtype, sizes: list[int], device: torch.device, min_seconds: float,
+                   sync: Callable[[], Any] | None = None) -> list[tuple[int, float]]:
+    """(n, FLOP/s) of n x n x n matmuls, averaged over ``min_seconds`` per size. ``sync`` (a
+    barrier) before each size: processes sharing cores measure each size together, or the
+    last ones to run a size get the cores the others have left (the best size's figure was
+    then up to 1.5x the fair share: 45.5 to 68.8 GFLOP/s between runs here)."""
     out = []
     for n in sizes:
+        if sync is not None:
+            sync()
         a = torch.randn(n, n, dtype=dtype, device=device)
         b = torch.randn(n, n, dtype=dtype, device=device)
 
@@ -83,6 +91,42 @@ def measure_matmul(dtype: torch.dtype, sizes: list[int], device: torch.device, m
             return torch.matmul(a, b)
 
         out.append((n, 2 * n**3 * _rate(mm, min_seconds, device)))
+    return out
+
+
+def measure_thin_matmul(dtype: torch.dtype, thin: list[int], device: torch.device, min_seconds: float, wide: int = 2048,
+                        sync: Callable[[], Any] | None = None) -> list[tuple[int, float, float]]:
+    """(d, FLOPs, FLOP/s) of matmuls whose thinnest dimension is d, by the mean time of the two
+    shapes training runs: d rows times a [wide, wide] weight (forward, the input's gradient) and
+    an inner dimension of d (the weight's gradient). ``sync`` (a barrier) before each shape."""
+    out = []
+    for d in thin:
+        rates = []
+        for shape_a, shape_b in (((d, wide), (wide, wide)), ((wide, d), (d, wide))):
+            a = torch.randn(*shape_a, dtype=dtype, device=device)
+            b = torch.randn(*shape_b, dtype=dtype, device=device)
+
+            def mm(a: torch.Tensor = a, b: torch.Tensor = b) -> torch.Tensor:
+                return torch.matmul(a, b)
+
+            if sync is not None:
+                sync()
+            rates.append(_rate(mm, min_seconds, device))
+        flops = 2.0 * d * wide * wide
+        seconds = sum(1 / r for r in rates) / len(rates)
+        out.append((d, flops, flops / seconds))
+    return out
+
+
+def thin_factors(points: list[tuple[int, float, float]], curve: list[tuple[float, float]], peak: float, overhead: float) -> list[tuple[float, float]]:
+    """(d, share of the square curve's efficiency) of each thin matmul measured: its own
+    efficiency beyond the launch cost, F / ((t - o) peak), over the curve's at its FLOPs; at most 1."""
+    from planner.hardware import interpolate_log
+
+    out = []
+    for d, flops, rate in points:
+        own = flops / (max(flops / rate - overhead, flops / peak) * peak)
+        out.append((float(d), min(1.0, own / interpolate_log(curve, flops, 1.0))))
     return out
 
 
@@ -185,7 +229,9 @@ def _benchmark(rank: int, world: int, port: int, sizes: list[int], repeats: int,
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     # compute, measured on every process at once: what one "device" gets while all of them work
     dist.barrier()
-    curves = {str(dt): measure_matmul(dt, compute["sizes"], device, compute["seconds"]) for dt in compute["dtypes"]}
+    curves = {str(dt): measure_matmul(dt, compute["sizes"], device, compute["seconds"], dist.barrier) for dt in compute["dtypes"]}
+    dist.barrier()
+    thin = {str(dt): measure_thin_matmul(dt, compute["thin"], device, compute["seconds"] / 2, sync=dist.barrier) for dt in compute["dtypes"]}
     dist.barrier()
     overhead = measure_op_overhead(device)
     dist.barrier()
@@ -208,7 +254,7 @@ def _benchmark(rank: int, world: int, port: int, sizes: list[int], repeats: int,
             rows.append((kind, nbytes, statistics.median(times)))
             del fn
     if rank == 0:
-        out.put({"collectives": rows, "matmul": curves, "op_overhead": overhead, "memory_bandwidth": bandwidth, "optimizers": optimizers})
+        out.put({"collectives": rows, "matmul": curves, "op_overhead": overhead, "memory_bandwidth": bandwidth, "optimizers": optimizers, "thin": thin})
     dist.barrier()
     dist.destroy_process_group()
 
@@ -303,7 +349,8 @@ def calibrate(*, quick: bool = False, world: int = 2, name: str | None = None) -
     backend = "nccl" if gpu else "gloo"
     _progress(f"{world} {backend} processes: matmul {[str(d).removeprefix('torch.') for d in dtypes]} n={sizes}, op overhead, "
               f"memory bandwidth, optimizer steps, then {', '.join(COLLECTIVE_KINDS)} of {coll_sizes} B")
-    measured = measure_on_world(world, coll_sizes, repeats, backend, {"sizes": sizes, "dtypes": dtypes, "seconds": 0.1 if quick else 0.4})
+    thin = [16, 128] if quick else [8, 16, 32, 64, 128, 256, 512]
+    measured = measure_on_world(world, coll_sizes, repeats, backend, {"sizes": sizes, "thin": thin, "dtypes": dtypes, "seconds": 0.1 if quick else 0.4})
     peak = {dt: max(f for _, f in curve) for dt, curve in measured["matmul"].items()}
     curves = {f"matmul {dt}": ", ".join(f"n={n}: {f / 1e9:.1f} GFLOP/s" for n, f in curve) for dt, curve in measured["matmul"].items()}
     rows = [tuple(r) for r in measured["collectives"]]
@@ -313,6 +360,7 @@ def calibrate(*, quick: bool = False, world: int = 2, name: str | None = None) -
     optimizers = {name: (float(a), float(c)) for name, (a, c) in measured["optimizers"].items()}
     overhead, bandwidth = measured["op_overhead"], measured["memory_bandwidth"]
     efficiency = {dt: matmul_efficiency(curve, peak[dt], overhead) for dt, curve in measured["matmul"].items()}
+    thin_points = {dt: thin_factors([tuple(p) for p in points], efficiency[dt], peak[dt], overhead) for dt, points in measured["thin"].items()}  # type: ignore[misc]
     _progress(f"fitted link: {link_bw / 1e9:.3f} GB/s, latency {alpha * 1e6:.0f} us")
     memory = torch.cuda.get_device_properties(0).total_memory if gpu else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // world
     tier = LinkTier(name=f"{backend}-measured", bandwidth=link_bw, latency=alpha)
@@ -331,12 +379,15 @@ def calibrate(*, quick: bool = False, world: int = 2, name: str | None = None) -
         bandwidth_efficiency=1.0,
         op_overhead=overhead,
         matmul_efficiency=efficiency,
+        matmul_thin=thin_points,
         collectives=fits,
         optimizer_steps=optimizers,
         sources={
             "peak_flops": f"{note}: best matmul FLOP/s over the sizes",
             **curves,
             "matmul_efficiency": f"{note}: per size, FLOPs / ((t - op_overhead) * peak) of the matmul timings above",
+            "matmul_thin": f"{note}: d x 2048 by 2048 x 2048 and 2048 x d by d x 2048 matmuls, their efficiency over the square curve's: "
+            + "; ".join(f"{dt} " + ", ".join(f"d={int(d)}: {f:.2f}" for d, f in pts) for dt, pts in thin_points.items()),
             "op_overhead": f"{note}: one-element matmul and multiply chain through autograd, forward and backward, per op / 3 launches, {overhead * 1e6:.1f} us",
             "optimizer_steps": f"{note}: torch's default step, 64 x 4 KiB and 4 x 16 MiB float32 tensors: "
             + ", ".join(f"{k} {a * 1e6:.1f} us per tensor + {1 / c / 1e9 if c else float('inf'):.2f} GB/s" for k, (a, c) in optimizers.items()),

@@ -134,3 +134,30 @@ def test_a_measured_optimizer_step_replaces_the_bandwidth_estimate() -> None:
     assert optimizer_step_time("adamw", 0, hw) == 0.0
     measured = measure_optimizer_steps(torch.device("cpu"), 0.02, large=2**16)
     assert set(measured) == {"adamw", "sgd-momentum"} and all(a >= 0 and c >= 0 and a + c > 0 for a, c in measured.values())
+
+
+def test_a_thin_matmul_is_priced_below_a_square_one_of_the_same_flops() -> None:
+    """With measured thin-matmul factors, a [16, 1024] x [1024, 1024] linear's compute is priced
+    at the factor for d = 16; ops that are not matmuls, and profiles without factors, are not."""
+    from models.mlp import MLP, MLPConfig
+    from planner.cost import _thinnest_dim, compute_time
+    from planner.hardware import CPU_GLOO
+    from planner.mesh import Mesh
+    from planner.problem import build_problem
+    from planner.trace import trace
+
+    model = MLP(MLPConfig(in_features=1024, hidden=1024, out_features=8, n_layers=2))
+    graph = trace(model, (torch.randn(16, 1024), torch.randint(0, 8, (16,))))
+    mesh = Mesh(("dp", "tp"), (1, 1))
+    problem = build_problem(graph, mesh, CPU_GLOO)
+    node = next(n for n in graph.nodes.values() if n.target == "aten.linear.default" and n.out.shape == (16, 1024))
+    s = problem.choices[node.name][0]
+    assert _thinnest_dim(node, s, mesh, 1) == 16
+    thin = CPU_GLOO.model_copy(update={"matmul_thin": {"torch.float32": [(8.0, 0.25), (32.0, 0.75)]}})
+    assert thin.thin_factor("torch.float32", 16) == pytest.approx(0.5)
+    base, slow = compute_time(node, s, mesh, CPU_GLOO, 0), compute_time(node, s, mesh, thin, 0)
+    flops_t = (node.flops_fwd + node.flops_bwd) / (CPU_GLOO.efficiency("torch.float32", node.flops_fwd) * CPU_GLOO.flops("torch.float32"))
+    assert slow - 3 * CPU_GLOO.op_overhead == pytest.approx(2 * flops_t) and base - 3 * CPU_GLOO.op_overhead == pytest.approx(flops_t)
+    other = next(n for n in graph.nodes.values() if n.kind == "op" and n.target == "aten.gelu.default")
+    so = problem.choices[other.name][0]
+    assert compute_time(other, so, mesh, thin, 0) == compute_time(other, so, mesh, CPU_GLOO, 0)
