@@ -19,6 +19,8 @@ Micro-benchmarks (each repeated, the best or median kept as noted):
   all-reduces and all-gathers gives the link tier's latency (alpha) and bandwidth (1/beta), with
   ``bandwidth_efficiency = 1``, and each kind gets its own fit and bandwidth fraction by payload
   (``HardwareProfile.collectives``: on gloo a reduce-scatter is no cheaper than an all-reduce).
+  On a CPU each is timed after a burst of compute, as training issues it (ranks sharing cores
+  wait for peers the scheduler has not run yet), less the burst's own time.
   One host cannot measure an inter-node link: the profile copies the measured tier and says so
   in ``sources``.
 
@@ -243,15 +245,37 @@ def _benchmark(rank: int, world: int, port: int, sizes: list[int], repeats: int,
         warm = _collective_call(kind, 4096 * world, world, device)
         for _ in range(3):
             warm()
+    # on a CPU host the ranks share cores: a collective issued after compute waits for peers the
+    # scheduler has not run yet, which one issued straight after a barrier does not see (on 4
+    # ranks of 2 cores, a 4 KiB all-reduce after 15 ms of matmuls costs 7-11 ms, after a barrier
+    # 5 ms). So each collective is timed as training issues it, after a burst of compute, less
+    # the burst's own time (its median, every rank computing at once)
+    burst_a = torch.randn(256, 256, device=device)
+
+    def burst() -> None:
+        for _ in range(compute["burst"]):
+            torch.matmul(burst_a, burst_a)
+
+    busy = device.type == "cpu" and compute["burst"] > 0
+    alone = []
+    for _ in range(repeats if busy else 0):
+        dist.barrier()
+        alone.append(min(_time(burst, 1, device)))
+    burst_s = statistics.median(alone) if alone else 0.0
     for nbytes in sizes:
         for kind in COLLECTIVE_KINDS:
             fn = _collective_call(kind, nbytes, world, device)
             fn()
+
+            def after_burst(fn: Callable[[], Any] = fn) -> None:
+                burst()
+                fn()
+
             times = []
             for _ in range(repeats):
                 dist.barrier()
-                times.append(min(_time(fn, 1, device)))
-            rows.append((kind, nbytes, statistics.median(times)))
+                times.append(min(_time(after_burst, 1, device)) - burst_s if busy else min(_time(fn, 1, device)))
+            rows.append((kind, nbytes, max(statistics.median(times), 1e-6)))
             del fn
     if rank == 0:
         out.put({"collectives": rows, "matmul": curves, "op_overhead": overhead, "memory_bandwidth": bandwidth, "optimizers": optimizers, "thin": thin})
@@ -350,7 +374,8 @@ def calibrate(*, quick: bool = False, world: int = 2, name: str | None = None) -
     _progress(f"{world} {backend} processes: matmul {[str(d).removeprefix('torch.') for d in dtypes]} n={sizes}, op overhead, "
               f"memory bandwidth, optimizer steps, then {', '.join(COLLECTIVE_KINDS)} of {coll_sizes} B")
     thin = [16, 128] if quick else [8, 16, 32, 64, 128, 256, 512]
-    measured = measure_on_world(world, coll_sizes, repeats, backend, {"sizes": sizes, "thin": thin, "dtypes": dtypes, "seconds": 0.1 if quick else 0.4})
+    compute = {"sizes": sizes, "thin": thin, "dtypes": dtypes, "seconds": 0.1 if quick else 0.4, "burst": 20}
+    measured = measure_on_world(world, coll_sizes, repeats, backend, compute)
     peak = {dt: max(f for _, f in curve) for dt, curve in measured["matmul"].items()}
     curves = {f"matmul {dt}": ", ".join(f"n={n}: {f / 1e9:.1f} GFLOP/s" for n, f in curve) for dt, curve in measured["matmul"].items()}
     rows = [tuple(r) for r in measured["collectives"]]
@@ -391,7 +416,7 @@ def calibrate(*, quick: bool = False, world: int = 2, name: str | None = None) -
             "op_overhead": f"{note}: one-element matmul and multiply chain through autograd, forward and backward, per op / 3 launches, {overhead * 1e6:.1f} us",
             "optimizer_steps": f"{note}: torch's default step, 64 x 4 KiB and 4 x 16 MiB float32 tensors: "
             + ", ".join(f"{k} {a * 1e6:.1f} us per tensor + {1 / c / 1e9 if c else float('inf'):.2f} GB/s" for k, (a, c) in optimizers.items()),
-            "collectives": f"{note}: per kind, alpha-beta fit of its own timings and its bandwidth fraction by payload: "
+            "collectives": f"{note}: per kind, alpha-beta fit of its own timings and its measured / fitted ratio by payload: "
             + "; ".join(f"{k} {f.bandwidth / 1e9:.3f} GB/s + {f.latency * 1e6:.0f} us" for k, f in fits.items()),
             "memory_bandwidth": f"{note}: 64 MiB copy, {bandwidth / 1e9:.2f} GB/s",
             "intra_node": f"{note}: alpha-beta fit of {len(tier_rows)} {backend} all-reduce/all-gather timings"
