@@ -118,28 +118,30 @@ def comm_time(comm: Comm, mesh: Mesh, hw: HardwareProfile) -> float:
     latency = fit.latency if fit is not None else tier.latency
     bw = fit.bandwidth if fit is not None else tier.bandwidth * hw.bandwidth_efficiency
     scale = fit.scale_at(comm.nbytes) if fit is not None else 1.0  # measured / fitted at this payload
-    if comm.kind == "all_reduce":
-        steps, sent = 2 * (n - 1), 2 * (n - 1) / n * comm.nbytes
-    elif comm.kind in ("all_gather", "reduce_scatter", "all_to_all"):
-        steps, sent = n - 1, (n - 1) / n * comm.nbytes
-    elif comm.kind in ("broadcast", "reduce"):  # pipelined binomial tree: log2(n) steps, S/b stream
-        steps, sent = math.ceil(math.log2(n)), comm.nbytes
-    elif comm.kind == "send":  # one point-to-point message between two ranks of the group
-        steps, sent = 1, comm.nbytes
-    else:
-        raise ValueError(f"no cost formula for collective {comm.kind}")
+    steps, factor = ring_terms(comm.kind, n)
     share = min(1.0, comm.nbytes / comm.bucket_bytes) if comm.bucket_bytes else 1.0
-    return (steps * latency * share + sent / bw) * scale
+    return (steps * latency * share + factor * comm.nbytes / bw) * scale
+
+
+def ring_terms(kind: str, n: int) -> tuple[float, float]:
+    """(latency steps, bytes a rank sends per payload byte) of collective ``kind`` on a group of
+    ``n``: the formulas of the module docstring (``planner calibrate`` fits its timings by them)."""
+    if kind == "all_reduce":
+        return 2 * (n - 1), 2 * (n - 1) / n
+    if kind in ("all_gather", "reduce_scatter", "all_to_all"):
+        return n - 1, (n - 1) / n
+    if kind in ("broadcast", "reduce"):  # pipelined binomial tree: log2(n) steps, S/b stream
+        return math.ceil(math.log2(n)), 1.0
+    if kind == "send":  # one point-to-point message between two ranks of the group
+        return 1, 1.0
+    raise ValueError(f"no cost formula for collective {kind}")
 
 
 def ring_volume(comm: Comm, mesh: Mesh) -> float:
     """Bytes a rank sends (and receives) in ``comm`` under ring algorithms: all-reduce
-    2(n-1)/n * S, all-gather and reduce-scatter (n-1)/n * S."""
+    2(n-1)/n * S, all-gather and reduce-scatter (n-1)/n * S, a tree or a message S."""
     n = mesh.group_size(comm.axes)
-    if comm.kind in ("broadcast", "reduce", "send"):
-        return float(comm.nbytes) if n > 1 else 0.0
-    factor = 2 * (n - 1) / n if comm.kind == "all_reduce" else (n - 1) / n  # all_gather, reduce_scatter, all_to_all
-    return factor * comm.nbytes
+    return ring_terms(comm.kind, n)[1] * comm.nbytes if n > 1 else 0.0
 
 
 def compute_time(node: Node, strategy: Strategy, mesh: Mesh, hw: HardwareProfile, in_bytes: int) -> float:

@@ -17,7 +17,7 @@ Micro-benchmarks (each repeated, the best or median kept as noted):
   the runtime issues (in-place all-reduce, list all-gather and reduce-scatter, broadcast), by
   size: a least-squares fit of the alpha-beta ring formulas of :mod:`planner.cost` over the
   all-reduces and all-gathers gives the link tier's latency (alpha) and bandwidth (1/beta), with
-  ``bandwidth_efficiency = 1``, and each kind gets its own fit and bandwidth fraction by payload
+  ``bandwidth_efficiency = 1``, and each kind gets its own fit and measured / fitted ratio by payload
   (``HardwareProfile.collectives``: on gloo a reduce-scatter is no cheaper than an all-reduce).
   On a CPU each is timed after a burst of compute, as training issues it (ranks sharing cores
   wait for peers the scheduler has not run yet), less the burst's own time.
@@ -29,7 +29,6 @@ Micro-benchmarks (each repeated, the best or median kept as noted):
 
 from __future__ import annotations
 
-import math
 import os
 import socket
 import statistics
@@ -41,7 +40,8 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from planner.hardware import CollectiveFit, HardwareProfile, LinkTier
+from planner.cost import ring_terms
+from planner.hardware import CollectiveFit, HardwareProfile, LinkTier, interpolate_log
 
 
 def _progress(text: str) -> None:
@@ -123,8 +123,6 @@ def measure_thin_matmul(dtype: torch.dtype, thin: list[int], device: torch.devic
 def thin_factors(points: list[tuple[int, float, float]], curve: list[tuple[float, float]], peak: float, overhead: float) -> list[tuple[float, float]]:
     """(d, share of the square curve's efficiency) of each thin matmul measured: its own
     efficiency beyond the launch cost, F / ((t - o) peak), over the curve's at its FLOPs; at most 1."""
-    from planner.hardware import interpolate_log
-
     out = []
     for d, flops, rate in points:
         own = flops / (max(flops / rate - overhead, flops / peak) * peak)
@@ -187,16 +185,6 @@ def measure_optimizer_steps(device: torch.device, min_seconds: float, large: int
 # reduce-scatter: runtime.collectives, runtime.buckets), with the payload planner.cost counts:
 # all-reduce and broadcast the tensor, all-gather its output, reduce-scatter its input
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
-
-
-def ring_terms(kind: str, n: int) -> tuple[float, float]:
-    """(latency steps, bytes sent per payload byte) of ``kind`` on ``n`` ranks, as
-    :func:`planner.cost.comm_time` prices it."""
-    if kind == "all_reduce":
-        return 2 * (n - 1), 2 * (n - 1) / n
-    if kind == "broadcast":
-        return math.ceil(math.log2(n)), 1.0
-    return n - 1, (n - 1) / n
 
 
 def _collective_call(kind: str, payload: int, world: int, device: torch.device) -> Callable[[], Any]:
