@@ -99,11 +99,11 @@ def time_lower_bound(problem: Problem, *, overlap: bool = True) -> float:
     """Seconds per step no plan of ``problem`` goes below: every group at its fastest strategy,
     conversions free, less what the evaluation may hide behind compute (each strategy's
     ``credit``: ZeRO-3 prefetch hides at most the forward compute it travels beside, CDP at most
-    its messages: planner.problem.evaluate). ``overlap=False`` leaves the credit out (not a bound
+    its messages; the gradient sync at most overlap_efficiency of itself: planner.problem.evaluate). ``overlap=False`` leaves the credit out (not a bound
     then, an estimate to order by)."""
     total = 0.0
     for group in problem.groups.values():
-        credit = group.credit if overlap and group.credit else [0.0] * len(group.time)
+        credit = problem.hideable(group) if overlap else [0.0] * len(group.time)
         total += min(t - c for t, c in zip(group.time, credit, strict=True))
     return max(total, 0.0)
 
@@ -126,8 +126,7 @@ def conversion_time_bound(problem: Problem) -> float:
             uses.update(keys)
     own: dict[str, np.ndarray] = {}  # per group: seconds of each strategy, charges added
     for g, group in problem.groups.items():
-        credit = group.credit if group.credit else [0.0] * len(group.time)
-        own[g] = np.asarray(group.time, dtype=float) - np.asarray(credit, dtype=float)
+        own[g] = np.asarray(group.time, dtype=float) - np.asarray(problem.hideable(group), dtype=float)
     for key, term in problem.conversions.items():
         for gu, iu, gv, iv in term.conditions:
             if gu == gv and term.cost:

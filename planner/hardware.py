@@ -97,6 +97,14 @@ class HardwareProfile(BaseModel):
         description="by optimizer ('adamw', 'sgd-momentum'), (seconds per parameter tensor, seconds per updated byte) of "
         "torch's own optimizer step, measured by planner calibrate; one without uses the memory-bandwidth estimate",
     )
+    overlap_efficiency: float = Field(
+        1.0,
+        ge=0,
+        le=1,
+        description="fraction of an asynchronous collective's time that hides behind compute running beside it "
+        "(1: NCCL on its own stream, as DDP's buckets run; measured by planner calibrate: on a CPU host gloo's thread "
+        "shares the cores with compute)",
+    )
     sources: dict[str, str] = Field(default_factory=dict, description="where each number comes from")
 
     def flops(self, dtype: str) -> float:

@@ -1,4 +1,24 @@
-"""ZeRO-3's parameter units and the communication they hide behind compute (prefetch).
+"""Communication hidden behind compute: the gradient sync beside backward, ZeRO-3's parameter
+units and their prefetch.
+
+**Gradient sync** (data parallelism, ZeRO-1/2). The runtime starts a bucket's all-reduce (or
+reduce-scatter) as soon as backward has its gradients (:mod:`runtime.buckets`), on one
+communication stream (a gloo thread, an NCCL stream), while the rest of backward runs. With
+gradient q ready at r_q (the end of the backward of its block, or of its first consumer outside
+the repeated layers) and sync time t_q, the stream finishes at F = max_k (r_k + sum_{r_q >= r_k} t_q),
+so the sync exposed after backward ends at T is
+
+    E = max(0, max_k [ sum_{q: r_q >= r_k} t_q - B(k) ]),    B(k) = backward compute after r_k
+
+(the backward of the ops before k's ready point in forward order). Each bracket is linear in the
+ILP's choices, so E is a variable with one row per ready point (:func:`sync_rows`), and a step
+hides ``overlap_efficiency`` * (sum_q t_q - E): the share the hardware really overlaps
+(:attr:`planner.hardware.HardwareProfile.overlap_efficiency`, measured by ``planner calibrate``).
+The ILP and :func:`planner.problem.evaluate` price it the same way. Granularity: a gradient counts
+as ready when its block's backward ends, not when its bucket fills (a bucket of several blocks
+starts later than that), so E is a lower bound of what a schedule with large buckets exposes.
+
+**ZeRO-3 units.**
 
 The runtime (:mod:`runtime.zero3`) gathers a ZeRO-3 plan's parameters as FSDP2 does, a block at a
 time: the parameter gathers (a parameter converted by one all-gather over the data-parallel axes
@@ -31,12 +51,68 @@ from typing import TYPE_CHECKING
 
 from planner.buckets import Gather, Unit, pack_units
 from planner.cost import comm_time, compute_time
+from planner.ir import IRGraph
 from planner.layout import is_unit_gather
+from planner.peak import Form
 from planner.strategy import Comm
 from planner.trace import match_layer
 
 if TYPE_CHECKING:
     from planner.problem import Problem
+
+# the gradient collectives the runtime runs asynchronously beside backward (ZeRO-1/2's all-gather
+# of the updated shards runs after the optimizer step, with nothing to hide behind)
+ASYNC_SYNC = frozenset({"all_reduce", "reduce_scatter"})
+
+
+def sync_rows(graph: IRGraph, node_group: dict[str, str], sync: dict[str, list[float]], backward: dict[str, list[float]]) -> list[Form]:
+    """The rows E >= sum_{q: r_q >= r_k} t_q - B(k) of the gradient sync's exposure, one per ready
+    point k (module docstring), as forms over the choices x; ``sync`` and ``backward``: per
+    template and strategy, one instance's sync seconds and backward compute seconds."""
+    if not any(any(v) for v in sync.values()):
+        return []
+    position: dict[str, int] = {}
+    block_start: dict[tuple[str, int], int] = {}
+    for k, node in enumerate(graph.nodes.values()):
+        position[node.name] = k
+        layer = match_layer(node.module_path) if node.kind == "op" else None
+        if layer is not None:
+            block_start.setdefault(layer, k)
+    consumers = graph.consumers()
+    ready: dict[int, list[str]] = {}
+    for node in graph.nodes.values():
+        if node.kind != "param" or not any(sync.get(node.template, ())):
+            continue
+        users = [c for c, _ in consumers[node.name] if graph.nodes[c].kind == "op"]
+        if not users:
+            continue
+        first = min(users, key=position.__getitem__)
+        layer = match_layer(graph.nodes[first].module_path)
+        ready.setdefault(block_start[layer] if layer is not None else position[first], []).append(node.name)
+    ops = [n for n in graph.nodes.values() if n.template in backward]
+    rows: list[Form] = []
+    synced: Form = {}
+    after: Form = {}  # backward compute of the ops before the ready point
+    j = 0
+    for point in sorted(ready):
+        while j < len(ops) and position[ops[j].name] < point:
+            op = ops[j]
+            for i, t in enumerate(backward[op.template]):
+                if t:
+                    var: tuple[object, ...] = ("x", node_group[op.name], i)
+                    after[var] = after.get(var, 0.0) + t
+            j += 1
+        for name in ready[point]:
+            template = graph.nodes[name].template
+            for i, t in enumerate(sync[template]):
+                if t:
+                    var = ("x", node_group[name], i)
+                    synced[var] = synced.get(var, 0.0) + t
+        row = dict(synced)
+        for key, t in after.items():
+            row[key] = row.get(key, 0.0) - t
+        rows.append(row)
+    return rows
 
 
 @dataclass(frozen=True)
@@ -170,7 +246,7 @@ def unit_terms(problem: Problem, assignment: dict[str, int], activations: float 
         nxt = units[k + 1] if k + 1 < len(units) else None
         if problem.prefetch and nxt is not None:
             window = sum(fwd[site.position : first[k + 1].position])
-            hidden += min(comm_time(Comm("all_gather", nxt.axes, nxt.nbytes, "fwd"), mesh, hw), window)
+            hidden += min(comm_time(Comm("all_gather", nxt.axes, nxt.nbytes, "fwd", problem.unit_share_bytes), mesh, hw), window)
             waiting = unit.nbytes - site.gather.nbytes
             transient = max(transient, working + 2 * nxt.nbytes + waiting - activations * (1.0 - made[site.position]))
         prev = next((u for u in reversed(units[:k]) if u.regather_nbytes), None) if problem.prefetch else None

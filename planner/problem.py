@@ -46,11 +46,12 @@ from planner.hardware import HardwareProfile
 from planner.ir import InputRef, IRGraph, Node
 from planner.layout import Conversion, Layout, Spec, is_unit_gather, spec_conversion
 from planner.mesh import Mesh
-from planner.overlap import unit_terms
+from planner.overlap import ASYNC_SYNC, sync_rows, unit_terms
 from planner.peak import Form, Instant, instants, peak
 from planner.plan import peak_of
 from planner.rules import RuleContext, anchor_strategies, follow, is_follower
 from planner.rules.variants import regather_variants
+from planner.trace import match_layer
 from planner.strategy import Comm, Strategy, dedupe
 
 log = logging.getLogger(__name__)
@@ -71,6 +72,10 @@ class Group:
     # the most of time[i] evaluate() may hide behind compute (ZeRO-3 prefetch: the forward compute
     # of the group's ops; CDP: its point-to-point messages); 0 where nothing overlaps
     credit: list[float] = field(default_factory=list)
+    # seconds of gradient collectives that run asynchronously beside backward (DP's bucketed
+    # all-reduce, ZeRO-1/2's reduce-scatter), all instances: the ILP hides overlap_efficiency of
+    # them, less what the sync rows leave exposed (planner.overlap.sync_rows)
+    sync: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -148,6 +153,13 @@ class Problem:
     # the gradient sync's collectives packed into buckets of this many bytes (planner.buckets)
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     packed_whole: bool = True  # every packed gradient fits one bucket, whatever the choices
+    # the bytes whose share of one latency a packed gradient pays (Comm.bucket_bytes of the sync):
+    # bucket_bytes, or, when every choice packs into one bucket, the most any choice packs (so a
+    # model smaller than a bucket pays one whole latency per collective, as the runtime runs it)
+    sync_share_bytes: int = DEFAULT_BUCKET_BYTES
+    # the bytes whose share of one latency a ZeRO-3 unit member pays: a block's parameters (a unit
+    # is a block's gathers), at most bucket_bytes
+    unit_share_bytes: int = DEFAULT_BUCKET_BYTES
     node_terms: dict[str, NodeTerms] = field(default_factory=dict)  # by template
     # the conversions into each consumer template's input, a form over x (within a group) or e
     # (an edge's pair of Specs): the bytes the conversion of the pair chosen holds while it runs
@@ -157,6 +169,21 @@ class Problem:
     # (planner.cdp.stage_buffers; a worker past the chain's head receives a partial sum that size)
     stage_sums: list[Form] = field(default_factory=list)
     stage_ends: list[str] = field(default_factory=list)
+    # the gradient sync's exposure (planner.overlap.sync_rows): E >= each form (seconds over x),
+    # E >= 0; a step hides overlap_efficiency * (sum of Group.sync chosen - E)
+    sync_rows: list[Form] = field(default_factory=list)
+
+    @property
+    def overlap_efficiency(self) -> float:
+        return self.hardware.overlap_efficiency
+
+    def hideable(self, group: Group) -> list[float]:
+        """Per strategy, the most of ``group.time`` any evaluation hides behind compute: its credit
+        (ZeRO-3 prefetch, CDP) and its share of the overlapped gradient sync."""
+        eff = self.overlap_efficiency
+        sync = group.sync or [0.0] * len(group.time)
+        credit = group.credit or [0.0] * len(group.time)
+        return [c + eff * t for c, t in zip(credit, sync, strict=True)]
 
     @property
     def in_units(self) -> bool:
@@ -256,12 +283,13 @@ def build_problem(
         independent = batch_independent(graph)
         for name in independent & set(op_anchors):
             op_anchors[name] = partial_gradient_variants(graph.nodes[name], op_anchors[name], dp_axes)
+    unit_share = _unit_share_bytes(graph, bucket_bytes)
     if zero_stage == 3 and dp_axes:
         for name, strategies in op_anchors.items():
             node = graph.nodes[name]
             params: dict[int, int | None] = {p: None for p, ref in enumerate(node.inputs) if graph.nodes[ref.node].kind == "param"}
             if params:
-                op_anchors[name] = regather_variants(RuleContext(node, graph, mesh), strategies, params, axes=dp_axes, bucket_bytes=bucket_bytes)
+                op_anchors[name] = regather_variants(RuleContext(node, graph, mesh), strategies, params, axes=dp_axes, bucket_bytes=unit_share)
     consumers = graph.consumers()
     for node in graph.nodes.values():
         if node.kind == "output":
@@ -308,7 +336,7 @@ def build_problem(
             n = len(strategies)
             groups[node.name] = Group(
                 node.name, strategies, instances[node.name], [0.0] * n, [0.0] * n, [(0.0, 0.0, 0.0)] * n,
-                [[] for _ in range(n)], [0.0] * n, credit=[0.0] * n,
+                [[] for _ in range(n)], [0.0] * n, credit=[0.0] * n, sync=[0.0] * n,
             )
     problem = Problem(mesh, hardware, graph, groups, node_group, choices, conversions={}, holds={}, instances=dict(instances))
     problem.zero_stage = zero_stage
@@ -318,9 +346,12 @@ def build_problem(
     problem.prefetch = prefetch and zero_stage == 3 and bool(dp_axes)
     problem.cdp, problem.cdp_stages, problem.param_stage = cdp, (cdp_stages if cdp != "off" else 0), param_stage
     master_itemsize = dtype_itemsize(master_dtype) if master_dtype else None
-    _price_nodes(problem, optimizer, master_itemsize)
-    most = sum(max(g.bucketed) for g in groups.values() if g.bucketed)
+    most = _most_packed(problem) if cdp == "off" else 0
     problem.packed_whole = most <= bucket_bytes  # no gradient packed (most = 0) is whole too
+    problem.sync_share_bytes = most if 0 < most <= bucket_bytes else bucket_bytes
+    problem.unit_share_bytes = unit_share
+    sync, backward = _price_nodes(problem, optimizer, master_itemsize)
+    problem.sync_rows = sync_rows(graph, node_group, sync, backward)
     problem.build_seconds = time.perf_counter() - t0
     if edges:
         price_edges(problem)
@@ -393,6 +424,41 @@ def zero_dim(local_shape: tuple[int, ...], degree: int) -> int | None:
     return next((d for d, n in enumerate(local_shape) if n % degree == 0), None)
 
 
+def _unit_share_bytes(graph: IRGraph, bucket_bytes: int) -> int:
+    """A ZeRO-3 unit's bytes, for its members' shares of its latency: the largest block's
+    parameters (whole; a unit gathers one block), the largest parameter where there are no
+    blocks, at most ``bucket_bytes``. A unit of a smaller block, or of tensor-parallel shards,
+    pays less than one whole latency."""
+    blocks: dict[tuple[str, int], int] = defaultdict(int)
+    largest = 0
+    for node in graph.nodes.values():
+        if node.kind != "param":
+            continue
+        largest = max(largest, node.out.nbytes)
+        layer = match_layer(node.param_names[0]) if node.param_names else None
+        if layer is not None:
+            blocks[layer] += node.out.nbytes
+    most = max(blocks.values(), default=largest)
+    return min(bucket_bytes, most) if most > 0 else bucket_bytes
+
+
+def _most_packed(problem: Problem) -> int:
+    """The most gradient bytes any assignment packs into buckets (each parameter at its largest)."""
+    graph, mesh = problem.graph, problem.mesh
+    most = 0
+    for node in graph.nodes.values():
+        if node.kind != "param" or node.template != node.name:
+            continue
+        largest = 0
+        for strategy in problem.choices[node.name]:
+            spec = strategy.outputs[0]
+            assert spec is not None
+            step = zero_param_terms(node.out.shape, node.out.itemsize, spec, mesh, problem.zero_stage, 1.0, problem.bucket_bytes)[3]
+            largest = max(largest, max((c.nbytes for c in step if c.bucket_bytes), default=0))
+        most += largest * problem.instances[node.name]
+    return most
+
+
 def zero_param_terms(
     shape: tuple[int, ...], itemsize: int, spec: Spec, mesh: Mesh, stage: int, opt_factor: float, bucket_bytes: int = 0
 ) -> tuple[float, float, float, list[Comm]]:
@@ -427,8 +493,16 @@ def input_bytes(graph: IRGraph, node: Node, strategy: Strategy, mesh: Mesh) -> i
     )
 
 
-def _price_nodes(problem: Problem, optimizer: str, master_itemsize: int | None) -> None:
+def _price_nodes(problem: Problem, optimizer: str, master_itemsize: int | None) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Price every template's strategies into its group. Returns, per template and strategy, one
+    instance's seconds of gradient sync that runs beside backward, and one instance's backward
+    compute as often as that sync runs (once a step, or once per micro-batch for ZeRO-2's
+    reduce-scatter): the inputs of :func:`planner.overlap.sync_rows`."""
     graph, mesh, hw = problem.graph, problem.mesh, problem.hardware
+    sync_one: dict[str, list[float]] = {}
+    backward_one: dict[str, list[float]] = {}
+    overlaps = problem.cdp == "off" and not problem.in_units  # CDP and ZeRO-3 hide their own way
+    sync_repeats = problem.micro_batches if problem.zero_stage == 2 else 1
     consumers_of = graph.consumers()
     consumers_of_output = graph.nodes["output"].inputs[0].node
     for node in graph.nodes.values():
@@ -448,7 +522,7 @@ def _price_nodes(problem: Problem, optimizer: str, master_itemsize: int | None) 
                 assert spec is not None
                 opt_factor = optimizer_bytes_per_value(optimizer, node.out.itemsize, master_itemsize) / node.out.itemsize
                 params, grads, states, step = zero_param_terms(node.out.shape, node.out.itemsize, spec, mesh, problem.zero_stage, opt_factor,
-                                                               problem.bucket_bytes)
+                                                               problem.sync_share_bytes)
                 held = 0.0  # bytes of a buffer held through the whole step (CDP v1)
                 if problem.cdp != "off":  # the chain and the ring instead of the all-reduce
                     params, grads, states, step = zero_param_terms(node.out.shape, node.out.itemsize, spec, mesh, 0, opt_factor)
@@ -468,6 +542,10 @@ def _price_nodes(problem: Problem, optimizer: str, master_itemsize: int | None) 
                         held = params
                         grads += held
                 comms += step
+                if overlaps:
+                    hidden = sum(comm_time(c, mesh, hw) * problem.repeats(c) for c in step if c.bucket_bytes and c.kind in ASYNC_SYNC)
+                    sync_one.setdefault(node.name, [0.0] * n)[i] = hidden
+                    group.sync[i] += hidden * count
                 if not group.bucketed:
                     group.bucketed = [0.0] * len(group.strategies)
                 group.bucketed[i] += max((c.nbytes for c in step if c.bucket_bytes), default=0) * count
@@ -507,10 +585,13 @@ def _price_nodes(problem: Problem, optimizer: str, master_itemsize: int | None) 
                     comms.append(Comm("all_reduce", mesh.sort_axes(partial), node.out.itemsize, "fwd"))
             t += sum(comm_time(c, mesh, hw) * problem.repeats(c) for c in comms)
             group.time[i] += t * count
-            if problem.prefetch and node.kind == "op":  # a gather can travel during this op's forward
+            if node.kind == "op":
                 total_flops = node.flops_fwd + node.flops_bwd
                 share = node.flops_fwd / total_flops if total_flops else 1 / 3  # as planner.overlap.forward_compute
-                group.credit[i] += compute * share * count
+                if problem.prefetch:  # a gather can travel during this op's forward
+                    group.credit[i] += compute * share * count
+                if overlaps:
+                    backward_one.setdefault(node.name, [0.0] * n)[i] = compute / problem.micro_batches * (1 - share) * sync_repeats
             if problem.cdp != "off":  # the messages evaluate() re-prices and overlaps
                 group.credit[i] += sum(comm_time(c, mesh, hw) for c in comms if c.kind == "send") * count
             group.comms[i].extend((c, count * problem.repeats(c)) for c in comms)
@@ -520,6 +601,7 @@ def _price_nodes(problem: Problem, optimizer: str, master_itemsize: int | None) 
                 group.transient[i] = max(group.transient[i], terms.work[i])
             terms.saved[i] = internal
             group.memory[i] += internal * count
+    return sync_one, backward_one
 
 
 def _conversion_working_sets(nbytes: int, src: Spec, dst: Spec, mesh: Mesh, shape: tuple[int, ...] | None = None) -> tuple[int, int]:
@@ -740,7 +822,7 @@ def _price_edges(problem: Problem) -> None:
             term = problem.conversions.get(key)
             if term is None:
                 in_unit = problem.in_units and u.kind == "param" and is_unit_gather(cache.conversion(a, b), mesh)
-                comms = cache.conversion_comms(a, b, meta.nbytes, with_grad, problem.bucket_bytes if in_unit else 0)
+                comms = cache.conversion_comms(a, b, meta.nbytes, with_grad, problem.unit_share_bytes if in_unit else 0)
                 term = problem.conversions[key] = ConversionTerm(key, 0.0, comms)
             term.producers |= producers
             cond = (gu, iu, gv, iv)
@@ -807,7 +889,7 @@ class Evaluation:
     comm_time: float
     memory: dict[str, float]  # params, grads, optimizer, activations, transient
     comms: tuple[tuple[Comm, int], ...]
-    overlap_time: float = 0.0  # communication hidden behind compute (ZeRO-3 prefetch), already out of step_time
+    overlap_time: float = 0.0  # communication hidden behind compute (gradient sync, ZeRO-3 prefetch, CDP), already out of step_time
     peak_at: str = ""  # the op at whose forward or backward the memory peaks (planner.peak); "" at the optimizer step
 
     @property
@@ -889,6 +971,10 @@ def evaluate(problem: Problem, assignment: dict[str, int]) -> Evaluation:
         peak_at += f" ({at.module_path})" if at.module_path else ""
     during = max(during, act, grads)
     hidden = 0.0
+    if problem.sync_rows:  # the gradient sync beside backward (planner.overlap)
+        exposed = max(0.0, *(sum(v * value(var) for var, v in row.items()) for row in problem.sync_rows))
+        synced = sum(group.sync[assignment[key]] for key, group in problem.groups.items() if group.sync)
+        hidden = problem.overlap_efficiency * max(synced - exposed, 0.0)
     if problem.in_units:
         hidden, in_units = unit_terms(problem, assignment, act)
         hidden *= problem.micro_batches  # the gathers repeat, and hide, in every micro-batch's forward

@@ -738,7 +738,7 @@ def make_plan(
         peak_memory_bytes=int(ev.peak_memory),
         memory_breakdown=_breakdown(ev),
         nodes=tuple(nodes),
-        comms=_comm_records(ev, buckets, problem.micro_batches, problem.bucket_bytes, units, loose),
+        comms=_comm_records(ev, buckets, problem.micro_batches, problem.sync_share_bytes, units, loose, problem.unit_share_bytes),
         grad_bucket_bytes=problem.bucket_bytes,
         grad_buckets=tuple(GradBucket(axes=b.axes, dtype=b.dtype, params=b.params, nbytes=b.nbytes, collectives=b.collectives) for b in buckets),
         param_units=tuple(
@@ -791,11 +791,13 @@ def gradient_buckets(graph: IRGraph, problem: Problem, assignment: dict[str, int
 
 
 def _comm_records(ev: Evaluation, buckets: tuple[Bucket, ...] = (), micro_batches: int = 1, bucket_bytes: int = 0,
-                  units: tuple[Unit, ...] = (), loose: tuple[Gather, ...] = ()) -> tuple[CommRecord, ...]:
+                  units: tuple[Unit, ...] = (), loose: tuple[Gather, ...] = (), unit_bytes: int | None = None) -> tuple[CommRecord, ...]:
     """The evaluation's collectives per step, with the packed collectives (one per parameter in
     the evaluation) as the buckets and ZeRO-3 units that run them (a backward-phase bucket, ZeRO-2's
     reduce-scatter, and every unit collective, once per micro-batch), each priced as its members'
-    shares; a ``loose`` gather (priced as a share, run alone) as its own collectives."""
+    shares (of ``bucket_bytes``, the gradient sync's share bytes, and ``unit_bytes``, the units'; the
+    same when not given); a ``loose`` gather (priced as a share, run alone) as its own collectives."""
+    unit_bytes = bucket_bytes if unit_bytes is None else unit_bytes
     counts: Counter[tuple[str, tuple[str, ...], int, str, int]] = Counter()
     packed: Counter[tuple[str, tuple[str, ...], str]] = Counter()  # bytes the parameters' packed collectives move
     for comm, n in ev.comms:
@@ -810,11 +812,11 @@ def _comm_records(ev: Evaluation, buckets: tuple[Bucket, ...] = (), micro_batche
             packed[(kind, bucket.axes, phase)] -= bucket.nbytes * n
     for unit in units:
         for kind, phase, nbytes in unit.collectives():
-            counts[(kind, unit.axes, nbytes, phase, bucket_bytes)] += micro_batches
+            counts[(kind, unit.axes, nbytes, phase, unit_bytes)] += micro_batches
             packed[(kind, unit.axes, phase)] -= nbytes * micro_batches
     for g in loose:
         for kind, phase, nbytes in Unit(g.axes, g.dtype, (g,)).collectives():
-            counts[(kind, g.axes, nbytes, phase, bucket_bytes)] += micro_batches
+            counts[(kind, g.axes, nbytes, phase, unit_bytes)] += micro_batches
             packed[(kind, g.axes, phase)] -= nbytes * micro_batches
     assert not any(packed.values()), f"the buckets and units do not move what the evaluation priced: {dict(packed)}"
     return tuple(

@@ -11,9 +11,12 @@ Variables:
     S      >= 0       the largest temporary of the gradient sync / optimizer step
     P[k], Q[k] >= 0   at instant k of planner.peak: activations alive, gradients made
     Z      >= 0       the part of the peak that changes over the step
+    E      >= 0       seconds of gradient sync left exposed after backward (planner.overlap)
 
 Minimise   Time / t_unit + eps * M / m_unit
-where      Time = sum_{g,i} time[g,i] x[g,i] + sum_c cost[c] y[c]          (seconds)
+where      Time = sum_{g,i} (time - eta sync)[g,i] x[g,i] + eta E + sum_c cost[c] y[c]   (seconds;
+                  sync: the gradient collectives that run beside backward, eta: the hardware's
+                  overlap_efficiency)
            M = PO + Z                                                      (bytes per device)
            PO = sum_{g,i} (params + optimizer)[g,i] x[g,i]
            G  = sum_{g,i} grads[g,i] x[g,i]
@@ -38,6 +41,8 @@ subject to (each family is one function below; constraints carry their family's 
                    P[k] = P[k-1] + saved[k],  Q[k] = Q[k+1] + grads[k]   (forms over x and z)
                    Z >= P[k] + Q[k] + in_flight[k] + w
                    Z >= A,  Z >= G,  Z >= G + S   (the loss; the end of backward; the step after)
+    sync_exposed:  E >= sum_{q ready at or after k} t_q - B(k)   for every ready point k
+                   (planner.overlap.sync_rows: the sync still running when backward ends)
     memory_budget: M <= budget
 
 ``t_unit`` and ``m_unit`` are the largest time and memory coefficients of the problem, so every
@@ -155,6 +160,7 @@ class _Model:
         self.step_transient = lp.add_variable("step_transient", 0)
         self.budget_row: pulp.LpConstraint | None = None
         self.peak = lp.add_variable("peak", 0)
+        self.exposed = lp.add_variable("sync_exposed", 0) if problem.sync_rows else None
         mem = [m for g in problem.groups.values() for m in (*g.memory, *g.transient, *g.step_transient)] + [h.nbytes for h in problem.holds.values()]
         mem += [v for _, form in problem.conversion_work for v in form.values()]
         mem += [v for form in problem.stage_sums for v in form.values()]
@@ -166,6 +172,7 @@ class _Model:
         self.hold()
         self.step_bound()
         self.peak_bound()
+        self.sync_bound()
 
     def time_expr(self, credited: bool = False) -> pulp.LpAffineExpression:
         """Seconds per step (in ``t_unit``); ``credited``: less each strategy's credit, the most the
@@ -173,12 +180,25 @@ class _Model:
         p = self.problem
         u = self.t_unit
 
+        eff = p.overlap_efficiency
+
         def seconds(grp: Group, i: int) -> float:
-            return grp.time[i] - (grp.credit[i] if credited and grp.credit else 0.0)
+            hidden = eff * grp.sync[i] if grp.sync else 0.0  # the sync beside backward, less what E exposes
+            return grp.time[i] - hidden - (grp.credit[i] if credited and grp.credit else 0.0)
 
         terms = [(v, seconds(grp, i) / u) for g, grp in p.groups.items() for i, v in enumerate(self.x[g]) if seconds(grp, i)]
         terms += [(self.y[key], term.cost / u) for key, term in p.conversions.items() if term.cost and key in self.y]
+        if self.exposed is not None and eff:
+            terms.append((self.exposed, eff))
         return pulp.LpAffineExpression(terms)
+
+    def sync_bound(self) -> None:
+        """E >= each row of the gradient sync's exposure (planner.overlap.sync_rows), in ``t_unit``."""
+        if self.exposed is None:
+            return
+        for k, row in enumerate(self.problem.sync_rows):
+            expr = pulp.LpAffineExpression([(self.x[cast(str, var[1])][cast(int, var[2])], v / self.t_unit) for var, v in row.items() if v])
+            self.lp += self.exposed >= expr, f"sync_exposed_{k}"
 
     def _terms(self, part: str) -> pulp.LpAffineExpression:
         """PO (params + optimizer), G (grads) or A (activations, with the held tensors)."""

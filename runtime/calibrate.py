@@ -29,6 +29,7 @@ Micro-benchmarks (each repeated, the best or median kept as noted):
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import statistics
@@ -265,10 +266,63 @@ def _benchmark(rank: int, world: int, port: int, sizes: list[int], repeats: int,
                 times.append(min(_time(after_burst, 1, device)) - burst_s if busy else min(_time(fn, 1, device)))
             rows.append((kind, nbytes, max(statistics.median(times), 1e-6)))
             del fn
+    overlap = measure_overlap(compute["overlap_sizes"], repeats, device, dist.barrier, burst_a)
     if rank == 0:
-        out.put({"collectives": rows, "matmul": curves, "op_overhead": overhead, "memory_bandwidth": bandwidth, "optimizers": optimizers, "thin": thin})
+        out.put({"overlap": overlap, "collectives": rows, "matmul": curves, "op_overhead": overhead, "memory_bandwidth": bandwidth, "optimizers": optimizers, "thin": thin})
     dist.barrier()
     dist.destroy_process_group()
+
+
+def measure_overlap(sizes: list[int], repeats: int, device: torch.device, sync: Callable[[], Any], a: torch.Tensor) -> list[tuple[int, float, float, float]]:
+    """(payload, compute seconds, all-reduce seconds, both seconds) per payload: an all-reduce
+    alone (after a burst of compute, as the other collectives), the same number of 256 x 256
+    matmuls alone, sized to take about as long, and the all-reduce started asynchronously with
+    the matmuls running beside it until both are done (as a gradient bucket runs beside backward).
+    Medians over ``repeats``, every rank at once."""
+    import torch.distributed as dist
+
+    def matmuls(n: int) -> None:
+        for _ in range(n):
+            torch.matmul(a, a)
+
+    def timed(fn: Callable[[], Any]) -> float:
+        sync()
+        matmuls(20)  # as training issues it: after compute (see the collectives above)
+        return min(_time(fn, 1, device))
+
+    one = statistics.median(timed(lambda: matmuls(1)) for _ in range(repeats))
+    out = []
+    for nbytes in sizes:
+        t = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+        dist.all_reduce(t)
+        def reduce(t: torch.Tensor = t) -> None:
+            dist.all_reduce(t)
+
+        comm = statistics.median(timed(reduce) for _ in range(repeats))
+        n = max(1, round(comm / max(one, 1e-9)))
+        held = torch.tensor([float(n)], device=device)
+        dist.all_reduce(held, op=dist.ReduceOp.MAX)  # one burst size on every rank
+        n = int(held.item())
+        alone = statistics.median(timed(functools.partial(matmuls, n)) for _ in range(repeats))
+
+        def both(t: torch.Tensor = t, n: int = n) -> None:
+            work = dist.all_reduce(t, async_op=True)
+            matmuls(n)
+            assert work is not None
+            work.wait()
+
+        together = statistics.median(timed(both) for _ in range(repeats))
+        out.append((nbytes, alone, comm, together))
+    return out
+
+
+def overlap_efficiency(points: list[tuple[int, float, float, float]]) -> float:
+    """The share of the shorter of compute and communication that running them together hides,
+    (c + m - both) / min(c, m), the median over the payloads, within [0, 1]."""
+    if not points:
+        return 1.0
+    shares = [(c + m - both) / max(min(c, m), 1e-12) for _, c, m, both in points]
+    return min(1.0, max(0.0, statistics.median(shares)))
 
 
 def measure_on_world(world: int, sizes: list[int], repeats: int, backend: str, compute: dict[str, Any]) -> dict[str, Any]:
@@ -362,7 +416,8 @@ def calibrate(*, quick: bool = False, world: int = 2, name: str | None = None) -
     _progress(f"{world} {backend} processes: matmul {[str(d).removeprefix('torch.') for d in dtypes]} n={sizes}, op overhead, "
               f"memory bandwidth, optimizer steps, then {', '.join(COLLECTIVE_KINDS)} of {coll_sizes} B")
     thin = [16, 128] if quick else [8, 16, 32, 64, 128, 256, 512]
-    compute = {"sizes": sizes, "thin": thin, "dtypes": dtypes, "seconds": 0.1 if quick else 0.4, "burst": 20}
+    compute = {"sizes": sizes, "thin": thin, "dtypes": dtypes, "seconds": 0.1 if quick else 0.4, "burst": 20,
+               "overlap_sizes": [2**20] if quick else [2**20, 2**22, 2**24]}
     measured = measure_on_world(world, coll_sizes, repeats, backend, compute)
     peak = {dt: max(f for _, f in curve) for dt, curve in measured["matmul"].items()}
     curves = {f"matmul {dt}": ", ".join(f"n={n}: {f / 1e9:.1f} GFLOP/s" for n, f in curve) for dt, curve in measured["matmul"].items()}
@@ -371,6 +426,8 @@ def calibrate(*, quick: bool = False, world: int = 2, name: str | None = None) -
     alpha, link_bw = fit_alpha_beta(tier_rows, world) if world >= 2 else (0.0, measured["memory_bandwidth"])  # type: ignore[arg-type]
     fits = {kind: fit_collective([r for r in rows if r[0] == kind], world) for kind in COLLECTIVE_KINDS} if world >= 2 else {}  # type: ignore[misc]
     optimizers = {name: (float(a), float(c)) for name, (a, c) in measured["optimizers"].items()}
+    overlap_points = [tuple(p) for p in measured["overlap"]] if world >= 2 else []
+    overlap = overlap_efficiency(overlap_points)  # type: ignore[arg-type]
     overhead, bandwidth = measured["op_overhead"], measured["memory_bandwidth"]
     efficiency = {dt: matmul_efficiency(curve, peak[dt], overhead) for dt, curve in measured["matmul"].items()}
     thin_points = {dt: thin_factors([tuple(p) for p in points], efficiency[dt], peak[dt], overhead) for dt, points in measured["thin"].items()}  # type: ignore[misc]
@@ -395,6 +452,7 @@ def calibrate(*, quick: bool = False, world: int = 2, name: str | None = None) -
         matmul_thin=thin_points,
         collectives=fits,
         optimizer_steps=optimizers,
+        overlap_efficiency=overlap,
         sources={
             "peak_flops": f"{note}: best matmul FLOP/s over the sizes",
             **curves,
@@ -406,6 +464,10 @@ def calibrate(*, quick: bool = False, world: int = 2, name: str | None = None) -
             + ", ".join(f"{k} {a * 1e6:.1f} us per tensor + {1 / c / 1e9 if c else float('inf'):.2f} GB/s" for k, (a, c) in optimizers.items()),
             "collectives": f"{note}: per kind, alpha-beta fit of its own timings and its measured / fitted ratio by payload: "
             + "; ".join(f"{k} {f.bandwidth / 1e9:.3f} GB/s + {f.latency * 1e6:.0f} us" for k, f in fits.items()),
+            "overlap_efficiency": f"{note}: an asynchronous all-reduce beside as many 256 x 256 matmuls as take about as long, "
+            "(compute + all-reduce - both) / min(compute, all-reduce), median over payloads: "
+            + (", ".join(f"{b >> 10} KiB: {c * 1e3:.1f} + {m * 1e3:.1f} ms alone, {both * 1e3:.1f} ms together" for b, c, m, both in overlap_points)  # type: ignore[misc]
+               or "one process: not measured, 1"),
             "memory_bandwidth": f"{note}: 64 MiB copy, {bandwidth / 1e9:.2f} GB/s",
             "intra_node": f"{note}: alpha-beta fit of {len(tier_rows)} {backend} all-reduce/all-gather timings"
             + "".join(f"; {k} {b} B {t * 1e3:.3f} ms" for k, b, t in rows),

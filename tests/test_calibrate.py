@@ -73,6 +73,7 @@ def test_planner_calibrate_quick_writes_a_profile_the_report_uses(tmp_path: Path
     assert all(f.bandwidth > 0 and len(f.scale) == 3 for f in profile.collectives.values())  # --quick: 3 sizes
     assert set(profile.optimizer_steps) == {"adamw", "sgd-momentum"}
     assert all(a >= 0 and c >= 0 and a + c > 0 for a, c in profile.optimizer_steps.values())
+    assert 0.0 <= profile.overlap_efficiency <= 1.0 and "1024 KiB" in data["sources"]["overlap_efficiency"]  # --quick: 1 MiB
     text = io.StringIO()
     with contextlib.redirect_stdout(text):
         assert main(["report", "gpt-tiny", "--devices", "2", "--tp", "none", "--hardware", str(out)]) == 0
@@ -161,3 +162,13 @@ def test_a_thin_matmul_is_priced_below_a_square_one_of_the_same_flops() -> None:
     other = next(n for n in graph.nodes.values() if n.kind == "op" and n.target == "aten.gelu.default")
     so = problem.choices[other.name][0]
     assert compute_time(other, so, mesh, thin, 0) == compute_time(other, so, mesh, CPU_GLOO, 0)
+
+
+def test_overlap_efficiency_is_the_share_of_the_shorter_side_hidden_clipped_to_0_1() -> None:
+    from runtime.calibrate import overlap_efficiency
+
+    # 10 ms of compute and 8 ms of all-reduce: 12 ms together hides 6 of the 8 ms
+    assert overlap_efficiency([(1, 0.010, 0.008, 0.012)]) == pytest.approx(0.75)
+    assert overlap_efficiency([(1, 0.010, 0.008, 0.020)]) == 0.0  # slower together than apart: nothing hidden
+    assert overlap_efficiency([(1, 0.010, 0.008, 0.009)]) == 1.0
+    assert overlap_efficiency([(1, 0.01, 0.01, 0.015), (2, 0.01, 0.01, 0.019), (3, 0.01, 0.01, 0.011)]) == pytest.approx(0.5)  # the median
