@@ -1,6 +1,7 @@
 """The project's data parallelism and ZeRO against PyTorch's own, side by side (figures, not a test).
 
-    python benchmarks/vs_pytorch.py [--world 4] [--steps 10] [--warmup 3] [--cases dp,zero1,zero2,zero3,zero3-min,tp,dp2tp2]
+    python benchmarks/vs_pytorch.py [--world 4] [--steps 10] [--warmup 3] [--cases dp,zero1,zero2,zero3,zero3-min,tp,dp2tp2,3d]
+                                    [--hardware FILE.json|PRESET]
 
 On ``--world`` gloo ranks of this host: the project's GPT (4 layers, hidden 384, 8 heads, seq 128,
 vocab 2048, 8.7 M parameters), float32, AdamW, global batch 16. Each case trains the same
@@ -18,6 +19,12 @@ initialisation on the same batches two ways, the plan the planner makes for the 
                              vs  parallelize_module: Colwise/Rowwise, vocab-parallel embedding, loss_parallel
     dp2tp2 dp=2 x Megatron tp=2 (untied)
                              vs  the same parallelize_module plan on the inner dim of a 2-D DeviceMesh, DDP over the outer
+    3d     3-D tensor parallelism (Bian et al.) on a 2 x 2 x 2 cube, always on 8 ranks (untied)
+                             vs  PyTorch's nearest: parallelize_module's Megatron plan over tp=8 (PyTorch has no 3-D TP)
+
+The plans are made for this host: with ``--hardware`` a profile file or preset, by default one
+``planner calibrate --quick`` measures first (on gloo a reduce-scatter costs about an all-reduce,
+so ZeRO-1 sums by all-reduce here, as ZeroRedundancyOptimizer's side does).
 
 Step time: warm-up steps, then ``--steps`` steps of each side interleaved (ours, theirs, ours,
 ...), each step timed on the slowest rank (the maximum over ranks after a barrier); the median.
@@ -54,14 +61,15 @@ CONFIG_TP = dataclasses.replace(CONFIG, tie_embeddings=False)
 GLOBAL_BATCH = 16
 LR = 1e-3
 CASES = {"dp": (0, "time"), "zero1": (1, "time"), "zero2": (2, "time"), "zero3": (3, "time"), "zero3-min": (3, "memory"),
-         "tp": (0, "time"), "dp2tp2": (0, "time")}  # ZeRO stage, objective
+         "tp": (0, "time"), "dp2tp2": (0, "time"), "3d": (0, "time")}  # ZeRO stage, objective
+WORLDS = {"3d": 8}  # cases on their own number of ranks (the others: --world)
 BASELINES = {"dp": "DDP", "zero1": "DDP + ZeroRedundancyOptimizer", "zero2": "FSDP2 (no reshard after forward)",
              "zero3": "FSDP2 (no reshard after forward)", "zero3-min": "FSDP2", "tp": "parallelize_module",
-             "dp2tp2": "parallelize_module + DDP"}
+             "dp2tp2": "parallelize_module + DDP", "3d": "parallelize_module tp=8"}
 
 
 def config(case: str) -> GPTConfig:
-    return CONFIG_TP if case.endswith("tp2") or case == "tp" else CONFIG
+    return CONFIG_TP if case in ("tp", "dp2tp2", "3d") else CONFIG
 
 
 def make_model(case: str = "dp") -> torch.nn.Module:
@@ -77,21 +85,22 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return idx, torch.randint(0, CONFIG.vocab_size, (GLOBAL_BATCH, CONFIG.block_size), generator=g)
 
 
-def plan_json(world: int, case: str) -> str:
-    from planner.hardware import A100_80G
+def plan_json(world: int, case: str, hardware: Any) -> str:
     from planner.search import SearchSpace, search
     from planner.trace import trace
 
     graph = trace(make_model(case), batch(0), {})
     zero, objective = CASES[case]
-    if case in ("tp", "dp2tp2"):  # Megatron 1-D (inside data parallelism), as parallelize_module's Colwise/Rowwise plan below
+    if case == "3d":
+        result = search(graph, SearchSpace(devices=world, dp=1, tp=("3d",), zero=(0,)), hardware, model_name="gpt-bench", front=False)
+    elif case in ("tp", "dp2tp2"):  # Megatron 1-D (inside data parallelism), as parallelize_module's Colwise/Rowwise plan below
         from tests.test_same_math import megatron, megatron_dp
 
         dp = 1 if case == "tp" else 2
         space = SearchSpace(devices=world, dp=dp, tp=("1d",), zero=(0,))
-        result = search(graph, space, A100_80G, model_name="gpt-bench", front=False, allow=megatron if dp == 1 else megatron_dp)
+        result = search(graph, space, hardware, model_name="gpt-bench", front=False, allow=megatron if dp == 1 else megatron_dp)
     else:
-        result = search(graph, SearchSpace(devices=world, dp=world, tp=("none",), zero=(zero,)), A100_80G, model_name="gpt-bench", front=False,
+        result = search(graph, SearchSpace(devices=world, dp=world, tp=("none",), zero=(zero,)), hardware, model_name="gpt-bench", front=False,
                         objective=objective)  # type: ignore[arg-type]
     assert result.best is not None and result.best.zero_stage == zero, [c.reason for c in result.candidates]
     return result.best.model_dump_json()
@@ -139,10 +148,10 @@ def theirs(case: str, rank: int, world: int) -> tuple[Step, Any]:
     model = make_model(case)
     rows = GLOBAL_BATCH // world
     opt: Any
-    if case in ("tp", "dp2tp2"):
+    if case in ("tp", "dp2tp2", "3d"):
         from torch.distributed.tensor.parallel import loss_parallel
 
-        dp = 1 if case == "tp" else 2
+        dp = 2 if case == "dp2tp2" else 1
         module, mesh = _tensor_parallel(model, world, dp)
         if dp > 1:  # DDP over the data-parallel dim of the 2-D mesh, TP inside
             from torch.nn.parallel import DistributedDataParallel
@@ -255,17 +264,35 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--cases", default=",".join(CASES))
+    p.add_argument("--hardware", default=None, help="a profile file or preset to plan for (default: planner calibrate --quick first)")
     a = p.parse_args()
+    from planner.hardware import load_profile
+
+    if a.hardware:
+        hardware = load_profile(a.hardware)
+    else:
+        from runtime.calibrate import calibrate
+
+        hardware = calibrate(quick=True, world=a.world)
+    print(f"planning for {hardware.name}", flush=True)
     names = a.cases.split(",")
-    t0 = time.perf_counter()
-    cases = [(c, plan_json(a.world, c)) for c in names]
-    print(f"planned {len(cases)} cases in {time.perf_counter() - t0:.0f} s; running on {a.world} gloo ranks "
-          f"({a.warmup} warm-up + {a.steps} timed steps per side, interleaved)", flush=True)
-    per_rank = run_world(a.world, compare, cases, a.steps, a.warmup, timeout=3600)
-    print(f"\n{'configuration':48s} {'ours':>9s} {'theirs':>9s} {'time ratio':>10s} {'ours peak':>11s} {'theirs peak':>11s} {'mem ratio':>9s}  first losses")
-    for row in per_rank[0]:
-        label = f"{row['case']} vs {BASELINES[row['case']]}"
-        print(f"{label:48s} {row['ours_s'] * 1e3:7.0f}ms {row['theirs_s'] * 1e3:7.0f}ms {row['ours_s'] / row['theirs_s']:10.2f} "
+    unknown = sorted(set(names) - set(CASES))
+    if unknown:
+        raise SystemExit(f"unknown cases {unknown}; choose from {','.join(CASES)}")
+    by_world: dict[int, list[str]] = {}
+    for c in names:
+        by_world.setdefault(WORLDS.get(c, a.world), []).append(c)
+    rows = []
+    for world, group in by_world.items():
+        t0 = time.perf_counter()
+        cases = [(c, plan_json(world, c, hardware)) for c in group]
+        print(f"planned {len(cases)} cases in {time.perf_counter() - t0:.0f} s; running on {world} gloo ranks "
+              f"({a.warmup} warm-up + {a.steps} timed steps per side, interleaved)", flush=True)
+        rows += [dict(row, world=world) for row in run_world(world, compare, cases, a.steps, a.warmup, timeout=3600)[0]]
+    print(f"\n{'configuration':56s} {'ours':>9s} {'theirs':>9s} {'time ratio':>10s} {'ours peak':>11s} {'theirs peak':>11s} {'mem ratio':>9s}  first losses")
+    for row in sorted(rows, key=lambda r: names.index(r["case"])):
+        label = f"{row['case']} vs {BASELINES[row['case']]} ({row['world']} ranks)"
+        print(f"{label:56s} {row['ours_s'] * 1e3:7.0f}ms {row['theirs_s'] * 1e3:7.0f}ms {row['ours_s'] / row['theirs_s']:10.2f} "
               f"{row['ours_peak'] / 2**20:9.1f}MB {row['theirs_peak'] / 2**20:9.1f}MB {row['ours_peak'] / row['theirs_peak']:9.2f}  "
               f"{row['loss'][0]:.6f} / {row['loss'][1]:.6f}")
 

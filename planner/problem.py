@@ -51,8 +51,8 @@ from planner.peak import Form, Instant, instants, peak
 from planner.plan import peak_of
 from planner.rules import RuleContext, anchor_strategies, follow, is_follower
 from planner.rules.variants import regather_variants
-from planner.trace import match_layer
 from planner.strategy import Comm, Strategy, dedupe
+from planner.trace import match_layer
 
 log = logging.getLogger(__name__)
 
@@ -160,6 +160,7 @@ class Problem:
     # the bytes whose share of one latency a ZeRO-3 unit member pays: a block's parameters (a unit
     # is a block's gathers), at most bucket_bytes
     unit_share_bytes: int = DEFAULT_BUCKET_BYTES
+    zero1_reduce: str = "reduce_scatter"  # how ZeRO-1 sums its gradients (zero1_reduce)
     node_terms: dict[str, NodeTerms] = field(default_factory=dict)  # by template
     # the conversions into each consumer template's input, a form over x (within a group) or e
     # (an edge's pair of Specs): the bytes the conversion of the pair chosen holds while it runs
@@ -349,6 +350,8 @@ def build_problem(
     most = _most_packed(problem) if cdp == "off" else 0
     problem.packed_whole = most <= bucket_bytes  # no gradient packed (most = 0) is whole too
     problem.sync_share_bytes = most if 0 < most <= bucket_bytes else bucket_bytes
+    if zero_stage == 1 and cdp == "off":
+        problem.zero1_reduce = zero1_reduce(mesh, hardware, mesh.sort_axes(frozenset(dp_axes)), min(most, bucket_bytes))
     problem.unit_share_bytes = unit_share
     sync, backward = _price_nodes(problem, optimizer, master_itemsize)
     problem.sync_rows = sync_rows(graph, node_group, sync, backward)
@@ -442,6 +445,17 @@ def _unit_share_bytes(graph: IRGraph, bucket_bytes: int) -> int:
     return min(bucket_bytes, most) if most > 0 else bucket_bytes
 
 
+def zero1_reduce(mesh: Mesh, hardware: HardwareProfile, axes: tuple[str, ...], bucket: int) -> str:
+    """ZeRO-1's gradient sum, the faster on ``hardware`` for a bucket of ``bucket`` bytes: a
+    reduce-scatter moves half an all-reduce's bytes in half its steps, but gloo's reduce-scatter
+    costs about as much as its all-reduce (measured: ``planner calibrate``'s per-kind fits), as
+    ZeroRedundancyOptimizer's all-reduce then broadcasts rely on."""
+    if not axes or bucket <= 0:
+        return "reduce_scatter"
+    scatter = comm_time(Comm("reduce_scatter", axes, bucket, "step"), mesh, hardware)
+    return "all_reduce" if comm_time(Comm("all_reduce", axes, bucket, "step"), mesh, hardware) < scatter else "reduce_scatter"
+
+
 def _most_packed(problem: Problem) -> int:
     """The most gradient bytes any assignment packs into buckets (each parameter at its largest)."""
     graph, mesh = problem.graph, problem.mesh
@@ -460,10 +474,13 @@ def _most_packed(problem: Problem) -> int:
 
 
 def zero_param_terms(
-    shape: tuple[int, ...], itemsize: int, spec: Spec, mesh: Mesh, stage: int, opt_factor: float, bucket_bytes: int = 0
+    shape: tuple[int, ...], itemsize: int, spec: Spec, mesh: Mesh, stage: int, opt_factor: float, bucket_bytes: int = 0,
+    reduce: str = "reduce_scatter",
 ) -> tuple[float, float, float, list[Comm]]:
     """(parameter, gradient, optimizer-state bytes held per device, step-phase collectives). A
-    gradient's collectives are packed into ``bucket_bytes`` buckets (0: alone)."""
+    gradient's collectives are packed into ``bucket_bytes`` buckets (0: alone). ``reduce``: how
+    ZeRO-1 sums the gradients (its gradients are whole on every rank, so an all-reduce serves as
+    well as a reduce-scatter: :func:`zero1_reduce` picks the faster on the hardware)."""
     local_shape = spec.layout.local_shape(shape, mesh)
     local = float(itemsize)
     for n in local_shape:
@@ -475,7 +492,8 @@ def zero_param_terms(
     if stage in (1, 2) and zero_dim(local_shape, degree) is not None:
         # stage 2 reduce-scatters each gradient as soon as backward has it (and frees it)
         grads = local / degree if stage == 2 else local
-        comms = [Comm("reduce_scatter", dp, int(local), "bwd" if stage == 2 else "step", bucket_bytes), Comm("all_gather", dp, int(local), "step", bucket_bytes)]
+        kind = reduce if stage == 1 else "reduce_scatter"
+        comms = [Comm(kind, dp, int(local), "bwd" if stage == 2 else "step", bucket_bytes), Comm("all_gather", dp, int(local), "step", bucket_bytes)]
         return local, grads, local * opt_factor / degree, comms
     return local, local, local * opt_factor, [Comm("all_reduce", dp, int(local), "step", bucket_bytes)]
 
@@ -522,7 +540,7 @@ def _price_nodes(problem: Problem, optimizer: str, master_itemsize: int | None) 
                 assert spec is not None
                 opt_factor = optimizer_bytes_per_value(optimizer, node.out.itemsize, master_itemsize) / node.out.itemsize
                 params, grads, states, step = zero_param_terms(node.out.shape, node.out.itemsize, spec, mesh, problem.zero_stage, opt_factor,
-                                                               problem.sync_share_bytes)
+                                                               problem.sync_share_bytes, problem.zero1_reduce)
                 held = 0.0  # bytes of a buffer held through the whole step (CDP v1)
                 if problem.cdp != "off":  # the chain and the ring instead of the all-reduce
                     params, grads, states, step = zero_param_terms(node.out.shape, node.out.itemsize, spec, mesh, 0, opt_factor)

@@ -782,7 +782,8 @@ def gradient_buckets(graph: IRGraph, problem: Problem, assignment: dict[str, int
             continue
         spec = problem.choices[name][assignment[problem.node_group[name]]].outputs[0]
         assert spec is not None
-        _, _, _, step = zero_param_terms(node.out.shape, node.out.itemsize, spec, problem.mesh, problem.zero_stage, 1.0, problem.bucket_bytes)
+        _, _, _, step = zero_param_terms(node.out.shape, node.out.itemsize, spec, problem.mesh, problem.zero_stage, 1.0, problem.bucket_bytes,
+                                         problem.zero1_reduce)
         first_use = min((order[c] for c, _ in consumers[name]), default=-1)
         packed = tuple((c.kind, c.phase) for c in step if c.bucket_bytes)
         if packed:

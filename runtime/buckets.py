@@ -10,7 +10,10 @@ backward goes on:
 * a **reduce-scatter** bucket (ZeRO-1/2, :mod:`runtime.zero`): the buffer holds each rank's chunks
   of every gradient in turn (rank 0's chunks of all the bucket's gradients, then rank 1's, ...),
   so one reduce-scatter leaves this rank the sums of its chunks, which become its slices'
-  gradients (ZeRO-2 frees the full gradients as soon as they are packed).
+  gradients (ZeRO-2 frees the full gradients as soon as they are packed);
+* a ZeRO-1 bucket the plan sums by **all-reduce** (where that is faster, as on gloo:
+  :func:`planner.problem.zero1_reduce`): summed in place as above, its slices' gradients are then
+  views of this rank's chunks of the sums.
 
 When backward ends, :meth:`GradBuckets.finish` starts any bucket that is not complete (a parameter
 that got no gradient this step: the others go without it), waits for all of them, and hands the
@@ -61,6 +64,11 @@ class GradBuckets:
 
     def _scatters(self, k: int) -> bool:
         return self.buckets[k].collectives[0][0] == "reduce_scatter"
+
+    @staticmethod
+    def _gathers(bucket: GradBucket) -> bool:
+        """ZeRO-1/2: the bucket's updated slices are all-gathered after the step."""
+        return any(kind == "all_gather" for kind, _ in bucket.collectives)
 
     def _runs_now(self, k: int) -> bool:
         """A bucket reduced in backward (ZeRO-2) runs in every backward; the others when syncing."""
@@ -126,6 +134,8 @@ class GradBuckets:
                 work.wait()
             if self._scatters(k):
                 self._to_slices(out, names)
+            elif self._gathers(self.buckets[k]):
+                self._reduced_to_slices(names)
         self.in_flight.clear()
         for arrived in self.arrived:
             arrived.clear()
@@ -148,12 +158,19 @@ class GradBuckets:
                 view.copy_(piece)
                 shard.grad = view
 
+    def _reduced_to_slices(self, names: list[str]) -> None:
+        """ZeRO-1 summed by all-reduce: each slice's gradient is its chunk of the summed gradient."""
+        for m in names:
+            grad = self.params[m].grad
+            assert grad is not None
+            self.shards[m].grad = self._chunks(grad, self.mg.size(self.axes[m]))[self.mg.index(self.axes[m])]
+
     def all_gather_updated(self) -> None:
         """ZeRO-1/2 after the optimizer step: each reduce-scatter bucket's updated slices gathered
         into the parameters, one all-gather per bucket."""
         with torch.no_grad():
             for bucket in self.buckets:
-                if bucket.collectives[0][0] != "reduce_scatter":
+                if not self._gathers(bucket):
                     continue
                 n = self.mg.size(bucket.axes)
                 mine = torch.cat([self.shards[m].detach().reshape(-1) for m in bucket.params])

@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils._pytree import tree_map
 
-from runtime.collectives import CommRecorder, Convert, all_reduce, broadcast, reduce
+from runtime.collectives import CommRecorder, Convert, all_reduce, broadcast_start, reduce
 from runtime.groups import MeshGroups
 
 
@@ -252,17 +252,28 @@ class MeanKernel(Kernel):
 
 class _Summa(torch.autograd.Function):
     """Y = X W^T by SUMMA on a q x q (row, col) grid; X [rows/q, a/q] and W [b/q, a/q] local blocks
-    (see planner.rules.summa_strategies for the schedule)."""
+    (see planner.rules.summa_strategies for the schedule). Step t+1's broadcasts are started
+    before step t's matmuls, so they travel while this rank computes (one step's blocks in flight
+    beside the step's own)."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, mg: MeshGroups, rec: CommRecorder) -> torch.Tensor:  # type: ignore[override]
         q = mg.mesh.degree("row")
         x2 = x.reshape(-1, x.shape[-1])
         y = x2.new_zeros(x2.shape[0], w.shape[0])
+
+        def start(t: int) -> tuple[tuple[torch.Tensor, Any], tuple[torch.Tensor, Any]]:
+            return broadcast_start(x2, "col", t, mg, rec, "fwd"), broadcast_start(w, "row", t, mg, rec, "fwd")  # X[r, t] along the row, W[t, c] down the column
+
+        pending = start(0)
         for t in range(q):
-            xt = broadcast(x2, "col", t, mg, rec, "fwd")  # X[r, t] along the row
-            wt = broadcast(w, "row", t, mg, rec, "fwd")  # W[t, c] down the column
+            (xt, x_work), (wt, w_work) = pending
+            x_work.wait()
+            w_work.wait()
+            if t + 1 < q:
+                pending = start(t + 1)
             y = y + xt @ wt.t()
+            del xt, wt
         ctx.save_for_backward(x, w)
         ctx.mg, ctx.rec = mg, rec
         return y.reshape(*x.shape[:-1], w.shape[0])
@@ -276,15 +287,23 @@ class _Summa(torch.autograd.Function):
         dy2 = dy.reshape(-1, dy.shape[-1])
         dx = torch.zeros_like(x2)
         dw = torch.zeros_like(w)
+        nxt = broadcast_start(w, "row", 0, mg, rec, "bwd")
         for t in range(q):
-            wt = broadcast(w, "row", t, mg, rec, "bwd")
-            part = reduce(dy2 @ wt, "col", t, mg, rec, "bwd")  # dX[r, t] = sum_c dY[r, c] W[t, c]
+            wt, w_work = nxt
+            w_work.wait()
+            part_in = dy2 @ wt
+            xt, x_work = broadcast_start(x2, "col", t, mg, rec, "bwd")  # travels while dX's part is reduced
+            part = reduce(part_in, "col", t, mg, rec, "bwd")  # dX[r, t] = sum_c dY[r, c] W[t, c]
             if mg.coords["col"] == t:
                 dx = part
-            xt = broadcast(x2, "col", t, mg, rec, "bwd")
+            del part_in, part, wt
+            x_work.wait()
+            if t + 1 < q:
+                nxt = broadcast_start(w, "row", t + 1, mg, rec, "bwd")  # travels while dW's part is computed and reduced
             partw = reduce(dy2.t() @ xt, "row", t, mg, rec, "bwd")  # dW[t, c] = sum_r dY[r, c]^T X[r, t]
             if mg.coords["row"] == t:
                 dw = partw
+            del xt, partw
         return dx.reshape(x.shape), dw, None, None
 
 

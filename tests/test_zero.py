@@ -15,9 +15,11 @@ import pytest
 import torch
 
 from models import build_model, example_inputs
-from planner.hardware import A100_80G
+from planner.hardware import A100_80G, CollectiveFit, HardwareProfile
 from planner.ir import Node
+from planner.mesh import Mesh
 from planner.plan import Plan
+from planner.problem import zero1_reduce
 from planner.search import SearchSpace, search
 from planner.strategy import Strategy
 from planner.trace import micro_batch_inputs, trace
@@ -31,14 +33,19 @@ STAGES = (0, 1, 2, 3)
 MODEL = "gpt-tiny-nobias"  # AdamW: see tests/dist_checks.py for why not gpt-tiny
 
 
+# a profile on which a reduce-scatter costs more than an all-reduce (as gloo's, measured by planner
+# calibrate): ZeRO-1 sums its gradients by all-reduce there (planner.problem.zero1_reduce)
+SLOW_SCATTER = A100_80G.model_copy(update={"collectives": {"reduce_scatter": CollectiveFit(latency=1e-2, bandwidth=1e8)}})
+
+
 def _plan(dp: int, zero: int, allow: Any, devices: int = 4, family: str = "1d", micro_batches: int = 1, objective: str = "time",
-          bucket_bytes: int | None = None) -> tuple[str, str, str]:
+          bucket_bytes: int | None = None, hardware: HardwareProfile = A100_80G) -> tuple[str, str, str]:
     model = build_model(MODEL, dtype=torch.float64)
     args, kwargs = example_inputs(MODEL, batch=BATCH, dtype=torch.float64)
     graph = trace(model, args, kwargs)
     space = SearchSpace(devices=devices, dp=dp, zero=(zero,), tp=("none",) if dp == devices else (family,), micro_batches=(micro_batches,))
     extra: dict[str, Any] = {"bucket_bytes": bucket_bytes} if bucket_bytes is not None else {}
-    result = search(graph, space, A100_80G, model_name=MODEL, optimizer="adamw", allow=allow, front=False, objective=objective,  # type: ignore[arg-type]
+    result = search(graph, space, hardware, model_name=MODEL, optimizer="adamw", allow=allow, front=False, objective=objective,  # type: ignore[arg-type]
                     micro_graph=lambda m: trace(model, *micro_batch_inputs(args, kwargs, m)), **extra)
     assert result.best is not None and result.best.zero_stage == zero and result.best.micro_batches == micro_batches
     return MODEL, result.best.model_dump_json(), "adamw"
@@ -56,6 +63,11 @@ def zero3_regathering(node: Node, s: Strategy) -> bool:
 REGATHERED: dict[str, dict[str, Any]] = {"dp=4 zero=3 re-gathered": {}, "dp=4 zero=3 re-gathered, 16 KiB units": {"bucket_bytes": 16 * 2**10}}
 
 
+# ZeRO-1 summed by all-reduce, alone and with gradient accumulation
+ALL_REDUCED: dict[str, tuple[Any, ...]] = {"dp=4 zero=1 all-reduced": (4, 1, data_parallel),
+                                           "dp=2 x tp=2 zero=1 all-reduced x2 micro-batches": (2, 1, megatron_dp, 4, "1d", 2)}
+
+
 @pytest.fixture(scope="module")
 def results() -> dict[str, list[dict[str, Any]]]:
     cases = {f"dp=4 zero={z}": (4, z, data_parallel) for z in STAGES}
@@ -66,6 +78,9 @@ def results() -> dict[str, list[dict[str, Any]]]:
     for name, extra in REGATHERED.items():
         cases[name] = ()
         plans.append(_plan(4, 3, zero3_regathering, **extra))
+    for name, args in ALL_REDUCED.items():
+        cases[name] = ()
+        plans.append(_plan(*args, hardware=SLOW_SCATTER))
     per_rank = run_world(4, train_and_compare, plans, timeout=900)
     out = {name: [r[i] for r in per_rank] for i, name in enumerate(cases)}
     eight = {f"dp=2 x 2-D 2x2 zero={z}": z for z in STAGES}
@@ -162,3 +177,15 @@ def test_prefetch_hides_gather_time_behind_compute_and_costs_one_gather_of_memor
                           for c in on.comms if c.kind == "all_gather" and c.phase == "fwd")
     assert on.overlap_time_s <= forward_gathers
     assert on.memory_breakdown.transient >= off.memory_breakdown.transient
+
+
+def test_zero1_sums_by_all_reduce_where_a_reduce_scatter_costs_more_and_stays_exact(results) -> None:  # type: ignore[no-untyped-def]
+    """Checked with the other cases above (same math, collectives = priced, held = predicted); here:
+    the plan's buckets are all-reduced, then all-gathered, and an all-reduce is what ran."""
+    for name, args in ALL_REDUCED.items():
+        plan = Plan.model_validate_json(_plan(*args, hardware=SLOW_SCATTER)[1])
+        sliced = [b for b in plan.grad_buckets if len(b.collectives) == 2]
+        assert sliced and all(b.collectives == (("all_reduce", "step"), ("all_gather", "step")) for b in sliced), name
+        assert all(c.kind != "reduce_scatter" for c in plan.comms), name
+        assert results[name][0]["param_error"] <= 1e-9
+    assert zero1_reduce(Mesh(("dp",), (4,)), A100_80G, ("dp",), 2**20) == "reduce_scatter"  # NCCL-class links: half the bytes wins
