@@ -150,7 +150,7 @@ class Plan(_Frozen):
     step_time_s: float
     compute_time_s: float
     comm_time_s: float
-    overlap_time_s: float = Field(default=0.0, description="communication hidden behind compute (prefetch); step = compute + comm - overlap")
+    overlap_time_s: float = Field(default=0.0, description="communication hidden behind compute (the gradient sync beside backward, ZeRO-3 prefetch, CDP); step = compute + comm - overlap")
     peak_memory_bytes: int
     memory_breakdown: MemoryBreakdown
     nodes: tuple[NodePlan, ...]

@@ -213,7 +213,7 @@ def format_plan(plan: Plan, *, graph: IRGraph | None = None) -> str:
         f"Plan: mesh {mesh}, tensor parallelism {plan.tp}, ZeRO {plan.zero_stage}, CDP {plan.cdp}, optimizer {plan.optimizer}"
         + (f" (master weights {plan.master_dtype})" if plan.master_dtype else ""),
         f"  predicted step time {format_seconds(plan.step_time_s)}: compute {format_seconds(plan.compute_time_s)}, communication {format_seconds(plan.comm_time_s)} "
-        + (f"({format_seconds(plan.overlap_time_s)} of it hidden behind compute by {'CDP' if plan.cdp != 'off' else 'ZeRO-3 prefetch'})"
+        + (f"({format_seconds(plan.overlap_time_s)} of it hidden behind compute: {'CDP' if plan.cdp != 'off' else 'ZeRO-3 prefetch' if plan.zero_stage == 3 and plan.zero_prefetch else 'gradient sync beside backward'})"
            if plan.overlap_time_s else "(not overlapped)"),
         f"  memory per device {format_bytes(plan.peak_memory_bytes)} of {format_bytes(plan.memory_budget_bytes) if plan.memory_budget_bytes else 'no budget'}: "
         f"params {format_bytes(m.params)}, grads {format_bytes(m.grads)}, optimizer {format_bytes(m.optimizer)}, activations {format_bytes(m.activations)}, transient {format_bytes(m.transient)}",
