@@ -561,7 +561,11 @@ def _price_nodes(problem: Problem, optimizer: str, master_itemsize: int | None) 
                         grads += held
                 comms += step
                 if overlaps:
-                    hidden = sum(comm_time(c, mesh, hw) * problem.repeats(c) for c in step if c.bucket_bytes and c.kind in ASYNC_SYNC)
+                    # with several micro-batches ZeRO-2's reduce-scatters run beside every backward (rows
+                    # scaled by sync_repeats); its step-phase all-reduces, beside the last one only, are
+                    # then not credited (a small, conservative error)
+                    hidden = sum(comm_time(c, mesh, hw) * problem.repeats(c) for c in step
+                                 if c.bucket_bytes and c.kind in ASYNC_SYNC and (sync_repeats == 1 or c.phase == "bwd"))
                     sync_one.setdefault(node.name, [0.0] * n)[i] = hidden
                     group.sync[i] += hidden * count
                 if not group.bucketed:

@@ -36,8 +36,8 @@ def test_forward_and_backward_repeat_per_micro_batch_and_the_step_does_not(zero:
     """The same micro-batch graph priced for 1 and for 3 micro-batches, for random plans: compute
     and every forward/backward collective (activations' conversions, ZeRO-2's and ZeRO-3's
     backward reduce-scatters, ZeRO-3's gathers) 3 times, the step phase's (gradient all-reduce,
-    ZeRO-1's reduce-scatter, the parameter all-gathers) once, what prefetch hides 3 times, and the
-    memory the same: one micro-batch's activations are alive at a time."""
+    ZeRO-1's reduce-scatter, the parameter all-gathers) once, what prefetch and ZeRO-2's
+    reduce-scatters hide 3 times, what the step-phase sync hides once, and the memory the same: one micro-batch's activations are alive at a time."""
     graph = _gpt_tiny(2)
     mesh = Mesh(("dp", "tp"), (2, 2))
     one = build_problem(graph, mesh, A100_80G, zero_stage=zero)
@@ -57,7 +57,9 @@ def test_forward_and_backward_repeat_per_micro_batch_and_the_step_does_not(zero:
         for c in c1:
             assert c3[c] == c1[c] * (1 if c.phase == "step" else 3), (c, c1[c], c3[c])
             phases[c.phase] += 1
-        assert e3.overlap_time == pytest.approx(3 * e1.overlap_time, rel=1e-9, abs=1e-15)
+        # prefetch (ZeRO-3) and ZeRO-2's reduce-scatters hide beside every micro-batch's backward;
+        # ZeRO-0/1's sync runs once, beside the last one's
+        assert e3.overlap_time == pytest.approx((1 if zero in (0, 1) else 3) * e1.overlap_time, rel=1e-9, abs=1e-15)
         assert e3.step_time > e1.step_time
     assert phases["fwd"] and phases["bwd"] and (zero == 3 or phases["step"])
 
