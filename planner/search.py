@@ -792,13 +792,12 @@ def gradient_buckets(graph: IRGraph, problem: Problem, assignment: dict[str, int
 
 
 def _comm_records(ev: Evaluation, buckets: tuple[Bucket, ...] = (), micro_batches: int = 1, bucket_bytes: int = 0,
-                  units: tuple[Unit, ...] = (), loose: tuple[Gather, ...] = (), unit_bytes: int | None = None) -> tuple[CommRecord, ...]:
+                  units: tuple[Unit, ...] = (), loose: tuple[Gather, ...] = (), unit_bytes: int = 0) -> tuple[CommRecord, ...]:
     """The evaluation's collectives per step, with the packed collectives (one per parameter in
     the evaluation) as the buckets and ZeRO-3 units that run them (a backward-phase bucket, ZeRO-2's
     reduce-scatter, and every unit collective, once per micro-batch), each priced as its members'
-    shares (of ``bucket_bytes``, the gradient sync's share bytes, and ``unit_bytes``, the units'; the
-    same when not given); a ``loose`` gather (priced as a share, run alone) as its own collectives."""
-    unit_bytes = bucket_bytes if unit_bytes is None else unit_bytes
+    shares (of ``bucket_bytes``, the gradient sync's share bytes, and ``unit_bytes``, the units');
+    a ``loose`` gather (priced as a share, run alone) as its own collectives."""
     counts: Counter[tuple[str, tuple[str, ...], int, str, int]] = Counter()
     packed: Counter[tuple[str, tuple[str, ...], str]] = Counter()  # bytes the parameters' packed collectives move
     for comm, n in ev.comms:

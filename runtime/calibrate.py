@@ -241,9 +241,12 @@ def _benchmark(rank: int, world: int, port: int, sizes: list[int], repeats: int,
     # the burst's own time (its median, every rank computing at once)
     burst_a = torch.randn(256, 256, device=device)
 
-    def burst() -> None:
-        for _ in range(compute["burst"]):
+    def matmuls(n: int) -> None:
+        for _ in range(n):
             torch.matmul(burst_a, burst_a)
+
+    def burst() -> None:
+        matmuls(compute["burst"])
 
     busy = device.type == "cpu" and compute["burst"] > 0
     alone = []
@@ -266,28 +269,25 @@ def _benchmark(rank: int, world: int, port: int, sizes: list[int], repeats: int,
                 times.append(min(_time(after_burst, 1, device)) - burst_s if busy else min(_time(fn, 1, device)))
             rows.append((kind, nbytes, max(statistics.median(times), 1e-6)))
             del fn
-    overlap = measure_overlap(compute["overlap_sizes"], repeats, device, dist.barrier, burst_a)
+    overlap = measure_overlap(compute["overlap_sizes"], repeats, device, dist.barrier, matmuls, burst)
     if rank == 0:
         out.put({"overlap": overlap, "collectives": rows, "matmul": curves, "op_overhead": overhead, "memory_bandwidth": bandwidth, "optimizers": optimizers, "thin": thin})
     dist.barrier()
     dist.destroy_process_group()
 
 
-def measure_overlap(sizes: list[int], repeats: int, device: torch.device, sync: Callable[[], Any], a: torch.Tensor) -> list[tuple[int, float, float, float]]:
+def measure_overlap(sizes: list[int], repeats: int, device: torch.device, sync: Callable[[], Any], matmuls: Callable[[int], None],
+                    burst: Callable[[], None]) -> list[tuple[int, float, float, float]]:
     """(payload, compute seconds, all-reduce seconds, both seconds) per payload: an all-reduce
-    alone (after a burst of compute, as the other collectives), the same number of 256 x 256
-    matmuls alone, sized to take about as long, and the all-reduce started asynchronously with
-    the matmuls running beside it until both are done (as a gradient bucket runs beside backward).
+    alone, ``matmuls(n)`` alone with n sized to take about as long, and the all-reduce started
+    asynchronously with the matmuls running beside it until both are done (as a gradient bucket
+    runs beside backward); each timed after a ``burst`` of compute, as the other collectives.
     Medians over ``repeats``, every rank at once."""
     import torch.distributed as dist
 
-    def matmuls(n: int) -> None:
-        for _ in range(n):
-            torch.matmul(a, a)
-
     def timed(fn: Callable[[], Any]) -> float:
         sync()
-        matmuls(20)  # as training issues it: after compute (see the collectives above)
+        burst()  # as training issues it: after compute (see the collectives above)
         return min(_time(fn, 1, device))
 
     one = statistics.median(timed(lambda: matmuls(1)) for _ in range(repeats))
@@ -295,6 +295,7 @@ def measure_overlap(sizes: list[int], repeats: int, device: torch.device, sync: 
     for nbytes in sizes:
         t = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
         dist.all_reduce(t)
+
         def reduce(t: torch.Tensor = t) -> None:
             dist.all_reduce(t)
 

@@ -112,17 +112,10 @@ def reduce_scatter(t: torch.Tensor, axes: tuple[str, ...], dim: int, mg: MeshGro
     return out
 
 
-def broadcast(t: torch.Tensor, axis: str, root: int, mg: MeshGroups, rec: CommRecorder, phase: str) -> torch.Tensor:
-    """``t`` from the rank at coordinate ``root`` of ``axis`` to the others of its group."""
-    out = t.clone(memory_format=torch.contiguous_format) if mg.coords[axis] == root else torch.empty_like(t, memory_format=torch.contiguous_format)
-    rec.add("broadcast", (axis,), _nbytes(out), phase)
-    dist.broadcast(out, src=mg.peer(axis, root), group=mg.group((axis,)))
-    return out
-
-
 def broadcast_start(t: torch.Tensor, axis: str, root: int, mg: MeshGroups, rec: CommRecorder, phase: str) -> tuple[torch.Tensor, Any]:
-    """:func:`broadcast`, started asynchronously: (the buffer, its work; wait before reading the
-    buffer). Issued ahead of use, it travels while the caller computes (SUMMA's next step)."""
+    """``t`` from the rank at coordinate ``root`` of ``axis`` to the others of its group, started
+    asynchronously: (the buffer, its work; wait before reading the buffer). Issued ahead of use,
+    it travels while the caller computes (SUMMA's next step)."""
     out = t.clone(memory_format=torch.contiguous_format) if mg.coords[axis] == root else torch.empty_like(t, memory_format=torch.contiguous_format)
     rec.add("broadcast", (axis,), _nbytes(out), phase)
     return out, dist.broadcast(out, src=mg.peer(axis, root), group=mg.group((axis,)), async_op=True)
