@@ -1,6 +1,8 @@
 """``planner calibrate``: measure this machine and write the hardware profile the planner prices with.
 
-Micro-benchmarks (each repeated, the best or median kept as noted):
+Micro-benchmarks, with every process measuring at once; the compute ones (matmuls to the
+optimizer step) run in interleaved passes, each figure the median over the passes and then over
+the processes:
 * matmul throughput by size and dtype: ``C = A @ B`` for square n x n, 2 n^3 FLOPs, averaged
   over a fixed time with every process measuring at once; the best FLOP/s over the sizes becomes
   ``peak_flops[dtype]`` with ``compute_efficiency = 1`` (the peak is what was reached), and each
@@ -19,8 +21,8 @@ Micro-benchmarks (each repeated, the best or median kept as noted):
   all-reduces and all-gathers gives the link tier's latency (alpha) and bandwidth (1/beta), with
   ``bandwidth_efficiency = 1``, and each kind gets its own fit and measured / fitted ratio by payload
   (``HardwareProfile.collectives``: on gloo a reduce-scatter is no cheaper than an all-reduce).
-  On a CPU each is timed after a burst of compute, as training issues it (ranks sharing cores
-  wait for peers the scheduler has not run yet), less the burst's own time.
+  On a CPU each is issued after a burst of compute, as training issues it (ranks sharing cores
+  wait for peers the scheduler has not run yet), and timed from its call to its return.
   One host cannot measure an inter-node link: the profile copies the measured tier and says so
   in ``sources``.
 
@@ -43,6 +45,7 @@ import torch.multiprocessing as mp
 
 from planner.cost import ring_terms
 from planner.hardware import CollectiveFit, HardwareProfile, LinkTier, interpolate_log
+from runtime.host_memory import keep_freed_memory
 
 
 def _progress(text: str) -> None:
@@ -203,6 +206,31 @@ def _collective_call(kind: str, payload: int, world: int, device: torch.device) 
     return lambda: dist.reduce_scatter(chunk, inputs)
 
 
+def _compute_pass(device: torch.device, compute: dict[str, Any], sync: Callable[[], Any]) -> dict[str, Any]:
+    """One pass of the compute measurements, each started together on every process (``sync``)."""
+    seconds = compute["seconds"]
+    curves = {str(dt): measure_matmul(dt, compute["sizes"], device, seconds, sync) for dt in compute["dtypes"]}
+    thin = {str(dt): measure_thin_matmul(dt, compute["thin"], device, seconds / 2, sync=sync) for dt in compute["dtypes"]}
+    sync()
+    overhead = measure_op_overhead(device, seconds)
+    sync()
+    bandwidth = measure_memory_bandwidth(device, seconds)
+    sync()
+    return {"matmul": curves, "thin": thin, "op_overhead": overhead, "memory_bandwidth": bandwidth,
+            "optimizers": measure_optimizer_steps(device, seconds)}
+
+
+def median_of(samples: list[Any]) -> Any:
+    """The element-wise median of measurements of one structure (dicts, lists and tuples of numbers;
+    the sizes they carry are the same in every sample and stay as they are)."""
+    first = samples[0]
+    if isinstance(first, dict):
+        return {k: median_of([s[k] for s in samples]) for k in first}
+    if isinstance(first, list | tuple):
+        return type(first)(median_of([s[i] for s in samples]) for i in range(len(first)))
+    return statistics.median(samples)
+
+
 def _collective_worker(rank: int, world: int, port: int, sizes: list[int], repeats: int, backend: str, compute: dict[str, Any], out: Any) -> None:
     try:
         _benchmark(rank, world, port, sizes, repeats, backend, compute, out)
@@ -218,17 +246,21 @@ def _benchmark(rank: int, world: int, port: int, sizes: list[int], repeats: int,
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group(backend, rank=rank, world_size=world)
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
-    # compute, measured on every process at once: what one "device" gets while all of them work
-    dist.barrier()
-    curves = {str(dt): measure_matmul(dt, compute["sizes"], device, compute["seconds"], dist.barrier) for dt in compute["dtypes"]}
-    dist.barrier()
-    thin = {str(dt): measure_thin_matmul(dt, compute["thin"], device, compute["seconds"] / 2, sync=dist.barrier) for dt in compute["dtypes"]}
-    dist.barrier()
-    overhead = measure_op_overhead(device)
-    dist.barrier()
-    bandwidth = measure_memory_bandwidth(device, compute["seconds"])
-    dist.barrier()
-    optimizers = measure_optimizer_steps(device, compute["seconds"])
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # all_gather_object's buffers on this process's own GPU
+    else:  # the malloc settings training runs with (compile_plan sets them)
+        keep_freed_memory()
+    # compute, measured on every process at once: what one "device" gets while all of them work;
+    # in interleaved passes, each quantity the median over the passes and then over the ranks (on
+    # shared cores one short window can catch a rank with a core to itself: the op overhead read
+    # 6.4 and 16.5 us in two calibrations of this host, a size's matmuls up to 1.4x the others')
+    passes = []
+    for _ in range(compute["rounds"]):
+        dist.barrier()
+        passes.append(_compute_pass(device, compute, dist.barrier))
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, median_of(passes))
+    measured = median_of(gathered)
     rows: list[Any] = []
     for kind in COLLECTIVE_KINDS:  # connections and buffers set up before anything is timed
         warm = _collective_call(kind, 4096 * world, world, device)
@@ -237,8 +269,10 @@ def _benchmark(rank: int, world: int, port: int, sizes: list[int], repeats: int,
     # on a CPU host the ranks share cores: a collective issued after compute waits for peers the
     # scheduler has not run yet, which one issued straight after a barrier does not see (on 4
     # ranks of 2 cores, a 4 KiB all-reduce after 15 ms of matmuls costs 7-11 ms, after a barrier
-    # 5 ms). So each collective is timed as training issues it, after a burst of compute, less
-    # the burst's own time (its median, every rank computing at once)
+    # 5 ms). So each collective is issued as training issues it, after a burst of compute, and
+    # timed from its call to its return. (It was timed with the burst, less the burst's median
+    # alone: a difference of two noisy figures, whose all-reduce latency fit read 1.1 and 3.0 ms
+    # in two calibrations of this host.)
     burst_a = torch.randn(256, 256, device=device)
 
     def matmuls(n: int) -> None:
@@ -249,29 +283,21 @@ def _benchmark(rank: int, world: int, port: int, sizes: list[int], repeats: int,
         matmuls(compute["burst"])
 
     busy = device.type == "cpu" and compute["burst"] > 0
-    alone = []
-    for _ in range(repeats if busy else 0):
-        dist.barrier()
-        alone.append(min(_time(burst, 1, device)))
-    burst_s = statistics.median(alone) if alone else 0.0
     for nbytes in sizes:
         for kind in COLLECTIVE_KINDS:
             fn = _collective_call(kind, nbytes, world, device)
             fn()
-
-            def after_burst(fn: Callable[[], Any] = fn) -> None:
-                burst()
-                fn()
-
             times = []
             for _ in range(repeats):
                 dist.barrier()
-                times.append(min(_time(after_burst, 1, device)) - burst_s if busy else min(_time(fn, 1, device)))
+                if busy:
+                    burst()
+                times.append(min(_time(fn, 1, device)))
             rows.append((kind, nbytes, max(statistics.median(times), 1e-6)))
             del fn
     overlap = measure_overlap(compute["overlap_sizes"], repeats, device, dist.barrier, matmuls, burst)
     if rank == 0:
-        out.put({"overlap": overlap, "collectives": rows, "matmul": curves, "op_overhead": overhead, "memory_bandwidth": bandwidth, "optimizers": optimizers, "thin": thin})
+        out.put(dict(measured, overlap=overlap, collectives=rows))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -417,7 +443,7 @@ def calibrate(*, quick: bool = False, world: int = 2, name: str | None = None) -
     _progress(f"{world} {backend} processes: matmul {[str(d).removeprefix('torch.') for d in dtypes]} n={sizes}, op overhead, "
               f"memory bandwidth, optimizer steps, then {', '.join(COLLECTIVE_KINDS)} of {coll_sizes} B")
     thin = [16, 128] if quick else [8, 16, 32, 64, 128, 256, 512]
-    compute = {"sizes": sizes, "thin": thin, "dtypes": dtypes, "seconds": 0.1 if quick else 0.4, "burst": 20,
+    compute = {"sizes": sizes, "thin": thin, "dtypes": dtypes, "seconds": 0.1 if quick else 0.3, "rounds": 2 if quick else 3, "burst": 20,
                "overlap_sizes": [2**20] if quick else [2**20, 2**22, 2**24]}
     measured = measure_on_world(world, coll_sizes, repeats, backend, compute)
     peak = {dt: max(f for _, f in curve) for dt, curve in measured["matmul"].items()}

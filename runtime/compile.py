@@ -30,6 +30,7 @@ from planner.plan import NodePlan, Plan, fingerprint
 from planner.trace import micro_batch_inputs, trace
 from runtime.collectives import CommRecorder, Convert, relayout
 from runtime.groups import MeshGroups, build_groups
+from runtime.host_memory import keep_freed_memory
 from runtime.kernels import (
     AddBias,
     AddmmKernel,
@@ -79,6 +80,8 @@ def compile_plan(
         )
     mg = mesh_groups or build_groups(plan.mesh_obj)
     dev = torch.device(device) if device is not None else _default_device()
+    if dev.type == "cpu":  # freed tensors' pages kept for the next step, not faulted in again (runtime.host_memory)
+        keep_freed_memory()
     recorder = CommRecorder()
     builder = _Builder(plan, graph, model, mg, recorder, dev)
     if plan.cdp != "off":  # CDP sums over the data-parallel axis itself (runtime.cdp)
