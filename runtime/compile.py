@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import operator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -44,6 +45,7 @@ from runtime.kernels import (
     Slot,
     SummaKernel,
 )
+from runtime.materialize import is_meta_module, materialize
 from runtime.module import ParallelModule, attr_name
 from runtime.zero3 import Member, ParamUnits
 
@@ -61,8 +63,14 @@ def compile_plan(
     mesh_groups: MeshGroups | None = None,
     loss_partial_over: frozenset[str] = frozenset(),
     graph: IRGraph | None = None,
+    init: Callable[[torch.nn.Module], None] | None = None,
 ) -> ParallelModule:
     """This rank's runnable module for ``plan``. ``example_*``: a full (global) batch, as planned.
+
+    A model on the meta device is materialised shard by shard (:mod:`runtime.materialize`): its
+    initialisation (``init``, default :func:`runtime.materialize.default_init`) replayed under the
+    current random state, each rank keeping only its own shards, which equal the slices of what
+    the same model built on a CPU after the same ``torch.manual_seed`` holds.
 
     ``loss_partial_over``: mesh axes over which the returned loss stays a partial sum (this rank's
     contribution) instead of being all-reduced; CDP sums over the data-parallel axis itself.
@@ -87,6 +95,8 @@ def compile_plan(
     if plan.cdp != "off":  # CDP sums over the data-parallel axis itself (runtime.cdp)
         loss_partial_over = loss_partial_over | {a for a in plan.mesh_obj.dp_axes if plan.mesh[a] > 1}
     builder.loss_partial_over = loss_partial_over
+    if is_meta_module(model):
+        builder.materialize(init)
     gm = builder.build()
     units = _param_units(plan, gm, builder.sites, mg, recorder)
     if plan.zero_prefetch:
@@ -184,6 +194,25 @@ class _Builder:
         self.loss_partial_over: frozenset[str] = frozenset()
         self.origin: dict[str, str] = {}  # rank-local fx node -> the traced node it computes
         self.sites: dict[str, tuple[Convert, str]] = {}  # parameter gather sites (planner.overlap's names) -> (gather, parameter attribute)
+        self.materialized: dict[str, torch.Tensor] = {}  # a meta model's parameters (this rank's shards) and buffers, by name
+
+    def materialize(self, init: Callable[[torch.nn.Module], None] | None) -> None:
+        """Replay the meta model's initialisation, keeping this rank's shard of each parameter (as
+        :meth:`_param` stores it) and each buffer the graph reads, whole."""
+        layouts: dict[str, Layout | None] = {}
+        for node in self.graph.nodes.values():
+            if node.kind == "param":
+                spec = self.nodes[node.name].output_specs()[0]
+                assert spec is not None
+                layouts.update((name, spec.layout) for name in node.param_names)
+            elif node.kind == "buffer":
+                layouts.update((name, None) for name in node.param_names)
+
+        def keep(name: str, full: torch.Tensor) -> None:
+            layout = layouts[name]
+            self.materialized[name] = (full if layout is None else self.shard(full, layout)).to(self.device).clone()
+
+        materialize(self.model, keep, init=init, names=layouts)
 
     def build(self) -> torch.fx.GraphModule:
         for node in self.graph.nodes.values():
@@ -212,16 +241,17 @@ class _Builder:
         spec = self.nodes[node.name].output_specs()[0]
         assert spec is not None
         full = self.model.get_parameter(node.param_names[0])
-        local = self.shard(full.detach(), spec.layout)
+        mine = next((self.materialized[n] for n in node.param_names if n in self.materialized), None)
+        local = mine if mine is not None else self.shard(full.detach(), spec.layout).to(self.device).clone()
         attr = attr_name(node.name)
-        self.root.register_parameter(attr, torch.nn.Parameter(local.to(self.device).clone(), requires_grad=full.requires_grad))
+        self.root.register_parameter(attr, torch.nn.Parameter(local, requires_grad=full.requires_grad))
         self.param_specs[attr] = spec
         self.param_names[attr] = node.param_names
         self.env[(node.name, 0)] = self.fx.get_attr(attr)
 
     def _buffer(self, node: Node) -> None:
         name = node.param_names[0]
-        full = self.graph.constants.get(name) if node.kind == "constant" else self.model.get_buffer(name)
+        full = self.graph.constants.get(name) if node.kind == "constant" else self.materialized.get(name, self.model.get_buffer(name))
         if not isinstance(full, torch.Tensor):
             raise ValueError(f"the traced graph reads {node.kind} {name!r}, which neither the model nor the trace holds as a tensor")
         attr = attr_name(node.name)
@@ -230,7 +260,7 @@ class _Builder:
 
     def shard(self, full: torch.Tensor, layout: Layout) -> torch.Tensor:
         if full.is_meta:
-            raise ValueError("parameters on the meta device must be materialised before compile (see runtime.materialize)")
+            raise ValueError("a parameter on the meta device reached sharding unmaterialised (runtime.materialize)")
         return relayout(full, Layout.replicated(layout.ndim), layout, self.mg)
 
     # ----------------------------------------------------------------- ops

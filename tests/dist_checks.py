@@ -38,6 +38,24 @@ def build(name: str, dtype: torch.dtype, seed: int = 0) -> torch.nn.Module:
     return build_model(name, dtype=dtype, seed=seed)
 
 
+def build_native(name: str, dtype: torch.dtype, device: str = "cpu") -> torch.nn.Module:
+    """Preset ``name`` constructed and initialised in ``dtype`` (not cast to it) on ``device``, after
+    ``torch.manual_seed(0)``: on "meta" the model ``compile_plan`` materialises, on "cpu" its twin."""
+    from models import get_spec
+
+    spec = get_spec(name)
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = spec.build()
+            model.reset_parameters()
+    finally:
+        torch.set_default_dtype(default)
+    return model  # type: ignore[no-any-return]
+
+
 def inputs(name: str, batch: int, dtype: torch.dtype, seed: int = 0) -> tuple[tuple[Any, ...], dict[str, Any]]:
     if ":" in name:
         module, _, attr = name.partition(":")
@@ -85,13 +103,13 @@ OPTIMIZERS = {
 }
 
 
-def _reference_run(name: str, dtype: torch.dtype, master_dtype: torch.dtype | None, optimizer: str, batches: list[Any]) -> dict[str, Any]:
+def _reference_run(name: str, dtype: torch.dtype, master_dtype: torch.dtype | None, optimizer: str, batches: list[Any], native: bool = False) -> dict[str, Any]:
     """One device's run of ``name`` on ``batches``: each step's loss and gradients (before the
-    optimizer step), and the parameters after the last."""
+    optimizer step), and the parameters after the last. ``native``: the model as :func:`build_native` makes it."""
     from planner.trace import loss_of
 
     opt_class, opt_kwargs = OPTIMIZERS[optimizer]
-    ref = build(name, dtype)
+    ref = build_native(name, dtype) if native else build(name, dtype)
     ref_opt: Any = _ReferenceMasters(ref, opt_class, master_dtype, **opt_kwargs) if master_dtype else opt_class(ref.parameters(), **opt_kwargs)
     losses, grads = [], []
     for args, kwargs in batches:
@@ -105,9 +123,11 @@ def _reference_run(name: str, dtype: torch.dtype, master_dtype: torch.dtype | No
 
 
 def train_and_compare(rank: int, world: int, plans_json: list[tuple[str, ...]]) -> list[dict[str, Any]]:
-    """For each (model preset, plan JSON[, optimizer[, precision]]): train both ways and report
-    (module docstring). One device's run is made once per model, optimizer and precision, however
-    many plans compare with it."""
+    """For each (model preset, plan JSON[, optimizer[, precision[, start]]]): train both ways and
+    report (module docstring). One device's run is made once per model, optimizer and precision,
+    however many plans compare with it. ``start`` "meta": the sharded run compiles the model built
+    on the meta device (:func:`build_native`; the plan made on its graph), each rank materialising
+    its shards, against the same model built on one CPU."""
     from planner.plan import Plan
     from planner.trace import micro_batch_inputs, trace
     from runtime.compile import compile_plan
@@ -118,21 +138,25 @@ def train_and_compare(rank: int, world: int, plans_json: list[tuple[str, ...]]) 
     for name, text, *rest in plans_json:
         optimizer = rest[0] if rest else "sgd"
         precision = rest[1] if len(rest) > 1 else "fp64"
+        meta = len(rest) > 2 and rest[2] == "meta"
         opt_class, opt_kwargs = OPTIMIZERS[optimizer]
         dtype, master_dtype = PRECISIONS[precision]
         plan = Plan.model_validate_json(text)
         batches = _batches(name, STEPS, dtype)
-        if (name, optimizer, precision) not in references:
-            references[(name, optimizer, precision)] = _reference_run(name, dtype, master_dtype, optimizer, batches)
-        want = references[(name, optimizer, precision)]
-        model = build(name, dtype)
+        if (name, optimizer, precision, meta) not in references:
+            references[(name, optimizer, precision, meta)] = _reference_run(name, dtype, master_dtype, optimizer, batches, native=meta)
+        want = references[(name, optimizer, precision, meta)]
+        model = build_native(name, dtype, "meta") if meta else build(name, dtype)
         args, kwargs = batches[0]
-        key = (name, dtype, plan.micro_batches)
+        key = (name, dtype, plan.micro_batches, meta)
         if key not in graphs:
             graphs[key] = trace(model, *micro_batch_inputs(args, kwargs, plan.micro_batches))
+        if meta:
+            torch.manual_seed(0)  # as before the CPU twin's construction: the replayed draws are its draws
         pm = compile_plan(plan, model, args, kwargs, graph=graphs[key])
         state = pm.full_state_dict()
-        exact_state = all(torch.equal(state[n], t) for n, t in model.named_parameters(remove_duplicate=False))
+        source = build_native(name, dtype) if meta else model
+        exact_state = all(torch.equal(state[n], t) for n, t in source.named_parameters(remove_duplicate=False))
         opt = pm.make_optimizer(opt_class, **opt_kwargs)
         steps = []
         for k, (args, kwargs) in enumerate(batches):

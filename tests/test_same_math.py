@@ -6,7 +6,8 @@ not AdamW). Plans: data parallel, Megatron 1-D tensor parallel (column/row linea
 vocab-parallel embedding and loss), the ILP's most memory-frugal plan (it picks
 sequence-parallel layouts), and their combinations with dp=2; 2-D (SUMMA, all-gather form) on
 2x2 and dp=2 x 2x2, and 3-D on the 2x2x2 cube (the ILP's least-memory plans on those meshes,
-checked to use the family).
+checked to use the family). Two plans on 4 ranks start from the model built on the meta device
+(each rank materialises its shards, runtime.materialize) against the same model built on a CPU.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from planner.ir import Node
 from planner.search import SearchSpace, search
 from planner.strategy import Strategy
 from planner.trace import trace
-from tests.dist_checks import BATCH, train_and_compare
+from tests.dist_checks import BATCH, build_native, train_and_compare
 from tests.harness import run_world
 
 HEAVY = ("aten.linear.default", "aten.layer_norm.default", "aten.scaled_dot_product_attention.default", "aten.cross_entropy_loss.default")
@@ -55,16 +56,22 @@ def megatron(node: Node, s: Strategy) -> bool:
 
 def _plan(
     devices: int, dp: int, *, model: str = "gpt-tiny", allow: Any = None, objective: str = "time", family: str = "1d", bucket_bytes: int | None = None,
-) -> tuple[str, str]:
-    module = build_model(model, dtype=torch.float64)
+    zero: int = 0, start: str = "cpu",
+) -> tuple[str, ...]:
+    """(model, plan JSON[, optimizer, precision, start]) for tests.dist_checks.train_and_compare;
+    ``start="meta"``: planned on the model built on the meta device, which the ranks materialise."""
+    module = build_native(model, torch.float64, "meta") if start == "meta" else build_model(model, dtype=torch.float64)
     args, kwargs = example_inputs(model, batch=BATCH, dtype=torch.float64)
     graph = trace(module, args, kwargs)
-    space = SearchSpace(devices=devices, dp=dp, tp=(family,) if devices > dp else ("none",))
+    space = SearchSpace(devices=devices, dp=dp, tp=(family,) if devices > dp else ("none",), zero=(zero,))
     buckets = {"bucket_bytes": bucket_bytes} if bucket_bytes else {}
     result = search(graph, space, A100_80G, model_name=model, objective=objective, allow=allow, front=False, **buckets)  # type: ignore[arg-type]
     assert result.best is not None
     if devices > dp:
         assert result.best.tp == family, (family, result.best.tp)
+    assert result.best.zero_stage == zero
+    if start == "meta":
+        return model, result.best.model_dump_json(), "sgd", "fp64", "meta"
     return model, result.best.model_dump_json()
 
 
@@ -104,6 +111,8 @@ CASES = {
         "tp=4 megatron": dict(dp=1, allow=megatron),
         "2-D 2x2 least-memory": dict(dp=1, family="2d", objective="memory"),
         "2-D 2x2 SUMMA stepped broadcasts": dict(dp=1, family="2d", allow=summa),
+        "tp=4 megatron from meta": dict(dp=1, allow=megatron, start="meta"),
+        "dp=4 ZeRO-3 least-memory from meta": dict(dp=4, zero=3, objective="memory", start="meta"),
     },
     8: {
         "3-D 2x2x2 least-memory": dict(dp=1, family="3d", objective="memory"),
