@@ -32,6 +32,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+from torch.distributed.checkpoint.planner import LoadPlan
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from planner.layout import Layout
 from runtime.collectives import CommRecorder, all_gather, relayout
@@ -99,6 +102,48 @@ def read_state(path: str | os.PathLike[str]) -> dict[str, Any]:
         else:
             state[key] = None
     dcp.load(state, storage_reader=dcp.FileSystemReader(folder), no_dist=True)
+    return state
+
+
+def checkpoint_metadata(path: str | os.PathLike[str]) -> tuple[Path, Any]:
+    """(the folder behind ``path``, DCP's metadata of it)."""
+    folder = Path(path).resolve()
+    if not (folder / ".metadata").exists():
+        raise ValueError(f"{path} is not a checkpoint (no DCP .metadata in {folder})")
+    return folder, dcp.FileSystemReader(folder).read_metadata()
+
+
+class _BoxLoadPlanner(dcp.DefaultLoadPlanner):
+    """Reads, for each key, only a box of the stored tensor: the overlap of the box with each chunk
+    the writers stored (DCP's own resharding reads), into a tensor shaped like the box."""
+
+    def __init__(self, boxes: dict[str, tuple[tuple[int, ...], tuple[int, ...]]]) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.boxes = boxes
+
+    def create_local_plan(self) -> LoadPlan:
+        requests = []
+        for key, (offsets, sizes) in self.boxes.items():
+            md = self.metadata.state_dict_metadata[key]  # type: ignore[union-attr]
+            assert isinstance(md, dcp.metadata.TensorStorageMetadata)
+            requests += create_read_items_for_chunk_list(key, md, [ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes))])
+        return LoadPlan(requests)
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        return self.state_dict[index.fqn]  # type: ignore[no-any-return]  # the box itself (DCP's lookup wants a whole tensor at offset 0)
+
+
+def read_boxes(folder: Path, metadata: Any, boxes: dict[str, tuple[tuple[int, ...], tuple[int, ...]]]) -> dict[str, torch.Tensor]:
+    """Each key's box of the checkpoint in ``folder``, reading only the bytes of the box (every rank
+    alone: no collectives)."""
+    state: dict[str, Any] = {}
+    for key, (_, sizes) in boxes.items():
+        md = metadata.state_dict_metadata.get(key)
+        if not isinstance(md, dcp.metadata.TensorStorageMetadata):
+            raise ValueError(f"checkpoint {folder} has no tensor {key!r}")
+        state[key] = torch.empty(sizes, dtype=md.properties.dtype)
+    if state:
+        dcp.load(state, storage_reader=dcp.FileSystemReader(folder), planner=_BoxLoadPlanner(boxes), no_dist=True)
     return state
 
 

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import itertools
 import operator
+import os
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -47,6 +49,7 @@ from runtime.kernels import (
 )
 from runtime.materialize import is_meta_module, materialize
 from runtime.module import ParallelModule, attr_name
+from runtime.weights import Box, WeightSource, local_box, open_weights, pick_name
 from runtime.zero3 import Member, ParamUnits
 
 _BIAS_INPUT = {"linear": 2, "addmm": 0}  # which input of the kernel is the bias
@@ -64,13 +67,16 @@ def compile_plan(
     loss_partial_over: frozenset[str] = frozenset(),
     graph: IRGraph | None = None,
     init: Callable[[torch.nn.Module], None] | None = None,
+    weights: str | os.PathLike[str] | WeightSource | None = None,
 ) -> ParallelModule:
     """This rank's runnable module for ``plan``. ``example_*``: a full (global) batch, as planned.
 
     A model on the meta device is materialised shard by shard (:mod:`runtime.materialize`): its
     initialisation (``init``, default :func:`runtime.materialize.default_init`) replayed under the
     current random state, each rank keeping only its own shards, which equal the slices of what
-    the same model built on a CPU after the same ``torch.manual_seed`` holds.
+    the same model built on a CPU after the same ``torch.manual_seed`` holds. ``weights``: a file
+    or checkpoint to take the parameters (and buffers) from (:mod:`runtime.weights`), each rank
+    reading only its shards; a meta model then materialises only what the file lacks.
 
     ``loss_partial_over``: mesh axes over which the returned loss stays a partial sum (this rank's
     contribution) instead of being all-reduced; CDP sums over the data-parallel axis itself.
@@ -95,14 +101,18 @@ def compile_plan(
     if plan.cdp != "off":  # CDP sums over the data-parallel axis itself (runtime.cdp)
         loss_partial_over = loss_partial_over | {a for a in plan.mesh_obj.dp_axes if plan.mesh[a] > 1}
     builder.loss_partial_over = loss_partial_over
+    source = (weights if isinstance(weights, WeightSource) else open_weights(weights)) if weights is not None else None
+    if source is not None:
+        builder.read_weights(source)
     if is_meta_module(model):
-        builder.materialize(init)
+        builder.materialize(init, prune=source is not None)
     gm = builder.build()
     units = _param_units(plan, gm, builder.sites, mg, recorder)
     if plan.zero_prefetch:
         prefetch_parameter_gathers(gm)  # the gathers outside units, one ahead
     pm = ParallelModule(plan, graph, gm, mg, recorder, builder.param_specs, builder.param_names, builder.input_specs)
     pm.units = units
+    pm.buffer_names = builder.buffer_names
     pm.node_origin = builder.origin
     pm.node_values = {key: fx_node.name for key, fx_node in builder.env.items()}
     return pm
@@ -189,6 +199,7 @@ class _Builder:
         self.converted: dict[tuple[str, int, Spec], torch.fx.Node] = {}
         self.param_specs: dict[str, Spec] = {}
         self.param_names: dict[str, tuple[str, ...]] = {}
+        self.buffer_names: dict[str, tuple[str, ...]] = {}
         self.input_specs: list[Spec] = []
         self.count = 0
         self.loss_partial_over: frozenset[str] = frozenset()
@@ -196,9 +207,8 @@ class _Builder:
         self.sites: dict[str, tuple[Convert, str]] = {}  # parameter gather sites (planner.overlap's names) -> (gather, parameter attribute)
         self.materialized: dict[str, torch.Tensor] = {}  # a meta model's parameters (this rank's shards) and buffers, by name
 
-    def materialize(self, init: Callable[[torch.nn.Module], None] | None) -> None:
-        """Replay the meta model's initialisation, keeping this rank's shard of each parameter (as
-        :meth:`_param` stores it) and each buffer the graph reads, whole."""
+    def _layouts(self) -> dict[str, Layout | None]:
+        """Every name of each parameter the graph reads -> its stored layout; of each buffer -> None (whole)."""
         layouts: dict[str, Layout | None] = {}
         for node in self.graph.nodes.values():
             if node.kind == "param":
@@ -207,12 +217,49 @@ class _Builder:
                 layouts.update((name, spec.layout) for name in node.param_names)
             elif node.kind == "buffer":
                 layouts.update((name, None) for name in node.param_names)
+        return layouts
+
+    def _groups_of_names(self) -> list[tuple[str, ...]]:
+        return [node.param_names for node in self.graph.nodes.values() if node.kind in ("param", "buffer")]
+
+    def materialize(self, init: Callable[[torch.nn.Module], None] | None, prune: bool = False) -> None:
+        """Replay the meta model's initialisation, keeping this rank's shard of each parameter (as
+        :meth:`_param` stores it) and each buffer the graph reads, whole; those read from a file
+        already are left out (``prune``: and the ops only they need)."""
+        layouts = self._layouts()
+        wanted = {n for names in self._groups_of_names() if not any(m in self.materialized for m in names) for n in names}
 
         def keep(name: str, full: torch.Tensor) -> None:
             layout = layouts[name]
             self.materialized[name] = (full if layout is None else self.shard(full, layout)).to(self.device).clone()
 
-        materialize(self.model, keep, init=init, names=layouts)
+        if wanted:
+            materialize(self.model, keep, init=init, names=wanted, prune=prune)
+
+    def read_weights(self, source: WeightSource) -> None:
+        """This rank's box of every parameter (and every buffer) ``source`` holds under one of its names."""
+        layouts = self._layouts()
+        available = source.names()
+        boxes: dict[str, Box] = {}
+        lacking = []
+        for names in self._groups_of_names():
+            name = pick_name(names, available)
+            if name is None:
+                if layouts[names[0]] is not None:
+                    lacking.append(names[0])
+                continue
+            t = self.model.get_parameter(name) if layouts[names[0]] is not None else self.model.get_buffer(names[0])
+            shape = tuple(t.shape)
+            if source.shape(name) != shape:
+                raise ValueError(f"{name} is {list(source.shape(name))} in the weights, {list(shape)} in the model: the weights are of another model")
+            layout = layouts[names[0]]
+            boxes[name] = local_box(layout, shape, self.mg) if layout is not None else ((0,) * len(shape), shape)
+        dtypes = {name: (self.model.get_parameter(name) if layouts[name] is not None else self.model.get_buffer(name)).dtype for name in boxes}
+        for name, value in source.read(boxes).items():
+            self.materialized[name] = value.to(device=self.device, dtype=dtypes[name])
+        if lacking:
+            warnings.warn(f"the weights hold no {', '.join(lacking[:5])}{' ...' if len(lacking) > 5 else ''} ({len(lacking)} parameters): "
+                          "they keep the model's values (a meta model's are initialised as it would initialise them)", UserWarning, stacklevel=3)
 
     def build(self) -> torch.fx.GraphModule:
         for node in self.graph.nodes.values():
@@ -242,6 +289,8 @@ class _Builder:
         assert spec is not None
         full = self.model.get_parameter(node.param_names[0])
         mine = next((self.materialized[n] for n in node.param_names if n in self.materialized), None)
+        if mine is not None and mine.requires_grad:
+            mine = mine.detach()
         local = mine if mine is not None else self.shard(full.detach(), spec.layout).to(self.device).clone()
         attr = attr_name(node.name)
         self.root.register_parameter(attr, torch.nn.Parameter(local, requires_grad=full.requires_grad))
@@ -251,11 +300,16 @@ class _Builder:
 
     def _buffer(self, node: Node) -> None:
         name = node.param_names[0]
-        full = self.graph.constants.get(name) if node.kind == "constant" else self.materialized.get(name, self.model.get_buffer(name))
+        full = self.graph.constants.get(name) if node.kind == "constant" else next(
+            (self.materialized[n] for n in node.param_names if n in self.materialized), None) if node.kind == "buffer" else None
+        if full is None and node.kind == "buffer":
+            full = self.model.get_buffer(name)
         if not isinstance(full, torch.Tensor):
             raise ValueError(f"the traced graph reads {node.kind} {name!r}, which neither the model nor the trace holds as a tensor")
         attr = attr_name(node.name)
         self.root.register_buffer(attr, full.detach().to(self.device).clone())
+        if node.kind == "buffer":
+            self.buffer_names[attr] = node.param_names
         self.env[(node.name, 0)] = self.fx.get_attr(attr)
 
     def shard(self, full: torch.Tensor, layout: Layout) -> torch.Tensor:

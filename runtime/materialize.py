@@ -133,12 +133,14 @@ def record(model: torch.nn.Module, init: Callable[[torch.nn.Module], None] | Non
 
 
 def materialize(model: torch.nn.Module, keep: Callable[[str, torch.Tensor], None], *,
-                init: Callable[[torch.nn.Module], None] | None = None, names: Collection[str] | None = None) -> None:
+                init: Callable[[torch.nn.Module], None] | None = None, names: Collection[str] | None = None, prune: bool = False) -> None:
     """Replay ``model``'s initialisation on real CPU tensors and hand each parameter and buffer to
     ``keep(name, full_value)`` once, when its value is final (the tensor is freed after ``keep``
     returns: keep a slice's clone, not a view), under its first name (tied weights are one tensor).
-    ``names``: only the tensors of these names (default: every meta parameter and buffer). See the
-    module docstring."""
+    ``names``: only the tensors of these names (default: every meta parameter and buffer). ``prune``:
+    skip the ops nothing of ``names`` depends on (the rest of the model comes from a file; a random
+    draw skipped moves the later ones, so the values are then reproducible but not the CPU
+    build's). See the module docstring."""
     tape = record(model, init)
     owners: dict[int, tuple[str, torch.Tensor]] = {}
     for name, t in (*model.named_parameters(remove_duplicate=True), *model.named_buffers(remove_duplicate=True)):
@@ -150,7 +152,21 @@ def materialize(model: torch.nn.Module, keep: Callable[[str, torch.Tensor], None
             f"no initialisation writes {', '.join(sorted(missing)[:5])}{' ...' if len(missing) > 5 else ''} (built on meta; its value came "
             "from the constructor, which cannot be replayed): give the model a reset_parameters() that sets it, pass init=, or load weights"
         )
+    if prune:
+        tape = _needed(tape, set(owners))
     _Replay(tape, owners, keep).run()
+
+
+def _needed(tape: list[_Op], storages: set[int]) -> list[_Op]:
+    """The ops of ``tape`` that the final values of ``storages`` depend on (conservatively: every
+    op touching a storage an op kept touches)."""
+    needed, kept = set(storages), []
+    for op in reversed(tape):
+        touched = _touches(op)
+        if touched & needed:
+            needed |= touched
+            kept.append(op)
+    return kept[::-1]
 
 
 def _touches(op: _Op) -> set[int]:

@@ -119,6 +119,7 @@ class ParallelModule(torch.nn.Module):
         self.recorder = recorder
         self.param_specs = param_specs
         self.param_names = param_names
+        self.buffer_names: dict[str, tuple[str, ...]] = {}  # buffer attribute -> the model's names for it (set by compile)
         self.input_specs = input_specs
         self.zero: ZeroShards | None = None
         self.units: ParamUnits | None = None  # ZeRO-3's per-block gathers (set by compile)
@@ -262,6 +263,10 @@ class ParallelModule(torch.nn.Module):
         )
 
     # ----------------------------------------------------------------- introspection
+
+    def named_original_buffers(self) -> dict[str, torch.Tensor]:
+        """The graph's buffers under the model's own names (each name of a shared one)."""
+        return {name: self.graph_module.get_buffer(attr) for attr, names in self.buffer_names.items() for name in names}
 
     def local_parameters(self) -> dict[str, torch.nn.Parameter]:
         return {attr: self.graph_module.get_parameter(attr) for attr in self.param_specs}
