@@ -19,6 +19,7 @@ from planner.hardware import A100_80G
 from planner.search import SearchSpace, search
 from planner.trace import trace
 from tests.harness import run_world
+from tests.memory_probe import allocator_count, counting_every_thread, peak_count, storage_bytes
 from tests.test_same_math import data_parallel, megatron_dp
 
 MODEL = "gpt-tiny-nobias"
@@ -105,12 +106,24 @@ def save_then_move(rank: int, world: int, plan_a: str, plan_b: str, path: str, d
     opt_a = pm_a.make_optimizer(torch.optim.AdamW, **ADAMW)
     for batch in batches[:2]:
         _step(pm_a, opt_a, batch)
-    ckpt.save_checkpoint(pm_a, opt_a, path)
+    with counting_every_thread():
+        before = allocator_count()
+        save_peak = peak_count(lambda: ckpt.save_checkpoint(pm_a, opt_a, path, step=2, extra={"loader": {"epoch": 0, "batch": 8}})) - before
     params, states = pm_a.full_state_dict(), ckpt.full_optimizer_state(pm_a, opt_a)
+    held_a = _held(pm_a, opt_a)
+    _, metadata = ckpt.checkpoint_metadata(path)
+    stored = metadata.state_dict_metadata
+    chunks = {}  # each parameter: (its stored chunks' shapes, this rank's shard's shape, the full shape)
+    for attr, p in pm_a.local_parameters().items():
+        md = stored[f"model/{pm_a.param_names[attr][0]}"]
+        chunks[attr] = ([tuple(c.sizes) for c in md.chunks], tuple(p.shape), tuple(md.size))
     uninterrupted = _step(pm_a, opt_a, batches[2])
     pm_b = compile_plan(Plan.model_validate_json(plan_b), build_model(MODEL, dtype=dtype, seed=1), *batches[0])
     opt_b = pm_b.make_optimizer(torch.optim.AdamW, **ADAMW)
-    ckpt.load_checkpoint(pm_b, opt_b, path)
+    progress: dict[str, Any] = {}
+    with counting_every_thread():
+        before = allocator_count()
+        load_peak = peak_count(lambda: progress.update(ckpt.load_checkpoint(pm_b, opt_b, path))) - before
     moved_params, moved_states = pm_b.full_state_dict(), ckpt.full_optimizer_state(pm_b, opt_b)
     resumed = _step(pm_b, opt_b, batches[2])
     return {
@@ -120,7 +133,18 @@ def save_then_move(rank: int, world: int, plan_a: str, plan_b: str, path: str, d
         "has_masters": all("master" in s and s["master"].dtype == torch.float32 for s in states.values()),
         "uninterrupted": uninterrupted,
         "resumed": resumed,
+        "progress": progress,
+        "chunks": chunks,
+        "save_peak": save_peak, "held_a": held_a, "load_peak": load_peak, "held_b": _held(pm_b, opt_b),
     }
+
+
+def _held(pm: Any, opt: Any) -> dict[str, int]:
+    """This rank's bytes of parameters and of optimizer states (tensors), and its largest one."""
+    params = list(pm.local_parameters().values())
+    states = [v for st in ckpt._inner(opt).state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+    return {"params": storage_bytes(params), "states": storage_bytes(states),
+            "largest": max(t.numel() * t.element_size() for t in params + states)}
 
 
 def load_elsewhere(rank: int, world: int, plan_c: str, path: str) -> dict[str, Any]:
@@ -178,3 +202,28 @@ def test_training_resumes_with_the_uninterrupted_loss(moved) -> None:  # type: i
     four, two = moved
     assert abs(four["resumed"] - four["uninterrupted"]) <= 1e-9 * abs(four["uninterrupted"])
     assert abs(two["resumed"] - four["uninterrupted"]) <= 1e-9 * abs(four["uninterrupted"])
+
+
+def test_the_progress_saved_comes_back_on_load(moved) -> None:  # type: ignore[no-untyped-def]
+    four, _ = moved
+    assert four["progress"] == {"step": 2, "extra": {"loader": {"epoch": 0, "batch": 8}}}
+
+
+def test_each_parameter_is_stored_as_the_shards_its_ranks_held(moved) -> None:  # type: ignore[no-untyped-def]
+    """Written under dp=4 ZeRO-3: a parameter split 4 ways is 4 chunks of its shard's shape (each
+    written by its holder, none gathered); a replicated one, one chunk (written once)."""
+    four, _ = moved
+    split = 0
+    for attr, (stored, mine, full) in four["chunks"].items():
+        assert all(shape == mine for shape in stored), (attr, stored, mine)
+        assert len(stored) * torch.Size(mine).numel() == torch.Size(full).numel(), (attr, stored, full)
+        split += len(stored) == 4
+    assert split >= len(four["chunks"]) // 2, four["chunks"]
+
+
+def test_save_and_load_hold_the_ranks_own_state_and_one_buffer(moved) -> None:  # type: ignore[no-untyped-def]
+    """dp=4 ZeRO-3 writes, dp=2 x tp=2 ZeRO-1 reads: no rank allocates more than one tensor's worth
+    while saving (nothing gathered), nor more than the states it loads plus one tensor while loading."""
+    four, _ = moved
+    assert four["save_peak"] <= four["held_a"]["largest"] + 256 * 1024, (four["save_peak"], four["held_a"])
+    assert four["load_peak"] <= four["held_b"]["states"] + four["held_a"]["largest"] + 256 * 1024, (four["load_peak"], four["held_b"])
