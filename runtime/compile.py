@@ -68,6 +68,7 @@ def compile_plan(
     graph: IRGraph | None = None,
     init: Callable[[torch.nn.Module], None] | None = None,
     weights: str | os.PathLike[str] | WeightSource | None = None,
+    device_mesh: Any = None,
 ) -> ParallelModule:
     """This rank's runnable module for ``plan``. ``example_*``: a full (global) batch, as planned.
 
@@ -77,6 +78,8 @@ def compile_plan(
     the same model built on a CPU after the same ``torch.manual_seed`` holds. ``weights``: a file
     or checkpoint to take the parameters (and buffers) from (:mod:`runtime.weights`), each rank
     reading only its shards; a meta model then materialises only what the file lacks.
+    ``device_mesh``: a torch DeviceMesh with the plan's axis names and degrees to run on (default:
+    one made with ``init_device_mesh``; ``pm.device_mesh`` either way).
 
     ``loss_partial_over``: mesh axes over which the returned loss stays a partial sum (this rank's
     contribution) instead of being all-reduced; CDP sums over the data-parallel axis itself.
@@ -92,8 +95,8 @@ def compile_plan(
             f"the plan was made for a different model or input shapes (fingerprint {plan.model_fingerprint}, "
             f"this model traces to {fingerprint(graph)}); re-plan with these inputs"
         )
-    mg = mesh_groups or build_groups(plan.mesh_obj)
     dev = torch.device(device) if device is not None else _default_device()
+    mg = mesh_groups or build_groups(plan.mesh_obj, dev.type, device_mesh)
     if dev.type == "cpu":  # freed tensors' pages kept for the next step, not faulted in again (runtime.host_memory)
         keep_freed_memory()
     recorder = CommRecorder()
@@ -113,6 +116,7 @@ def compile_plan(
     pm = ParallelModule(plan, graph, gm, mg, recorder, builder.param_specs, builder.param_names, builder.input_specs)
     pm.units = units
     pm.buffer_names = builder.buffer_names
+    pm.persistent_buffers = frozenset(model.state_dict(keep_vars=True)) - {n for n, _ in model.named_parameters(remove_duplicate=False)}
     pm.node_origin = builder.origin
     pm.node_values = {key: fx_node.name for key, fx_node in builder.env.items()}
     return pm

@@ -1,8 +1,11 @@
 """Process groups for a mesh: one per subset of mesh axes (degree > 1), created on every rank.
 
-This is the only place that creates process groups. ``new_subgroups_by_enumeration`` makes every
-rank take part in creating every group (as torch.distributed requires) and returns the one this
-rank belongs to.
+This is the only place that creates process groups. The mesh is a torch ``DeviceMesh`` with the
+plan's axis names (``init_device_mesh``, or one the user passes whose names and shape are the
+plan's), whose groups serve each single axis; a subset of several axes gets its own group from
+``new_subgroups_by_enumeration``, which makes every rank take part in creating every group (as
+torch.distributed requires) and returns the one this rank belongs to. Ranks map to coordinates
+row-major, outermost axis first, as ``DeviceMesh`` lays them out.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ class MeshGroups:
     rank: int
     coords: dict[str, int]
     groups: dict[tuple[str, ...], dist.ProcessGroup] = field(default_factory=dict)
+    device_mesh: Any = None  # the torch DeviceMesh over the plan's axes (None: groups built by hand, or one process)
 
     def group(self, axes: tuple[str, ...]) -> dist.ProcessGroup:
         key = self.mesh.sort_axes(axes)
@@ -64,18 +68,43 @@ def agree_on_rank0(compute: Callable[[], T]) -> T:
     return value  # type: ignore[no-any-return]
 
 
-def build_groups(mesh: Mesh) -> MeshGroups:
+def build_groups(mesh: Mesh, device_type: str = "cpu", device_mesh: Any = None) -> MeshGroups:
+    """The groups of ``mesh`` on this rank, over ``device_mesh`` (a torch DeviceMesh with the
+    mesh's axis names and degrees) or one made here with ``init_device_mesh(device_type, ...)``."""
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialized: launch with torchrun (or call init_process_group) first")
     world = dist.get_world_size()
     if world != mesh.size:
         raise ValueError(f"the plan's mesh {mesh} has {mesh.size} devices but WORLD_SIZE is {world}; re-plan for {world} devices")
+    if device_mesh is None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        device_mesh = init_device_mesh(device_type, mesh.degrees, mesh_dim_names=mesh.axes)
+    else:
+        check_device_mesh(device_mesh, mesh)
     rank = dist.get_rank()
-    result = MeshGroups(mesh, rank, mesh.coords(rank))
+    result = MeshGroups(mesh, rank, mesh.coords(rank), device_mesh=device_mesh)
     axes = [a for a in mesh.axes if mesh.degree(a) > 1]
     for r in range(1, len(axes) + 1):
         for subset in itertools.combinations(axes, r):
+            if r == 1:
+                result.groups[subset] = device_mesh.get_group(subset[0])
+                continue
             mine, _ = dist.new_subgroups_by_enumeration(mesh.groups(subset))
             assert mine is not None
             result.groups[subset] = mine
     return result
+
+
+def check_device_mesh(device_mesh: Any, mesh: Mesh) -> None:
+    """A user's DeviceMesh serves the plan's mesh when it has the same axis names, degrees and the
+    row-major rank layout (``init_device_mesh``'s); otherwise a ValueError says what differs."""
+    import torch
+
+    names = tuple(device_mesh.mesh_dim_names or ())
+    shape = tuple(device_mesh.mesh.shape)
+    if names != mesh.axes or shape != mesh.degrees:
+        raise ValueError(f"the DeviceMesh has axes {names} of sizes {shape}; the plan's mesh is {mesh} (axes {mesh.axes}, sizes {mesh.degrees}): "
+                         f"build it with init_device_mesh(device_type, {mesh.degrees}, mesh_dim_names={mesh.axes})")
+    if not torch.equal(device_mesh.mesh.flatten().cpu(), torch.arange(mesh.size)):
+        raise ValueError("the DeviceMesh lays ranks out in another order than row-major (init_device_mesh's); the plan's coordinates assume that order")

@@ -27,7 +27,7 @@ import contextlib
 import re
 import warnings
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -120,6 +120,7 @@ class ParallelModule(torch.nn.Module):
         self.param_specs = param_specs
         self.param_names = param_names
         self.buffer_names: dict[str, tuple[str, ...]] = {}  # buffer attribute -> the model's names for it (set by compile)
+        self.persistent_buffers: frozenset[str] = frozenset()  # the buffer names the model's state_dict holds (set by compile)
         self.input_specs = input_specs
         self.zero: ZeroShards | None = None
         self.units: ParamUnits | None = None  # ZeRO-3's per-block gathers (set by compile)
@@ -264,6 +265,89 @@ class ParallelModule(torch.nn.Module):
 
     # ----------------------------------------------------------------- introspection
 
+    # ----------------------------------------------------------------- the model's own names
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Iterator[tuple[str, torch.nn.Parameter]]:
+        """This rank's parameters (its shards) under the model's own names: a tied weight under its
+        first name, or under each with ``remove_duplicate=False``."""
+        for attr, p in self.local_parameters().items():
+            names = self.param_names[attr]
+            for name in names[:1] if remove_duplicate else names:
+                yield prefix + name, p
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+        """The buffers the graph reads, under the model's own names."""
+        for name, b in self.named_original_buffers().items():
+            yield prefix + name, b
+
+    def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> dict[str, Any]:  # type: ignore[override]
+        """This rank's shards of the parameters and the persistent buffers, under the model's own
+        names, each name of a tied weight as the model's ``state_dict`` has them (the full tensors:
+        :meth:`full_state_dict`)."""
+        out: dict[str, Any] = destination if destination is not None else {}
+        for name, p in self.named_parameters(remove_duplicate=False):
+            out[prefix + name] = p if keep_vars else p.detach()
+        for name, b in self.named_buffers():
+            if name in self.persistent_buffers:
+                out[prefix + name] = b if keep_vars else b.detach()
+        return out
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        """Copy this rank's shards (as :meth:`state_dict` gives them) into the parameters and
+        buffers. ``strict``: a missing or unexpected name is an error listing them."""
+        if assign:
+            raise ValueError("assign=True would replace the sharded parameters; load_state_dict copies into them")
+        own = self.state_dict(keep_vars=True)
+        missing = sorted(set(own) - set(state_dict))
+        unexpected = sorted(set(state_dict) - set(own))
+        if strict and (missing or unexpected):
+            raise ValueError(f"load_state_dict: missing {missing[:5]}{' ...' if len(missing) > 5 else ''}, "
+                             f"unexpected {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''} (the model's own names; this rank's shards)")
+        with torch.no_grad():
+            for name, t in own.items():
+                if name in state_dict:
+                    value = state_dict[name]
+                    if tuple(value.shape) != tuple(t.shape):
+                        raise ValueError(f"load_state_dict: {name} is {list(value.shape)}, this rank's shard is {list(t.shape)} "
+                                         "(pm.state_dict() holds shards; a full state dict loads with runtime.weights.load_weights)")
+                    t.copy_(value)
+        return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
+
+    @property
+    def device_mesh(self) -> Any:
+        """The torch DeviceMesh this module runs on (the plan's axis names and degrees)."""
+        return self.mesh_groups.device_mesh
+
+    def placements(self, name: str) -> tuple[Any, ...] | None:
+        """Parameter ``name``'s sharding as DTensor placements, one per axis of :attr:`device_mesh`:
+        ``Shard(d)`` where the layout splits dim d over that axis, ``Replicate()`` elsewhere. None
+        where DTensor has no equivalent (a dim split over several axes in another order than the
+        mesh's: DTensor splits in mesh order)."""
+        from torch.distributed.tensor import Replicate, Shard
+
+        attr = next((a for a, names in self.param_names.items() if name in names), None)
+        if attr is None:
+            raise KeyError(f"the model has no parameter {name!r}")
+        layout = self.param_specs[attr].layout
+        mesh = self.mesh_groups.mesh
+        out: list[Any] = [Replicate() for _ in mesh.axes]
+        for d, axes in enumerate(layout.dims):
+            if tuple(axes) != mesh.sort_axes(axes):
+                return None
+            for axis in axes:
+                out[mesh.axes.index(axis)] = Shard(d)
+        return tuple(out)
+
+    def to_dtensor(self, name: str) -> Any:
+        """Parameter ``name`` as a DTensor over :attr:`device_mesh` (this rank's shard, no copy)."""
+        from torch.distributed.tensor import DTensor
+
+        placements = self.placements(name)
+        if placements is None or self.device_mesh is None:
+            raise ValueError(f"{name}'s layout has no DTensor equivalent on this mesh" if placements is None else "no DeviceMesh: built without one")
+        attr = next(a for a, names in self.param_names.items() if name in names)
+        return DTensor.from_local(self.graph_module.get_parameter(attr).detach(), self.device_mesh, placements, run_check=False)
+
     def named_original_buffers(self) -> dict[str, torch.Tensor]:
         """The graph's buffers under the model's own names (each name of a shared one)."""
         return {name: self.graph_module.get_buffer(attr) for attr, names in self.buffer_names.items() for name in names}
@@ -280,12 +364,16 @@ class ParallelModule(torch.nn.Module):
         return full
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Every parameter, full, under its original names (tied weights under each name)."""
+        """Every parameter, full, under its original names (tied weights under each name), and the
+        persistent buffers: what the original model's ``load_state_dict(strict=True)`` takes."""
         out: dict[str, torch.Tensor] = {}
         for attr, p in self.local_parameters().items():
             full = self.gather(attr, p)
             for name in self.param_names[attr]:
                 out[name] = full
+        for name, b in self.named_buffers():
+            if name in self.persistent_buffers:
+                out[name] = b.detach().clone()
         return out
 
     def full_grads(self) -> dict[str, torch.Tensor]:
