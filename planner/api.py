@@ -126,6 +126,9 @@ def auto_parallelize(
     example_kwargs: dict[str, Any] | None = None,
     plan: Plan | None = None,
     device: torch.device | str | None = None,
+    weights: Any = None,
+    init: Any = None,
+    device_mesh: Any = None,
     **planning: Any,
 ) -> PlanningResult | ParallelModule:
     """Plan ``model`` for ``devices`` devices; under torchrun, return this rank's sharded module.
@@ -133,7 +136,10 @@ def auto_parallelize(
     ``example_inputs``/``example_kwargs``: one full global batch (``model(*example_inputs,
     **example_kwargs)`` returns the training loss). Keyword arguments of :func:`plan_model`
     (``hardware``, ``memory_budget``, ``tp``, ``zero``, ``cdp``, ``dp``, ``micro_batches``, ``objective`` = ``"time"``,
-    ``"memory"`` or ``"knee"``, ...) pass through. Outside torchrun the :class:`PlanningResult`
+    ``"memory"`` or ``"knee"``, ...) pass through. ``model`` may live on the meta device: each rank
+    then materialises only its shards (``init``: the initialisation to replay, ``weights``: a
+    safetensors file or folder or a checkpoint to read them from instead; ``runtime.compile_plan``),
+    on ``device_mesh`` if given (a torch DeviceMesh with the plan's axis names). Outside torchrun the :class:`PlanningResult`
     carries the chosen plan and the front (``.plan``, ``.front``, ``.knee``); under torchrun the
     module's ``.plan`` is the chosen point and ``.front`` the front, the same on every rank. Give
     ``plan=`` to run a saved plan without searching again.
@@ -162,7 +168,9 @@ def auto_parallelize(
         if text is None:
             raise ValueError(f"no plan fits; nothing to run.\n{report}")
         plan = Plan.model_validate_json(text)
-        pm = compile_plan(plan, model, tuple(example_inputs or ()), dict(example_kwargs or {}), device=device)
+        pm = compile_plan(plan, model, tuple(example_inputs or ()), dict(example_kwargs or {}), device=device, weights=weights, init=init,
+                          device_mesh=device_mesh)
         pm.front = [Plan.model_validate_json(t) for t in front]  # every rank gets the front it was chosen from
         return pm
-    return compile_plan(plan, model, tuple(example_inputs or ()), dict(example_kwargs or {}), device=device)
+    return compile_plan(plan, model, tuple(example_inputs or ()), dict(example_kwargs or {}), device=device, weights=weights, init=init,
+                        device_mesh=device_mesh)

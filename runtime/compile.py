@@ -361,6 +361,10 @@ class _Builder:
         for pos, text in np.regather:
             computes[pos] = parse_spec(text)
         kernel: torch.nn.Module = self._kernel(node, np, computes, [raw] if raw is not None else outs)
+        # a strategy that reduces its own partial output adds the bias after the reduction: a bias
+        # the kernel gathers itself (ZeRO-3) is gathered there, for the addition, not for the kernel
+        bias = _BIAS_INPUT.get(np.kernel) if raw is not None and outs[0] is not None else None
+        bias_gather: Convert | None = None
         if np.regather:
             private = {}
             for pos, text in np.regather:
@@ -371,16 +375,20 @@ class _Builder:
                 private[pos] = Convert(conv.forward, conv.backward, self.mg, self.rec, f"{node.name}[{pos}]: {arrival} -> {compute} (re-gathered in backward)")
                 if self.graph.nodes[node.inputs[pos].node].kind == "param" and arrival == self.nodes[node.inputs[pos].node].output_specs()[0]:
                     self.sites[f"{node.name}:{pos}"] = (private[pos], attr_name(node.inputs[pos].node))
-            kernel = RegatherKernel(kernel, private, self.mg, self.rec)
+            bias_gather = private.pop(bias, None) if bias is not None else None
+            if private:
+                kernel = RegatherKernel(kernel, private, self.mg, self.rec)
         name = self._add(f"k_{node.name}", kernel)
         out = self.fx.call_module(name, values)
         if raw is not None and outs[0] is not None:  # the strategy reduces its own partial output
             conv = spec_conversion(raw, outs[0], self.mg.mesh)
             module = Convert(conv.forward, conv.backward if node.requires_grad else (), self.mg, self.rec, f"{node.name}: {raw} -> {outs[0]}")
             out = self.fx.call_module(self._add(f"reduce_{node.name}", module), (out,))
-            bias = _BIAS_INPUT.get(np.kernel)
             if bias is not None and bias < len(values):
-                out = self.fx.call_module(self._add(f"bias_{node.name}", AddBias()), (out, values[bias]))
+                add: torch.nn.Module = AddBias()
+                if bias_gather is not None:
+                    add = RegatherKernel(add, {1: bias_gather}, self.mg, self.rec)
+                out = self.fx.call_module(self._add(f"bias_{node.name}", add), (out, values[bias]))
         if len(node.outputs) == 1:
             self.env[(node.name, 0)] = out
         else:
