@@ -245,6 +245,7 @@ class _Builder:
         layouts = self._layouts()
         available = source.names()
         boxes: dict[str, Box] = {}
+        dtypes: dict[str, torch.dtype] = {}
         lacking = []
         for names in self._groups_of_names():
             name = pick_name(names, available)
@@ -258,7 +259,7 @@ class _Builder:
                 raise ValueError(f"{name} is {list(source.shape(name))} in the weights, {list(shape)} in the model: the weights are of another model")
             layout = layouts[names[0]]
             boxes[name] = local_box(layout, shape, self.mg) if layout is not None else ((0,) * len(shape), shape)
-        dtypes = {name: (self.model.get_parameter(name) if layouts[name] is not None else self.model.get_buffer(name)).dtype for name in boxes}
+            dtypes[name] = t.dtype
         for name, value in source.read(boxes).items():
             self.materialized[name] = value.to(device=self.device, dtype=dtypes[name])
         if lacking:
@@ -293,8 +294,6 @@ class _Builder:
         assert spec is not None
         full = self.model.get_parameter(node.param_names[0])
         mine = next((self.materialized[n] for n in node.param_names if n in self.materialized), None)
-        if mine is not None and mine.requires_grad:
-            mine = mine.detach()
         local = mine if mine is not None else self.shard(full.detach(), spec.layout).to(self.device).clone()
         attr = attr_name(node.name)
         self.root.register_parameter(attr, torch.nn.Parameter(local, requires_grad=full.requires_grad))

@@ -22,8 +22,8 @@ TRAIN = ["examples/train_large.py", "--steps", "3", "--batch", "8", "--dtype", "
 def _launch(args: list[str], tmp: Path, name: str) -> subprocess.Popen[bytes]:
     torchrun = Path(sys.executable).with_name("torchrun")
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    log = open(tmp / f"{name}.log", "wb")  # noqa: SIM115 (closed with the process, below)
-    return subprocess.Popen([str(torchrun), *args], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    with open(tmp / f"{name}.log", "wb") as log:  # the launch writes through its own copy of the handle
+        return subprocess.Popen([str(torchrun), *args], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
 def _wait(procs: list[subprocess.Popen[bytes]], tmp: Path, timeout: float = 400) -> None:

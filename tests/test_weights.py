@@ -69,9 +69,15 @@ def _losses(rank: int, world: int, cases: list[tuple[str, str, str]]) -> list[di
         args, kwargs = example_inputs(name, batch=4, seed=1)
         reference = transformers.AutoModelForCausalLM.from_pretrained(folder).train()
         want = reference(*args, **kwargs).loss.item()
-        pm = compile_plan(Plan.model_validate_json(text), build_model(name, device="meta", seed=None), args, kwargs, weights=folder)
+        plan = Plan.model_validate_json(text)
+        mesh = None
+        if len(out) == 0:  # the first case runs on a DeviceMesh of the user's (the others on the runtime's own)
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = init_device_mesh("cpu", tuple(plan.mesh.values()), mesh_dim_names=tuple(plan.mesh))
+        pm = compile_plan(plan, build_model(name, device="meta", seed=None), args, kwargs, weights=folder, device_mesh=mesh)
         local_args, local_kwargs = pm.shard_batch(*args, **kwargs)
-        row: dict[str, Any] = {"loss": pm(*local_args, **local_kwargs).item(), "want": want,
+        row: dict[str, Any] = {"users_mesh": mesh is None or pm.device_mesh is mesh,"loss": pm(*local_args, **local_kwargs).item(), "want": want,
                                "local_bytes": sum(p.numel() * p.element_size() for p in pm.parameters())}
         # the model's own names: shards under them, and the full state back into a fresh model
         own = reference.state_dict()
@@ -152,8 +158,19 @@ def test_the_model_s_own_names_everywhere_and_the_full_state_loads_back(hf_runs)
 def test_the_device_mesh_has_the_plans_axes_and_shards_read_as_dtensors(hf_runs) -> None:  # type: ignore[no-untyped-def]
     for case, _, ranks in hf_runs:
         for r in ranks:
-            assert r["mesh_names"] == r["plan_axes"], case
+            assert r["mesh_names"] == r["plan_axes"] and r["users_mesh"], case
             assert r["dtensor_share"] >= 0.9 and r["dtensors_exact"], (case, r["dtensor_share"])
+
+
+def test_a_device_mesh_of_other_axes_is_refused_with_the_plans() -> None:
+    from runtime.groups import check_device_mesh
+
+    class _Mesh:  # what check_device_mesh reads of a DeviceMesh
+        mesh_dim_names = ("tp", "dp")
+        mesh = torch.arange(4).reshape(2, 2)
+
+    with pytest.raises(ValueError, match=r"axes \('tp', 'dp'\) of sizes \(2, 2\); the plan's mesh .* init_device_mesh"):
+        check_device_mesh(_Mesh(), Mesh(("dp", "tp"), (2, 2)))
 
 
 def test_each_rank_holds_its_shards_not_the_model(hf_runs) -> None:  # type: ignore[no-untyped-def]
