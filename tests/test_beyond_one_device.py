@@ -102,6 +102,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
 
 def test_no_rank_exceeds_a_third_of_what_the_model_needs_whole(runs) -> None:  # type: ignore[no-untyped-def]
     for rank, r in enumerate(runs):
+        print(f"rank {rank}: peak {r['peak'] / 2**20:.1f} MiB, cap {r['cap'] / 2**20:.1f} MiB, whole {r['full'] / 2**20:.1f} MiB")
         assert r["peak"] <= r["cap"], (rank, r["peak"], r["cap"], r["full"])
 
 
