@@ -43,7 +43,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from runtime.collectives import CommRecorder, all_gather
 from runtime.module import ParallelModule
 from runtime.precision import find_master_weights
-from runtime.weights import local_box, pick_name, zero_box
+from runtime.weights import Box, full_shape, local_box, pick_name, zero_box
 
 CHECKPOINT_VERSION = 3
 READABLE_VERSIONS = (2, 3)  # 2: every tensor written whole (a single chunk), read the same way
@@ -57,7 +57,7 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def write_state(state: dict[str, Any], path: str | os.PathLike[str], boxes: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] | None = None) -> None:
+def write_state(state: dict[str, Any], path: str | os.PathLike[str], boxes: dict[str, Box] | None = None) -> None:
     """DCP-save ``state`` (flat keys) into a new folder, then swap the link ``path`` to it.
     ``boxes``: keys whose value is one box of a larger tensor, (its offsets, the full shape).
 
@@ -123,7 +123,7 @@ class _BoxSavePlanner(dcp.DefaultSavePlanner):
     """Writes each boxed key as one chunk of its full tensor (DCP then de-duplicates a chunk several
     ranks hold, and records every chunk in the metadata of the full tensor), the rest as usual."""
 
-    def __init__(self, boxes: dict[str, tuple[tuple[int, ...], tuple[int, ...]]]) -> None:
+    def __init__(self, boxes: dict[str, Box]) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
         self.boxes = boxes
 
@@ -151,7 +151,7 @@ class _BoxLoadPlanner(dcp.DefaultLoadPlanner):
     """Reads, for each key, only a box of the stored tensor: the overlap of the box with each chunk
     the writers stored (DCP's own resharding reads), into a tensor shaped like the box."""
 
-    def __init__(self, boxes: dict[str, tuple[tuple[int, ...], tuple[int, ...]]]) -> None:
+    def __init__(self, boxes: dict[str, Box]) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
         self.boxes = boxes
 
@@ -167,7 +167,7 @@ class _BoxLoadPlanner(dcp.DefaultLoadPlanner):
         return self.state_dict[index.fqn]  # type: ignore[no-any-return]  # the box itself (DCP's lookup wants a whole tensor at offset 0)
 
 
-def read_boxes(folder: Path, metadata: Any, boxes: dict[str, tuple[tuple[int, ...], tuple[int, ...]]],
+def read_boxes(folder: Path, metadata: Any, boxes: dict[str, Box],
                into: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """Each key's box of the checkpoint in ``folder``, reading only the stored chunks it overlaps
     (every rank alone: no collectives), into ``into[key]`` where given (cast to its dtype; a
@@ -222,11 +222,10 @@ def full_optimizer_state(pm: ParallelModule, optimizer: Any) -> dict[str, dict[s
     return out
 
 
-def _boxes(pm: ParallelModule, attr: str) -> tuple[tuple[tuple[int, ...], tuple[int, ...]], tuple[tuple[int, ...], tuple[int, ...]], tuple[int, ...]]:
+def _boxes(pm: ParallelModule, attr: str) -> tuple[Box, Box, tuple[int, ...]]:
     """(the box of ``attr`` this rank holds, the box of its optimizer states, the full shape)."""
-    p = pm.graph_module.get_parameter(attr)
     layout = pm.param_specs[attr].layout
-    full = tuple(size * pm.mesh_groups.size(axes) for size, axes in zip(p.shape, layout.dims, strict=True))
+    full = full_shape(layout, tuple(pm.graph_module.get_parameter(attr).shape), pm.mesh_groups)
     box = local_box(layout, full, pm.mesh_groups)
     sliced = zero_box(box, pm.zero.axes[attr], pm.mesh_groups) if pm.zero is not None and attr in pm.zero.shards else box
     return box, sliced, full
@@ -239,7 +238,7 @@ def save_checkpoint(pm: ParallelModule, optimizer: Any, path: str | os.PathLike[
     loader's position, say) come back from :func:`load_checkpoint`. Every rank calls it."""
     progress = json.dumps({"step": step, "extra": extra or {}})  # raises on what JSON cannot hold, before anything is written
     state: dict[str, Any] = {"version": CHECKPOINT_VERSION, "plan": pm.plan.model_dump_json(), "progress": progress}
-    boxes: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+    boxes: dict[str, Box] = {}
     states = _inner(optimizer).state
     with_master = find_master_weights(optimizer) is not None
     for attr, p in pm.local_parameters().items():
@@ -272,7 +271,7 @@ def load_checkpoint(pm: ParallelModule, optimizer: Any, path: str | os.PathLike[
         if key.startswith("optimizer/"):
             name, _, k = key[len("optimizer/"):].rpartition("/")
             saved_states.setdefault(name, []).append(k)
-    boxes: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+    boxes: dict[str, Box] = {}
     plans: list[tuple[str, str, str]] = []  # (attribute, the name it was saved under, its model key)
     for attr in pm.param_specs:
         names = pm.param_names[attr]
@@ -296,10 +295,9 @@ def load_checkpoint(pm: ParallelModule, optimizer: Any, path: str | os.PathLike[
         into[model_key] = pm.graph_module.get_parameter(attr).detach()
         if with_master and f"optimizer/{owner}/master" in boxes:
             into[f"optimizer/{owner}/master"] = _state_key(pm, optimizer, attr).detach()
-    with torch.no_grad():
-        data = read_boxes(folder, metadata, boxes, into) | _read_objects(folder, scalars)
     state = _inner(optimizer).state
     with torch.no_grad():
+        data = read_boxes(folder, metadata, boxes, into) | _read_objects(folder, scalars)
         for attr, owner, model_key in plans:
             saved = {k: data[f"optimizer/{owner}/{k}"] for k in saved_states.get(owner, [])}
             key = _state_key(pm, optimizer, attr)

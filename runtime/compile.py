@@ -49,7 +49,7 @@ from runtime.kernels import (
 )
 from runtime.materialize import is_meta_module, materialize
 from runtime.module import ParallelModule, attr_name
-from runtime.weights import Box, WeightSource, local_box, open_weights, pick_name
+from runtime.weights import Wanted, WeightSource, box_requests, open_weights
 from runtime.zero3 import Member, ParamUnits
 
 _BIAS_INPUT = {"linear": 2, "addmm": 0}  # which input of the kernel is the bias
@@ -243,27 +243,19 @@ class _Builder:
     def read_weights(self, source: WeightSource) -> None:
         """This rank's box of every parameter (and every buffer) ``source`` holds under one of its names."""
         layouts = self._layouts()
-        available = source.names()
-        boxes: dict[str, Box] = {}
-        dtypes: dict[str, torch.dtype] = {}
-        lacking = []
+        wanted = []
         for names in self._groups_of_names():
-            name = pick_name(names, available)
-            if name is None:
-                if layouts[names[0]] is not None:
-                    lacking.append(names[0])
-                continue
-            t = self.model.get_parameter(name) if layouts[names[0]] is not None else self.model.get_buffer(names[0])
-            shape = tuple(t.shape)
-            if source.shape(name) != shape:
-                raise ValueError(f"{name} is {list(source.shape(name))} in the weights, {list(shape)} in the model: the weights are of another model")
             layout = layouts[names[0]]
-            boxes[name] = local_box(layout, shape, self.mg) if layout is not None else ((0,) * len(shape), shape)
-            dtypes[name] = t.dtype
-        for name, value in source.read(boxes).items():
-            self.materialized[name] = value.to(device=self.device, dtype=dtypes[name])
-        if lacking:
-            warnings.warn(f"the weights hold no {', '.join(lacking[:5])}{' ...' if len(lacking) > 5 else ''} ({len(lacking)} parameters): "
+            t = self.model.get_parameter(names[0]) if layout is not None else self.model.get_buffer(names[0])
+            wanted.append((Wanted(names, tuple(t.shape), layout), t.dtype))
+        dtypes = {w.names: dtype for w, dtype in wanted}
+        found, lacking = box_requests([w for w, _ in wanted], source, self.mg, "the weights")
+        values = source.read({name: box for name, (_, box) in found.items()})
+        for name, (w, _) in found.items():
+            self.materialized[name] = values[name].to(device=self.device, dtype=dtypes[w.names])
+        params = [w.names[0] for w in lacking if w.layout is not None]
+        if params:
+            warnings.warn(f"the weights hold no {', '.join(params[:5])}{' ...' if len(params) > 5 else ''} ({len(params)} parameters): "
                           "they keep the model's values (a meta model's are initialised as it would initialise them)", UserWarning, stacklevel=3)
 
     def build(self) -> torch.fx.GraphModule:

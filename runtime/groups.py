@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import torch
 import torch.distributed as dist
 
 from planner.mesh import Mesh
@@ -99,8 +100,6 @@ def build_groups(mesh: Mesh, device_type: str = "cpu", device_mesh: Any = None) 
 def check_device_mesh(device_mesh: Any, mesh: Mesh) -> None:
     """A user's DeviceMesh serves the plan's mesh when it has the same axis names, degrees and the
     row-major rank layout (``init_device_mesh``'s); otherwise a ValueError says what differs."""
-    import torch
-
     names = tuple(device_mesh.mesh_dim_names or ())
     shape = tuple(device_mesh.mesh.shape)
     if names != mesh.axes or shape != mesh.degrees:

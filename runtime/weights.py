@@ -188,6 +188,39 @@ def pick_name(names: Iterable[str], available: set[str]) -> str | None:
     return next((n for n in names if n in available), None)
 
 
+@dataclass(frozen=True)
+class Wanted:
+    """A tensor to read: every name it has (tied weights: several), its full shape, and the layout
+    this rank holds it in (None: whole)."""
+
+    names: tuple[str, ...]
+    shape: tuple[int, ...]
+    layout: Layout | None
+
+
+def box_requests(wanted: Iterable[Wanted], source: WeightSource, mg: MeshGroups, where: object) -> tuple[dict[str, tuple[Wanted, Box]], list[Wanted]]:
+    """For each tensor ``source`` holds under one of its names: that name -> (it, this rank's box);
+    and the tensors it lacks. A shape other than the model's is an error naming both (``where``:
+    the weights, for the message)."""
+    available = source.names()
+    found: dict[str, tuple[Wanted, Box]] = {}
+    lacking: list[Wanted] = []
+    for w in wanted:
+        name = pick_name(w.names, available)
+        if name is None:
+            lacking.append(w)
+            continue
+        if source.shape(name) != w.shape:
+            raise ValueError(f"{name} is {list(source.shape(name))} in {where}, {list(w.shape)} in the model: the weights are of another model")
+        found[name] = (w, local_box(w.layout, w.shape, mg) if w.layout is not None else ((0,) * len(w.shape), w.shape))
+    return found, lacking
+
+
+def full_shape(layout: Layout, local_shape: tuple[int, ...], mg: MeshGroups) -> tuple[int, ...]:
+    """The full shape of a tensor this rank holds ``local_shape`` of in ``layout``."""
+    return tuple(size * mg.size(axes) for size, axes in zip(local_shape, layout.dims, strict=True))
+
+
 def load_weights(pm: Any, path: str | os.PathLike[str] | WeightSource, *, strict: bool = True) -> LoadReport:
     """Fill ``pm``'s parameters (this rank's shards) and buffers from the weights at ``path``,
     reading only this rank's boxes. ``strict``: a parameter the file lacks is an error (naming it);
@@ -195,36 +228,23 @@ def load_weights(pm: Any, path: str | os.PathLike[str] | WeightSource, *, strict
     parameters there). Every rank calls it; no collectives run."""
     source = path if isinstance(path, WeightSource) else open_weights(path)
     available = source.names()
-    boxes: dict[str, Box] = {}
-    targets: dict[str, torch.Tensor] = {}
-    missing: list[str] = []
-    for attr, p in pm.local_parameters().items():
-        names = pm.param_names[attr]
-        name = pick_name(names, available)
-        if name is None:
-            missing.append(names[0])
-            continue
-        full_shape = _full_shape(pm, attr, p)
-        if source.shape(name) != full_shape:
-            raise ValueError(f"{name} is {list(source.shape(name))} in {path}, {list(full_shape)} in the model: the weights are of another model")
-        boxes[name] = local_box(pm.param_specs[attr].layout, full_shape, pm.mesh_groups)
-        targets[name] = p
+    targets: dict[tuple[str, ...], torch.Tensor] = {pm.param_names[attr]: p for attr, p in pm.local_parameters().items()}
+    params = [Wanted(pm.param_names[attr], full_shape(pm.param_specs[attr].layout, tuple(p.shape), pm.mesh_groups), pm.param_specs[attr].layout)
+              for attr, p in pm.local_parameters().items()]
+    found, lacking = box_requests(params, source, pm.mesh_groups, path)
     for name, buf in pm.named_original_buffers().items():
         if name in available and source.shape(name) == tuple(buf.shape):
-            boxes[name] = ((0,) * buf.dim(), tuple(buf.shape))
-            targets[name] = buf
+            found[name] = (Wanted((name,), tuple(buf.shape), None), ((0,) * buf.dim(), tuple(buf.shape)))
+            targets[(name,)] = buf
+    missing = [w.names[0] for w in lacking]
     if missing and strict:
         raise ValueError(f"{path} has no {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''} "
                          f"({len(missing)} of the model's parameters); pass strict=False to keep their values")
+    boxes = {name: box for name, (_, box) in found.items()}
     values = source.read(boxes)
     with torch.no_grad():
-        for name, t in targets.items():
+        for name, (w, _) in found.items():
+            t = targets[w.names]
             t.copy_(values[name].to(t.dtype))
     used = {n for attr in pm.param_specs for n in pm.param_names[attr]} | set(pm.named_original_buffers())
-    return LoadReport(tuple(sorted(targets)), tuple(sorted(available - used)))
-
-
-def _full_shape(pm: Any, attr: str, local: torch.Tensor) -> tuple[int, ...]:
-    """The full shape of parameter ``attr`` from its local shard and layout."""
-    layout = pm.param_specs[attr].layout
-    return tuple(size * pm.mesh_groups.size(axes) for size, axes in zip(local.shape, layout.dims, strict=True))
+    return LoadReport(tuple(sorted(found)), tuple(sorted(available - used)))
