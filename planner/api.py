@@ -21,7 +21,7 @@ from planner.hardware import HardwareProfile, load_profile
 from planner.ir import IRGraph
 from planner.plan import Plan
 from planner.report import format_search
-from planner.search import ALL_TP, Objective, SearchResult, SearchSpace, search
+from planner.search import ALL_TP, Objective, SearchProgress, SearchResult, SearchSpace, search
 from planner.solve import SolverSettings
 from planner.trace import micro_batch_inputs, trace
 
@@ -82,7 +82,7 @@ def plan_model(
     front: bool = True,
     resolution: float = 0.05,
     max_points: int | None = 8,
-    progress: Callable[[str], None] | None = None,
+    progress: Callable[[SearchProgress], None] | None = None,
     workers: int | None = None,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
 ) -> PlanningResult:

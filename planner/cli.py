@@ -31,7 +31,6 @@ import json
 import logging
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,7 +38,7 @@ import torch
 
 from planner.hardware import PRESETS, HardwareProfile, load_profile
 from planner.ir import IRGraph
-from planner.search import ALL_TP, SearchResult
+from planner.search import ALL_TP, SearchProgress, SearchResult
 from planner.units import parse_bytes
 
 
@@ -158,7 +157,9 @@ def _add_search_options(r: argparse.ArgumentParser) -> None:
     r.add_argument("--workers", type=_positive("--workers"), default=1,
                    help="processes solving configurations of a front at once (default 1; 2 on 2 cores: GPT-3 175B's front on 64 devices 20 s -> 14 s; "
                         "--best-only runs serially, which is faster)")
-    r.add_argument("--progress", action="store_true", help="print a line per configuration to stderr (the default when stderr is a terminal)")
+    r.add_argument("--progress", action="store_true",
+                   help="show the search's progress on stderr: configurations done, solved/dismissed/infeasible, ETA (a bar when "
+                        "stderr is a terminal, which is the default there; a line per configuration otherwise)")
     r.add_argument("-v", "--verbose", action="store_true", help="log each phase (and print progress) to stderr")
 
 
@@ -189,9 +190,42 @@ def _stderr_line(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def _progress(args: argparse.Namespace) -> Callable[[str], None] | None:
+class _SearchBar:
+    """The search's progress on stderr: a tqdm bar (configurations done, solved / dismissed /
+    infeasible, elapsed and ETA) when stderr is a terminal, a line per configuration otherwise
+    (``--progress`` into a log file: no carriage returns); ``-v`` adds the lines above the bar."""
+
+    def __init__(self, *, lines: bool) -> None:
+        self.tty = sys.stderr.isatty()
+        self.lines = lines or not self.tty
+        self.bar: Any = None
+
+    def note(self, line: str) -> None:
+        if self.bar is not None:
+            self.bar.write(line, file=sys.stderr)
+        else:
+            _stderr_line(line)
+
+    def __call__(self, p: SearchProgress) -> None:
+        if self.tty and self.bar is None:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=p.total, desc="configurations", unit="cfg", file=sys.stderr, dynamic_ncols=True, leave=False)
+        if self.bar is not None:
+            self.bar.set_postfix(solved=p.solved, dismissed=p.dismissed, infeasible=p.infeasible, refresh=False)
+            self.bar.update(p.done - self.bar.n)
+        if self.lines and p.done:
+            self.note(str(p))
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+def _progress(args: argparse.Namespace) -> _SearchBar | None:
     """Progress to stderr when someone watches it (a terminal) or asked (``--progress``, ``-v``)."""
-    return _stderr_line if args.progress or args.verbose or sys.stderr.isatty() else None
+    return _SearchBar(lines=args.verbose) if args.progress or args.verbose or sys.stderr.isatty() else None
 
 
 @dataclass(frozen=True)
@@ -222,13 +256,18 @@ def run_search(args: argparse.Namespace) -> Searched:
     graph = trace(model, m_args, m_kwargs)
     trace_s = time.perf_counter() - t0
     if progress:
-        progress(f"traced {name} in {trace_s:.1f} s: {graph.summary()}; searching {args.devices} devices")
-    result = search(graph, space, hw, model_name=name, memory_budget=args.memory, objective=args.objective, optimizer=args.optimizer,
-                    master_dtype=master_dtype, prefetch=not args.no_prefetch, settings=SolverSettings(time_limit_s=args.time_limit, relative_gap=args.gap),
-                    front=not args.best_only, resolution=args.resolution, max_points=args.max_points, progress=progress,
-                    workers=args.workers, micro_graph=lambda m: trace(model, *micro_batch_inputs(m_args, m_kwargs, m)))
+        progress.note(f"traced {name} in {trace_s:.1f} s: {graph.summary()}; searching {args.devices} devices")
+    try:
+        result = search(graph, space, hw, model_name=name, memory_budget=args.memory, objective=args.objective, optimizer=args.optimizer,
+                        master_dtype=master_dtype, prefetch=not args.no_prefetch,
+                        settings=SolverSettings(time_limit_s=args.time_limit, relative_gap=args.gap), front=not args.best_only,
+                        resolution=args.resolution, max_points=args.max_points, progress=progress, workers=args.workers,
+                        micro_graph=lambda m: trace(model, *micro_batch_inputs(m_args, m_kwargs, m)))
+    finally:
+        if progress:
+            progress.close()
     if progress:
-        progress(f"searched {len(result.candidates)} configurations in {result.seconds:.1f} s: {len(result.front)} front points")
+        progress.note(f"searched {len(result.candidates)} configurations in {result.seconds:.1f} s: {len(result.front)} front points")
     return Searched(name, graph, hw, result, trace_s)
 
 

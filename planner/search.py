@@ -103,6 +103,33 @@ class Candidate:
     seconds: float = 0.0  # building and solving this configuration
 
 
+@dataclass(frozen=True)
+class SearchProgress:
+    """Where a search stands, after each configuration it finished (``done`` of ``total``; the
+    configurations pruned before any bound, e.g. a batch that does not split, are not counted):
+    how many gave plans, were dismissed by bounds or dominance, or cannot fit, the seconds so far,
+    and the one just finished. ``str()`` is the line a log shows."""
+
+    done: int
+    total: int
+    solved: int
+    dismissed: int
+    infeasible: int
+    elapsed_s: float
+    configuration: str
+    outcome: str
+
+    @property
+    def eta_s(self) -> float | None:
+        """Seconds left at the pace so far (None before the first configuration)."""
+        return self.elapsed_s / self.done * (self.total - self.done) if self.done else None
+
+    def __str__(self) -> str:
+        eta = f", ETA {self.eta_s:.0f} s" if self.eta_s is not None and self.done < self.total else ""
+        return (f"[{self.done}/{self.total}] {self.configuration}: {self.outcome} "
+                f"({self.solved} solved, {self.dismissed} dismissed, {self.infeasible} infeasible{eta})")
+
+
 @dataclass
 class SearchResult:
     best: Plan | None
@@ -211,7 +238,7 @@ def search(
     front: bool = True,
     resolution: float = 0.05,
     max_points: int | None = 8,
-    progress: Callable[[str], None] | None = None,
+    progress: Callable[[SearchProgress], None] | None = None,
     workers: int | None = None,
     exhaustive: bool = False,
     micro_graph: Callable[[int], IRGraph] | None = None,
@@ -230,7 +257,7 @@ def search(
     ``prefetch``: ZeRO-3 plans start parameter gathers one ahead (:mod:`planner.overlap`).
     ``exhaustive``: solve every configuration that can fit, even one that bounds show cannot add to
     the front (or beat the best plan): the configuration table then has each one's own plans.
-    ``progress`` receives one line per configuration. ``workers``: processes solving configurations
+    ``progress`` receives a :class:`SearchProgress` before the first configuration and after each. ``workers``: processes solving configurations
     at once for a front (default 1: in this process; more fork workers, for a process without
     threads or a process group, e.g. a script; one plan is searched serially, which is faster);
     each new configuration starts with the front found so far, so the order the solves finish in
@@ -268,9 +295,11 @@ def search(
         outcome[k] = cand
         found = merge([*found, *cand.front])
         if progress:
-            c = configs[k]
-            progress(f"[{len(outcome) - len(configs) + len(bounds)}/{len(bounds)}] {_configuration_text(c)}: {_outcome_line(cand)}")
+            solved = [outcome[j] for j in outcome if not configs[j].reason]
+            progress(_progress(solved, len(bounds), _configuration_text(configs[k]), _outcome_line(cand), t0))
 
+    if progress:
+        progress(_progress([], len(bounds), "", "", t0))
     # the configurations that could be fastest first (overlap aside, which only ZeRO-3 and CDP get
     # and which the bound counts as if it hid every collective): their points dismiss the others sooner
     order = sorted(problems, key=lambda k: (time_lower_bound(problems[k], overlap=False), bounds[k][1]))
@@ -303,7 +332,7 @@ def search(
             for stages in (2, 4, 8)
             if stages <= ops and space.devices % stages == 0  # runtime.cdp.CDPPipeline needs L | N
         ]
-    result.front = merge(result.feasible)
+    result.front = merge(result.feasible, resolution if front else 0.0)  # spaced by the resolution (planner.front.merge)
     result.knee = knee(result.front)
     if result.front:
         result.best = {"time": result.front[0], "memory": result.front[-1], "knee": result.knee}[objective]
@@ -313,6 +342,14 @@ def search(
                                                  bucket_bytes=bucket_bytes)
     result.seconds = time.perf_counter() - t0
     return result
+
+
+def _progress(finished: list[Candidate], total: int, configuration: str, line: str, t0: float) -> SearchProgress:
+    """The search's progress after the configurations ``finished`` (of ``total`` to solve)."""
+    solved = sum(1 for c in finished if c.front)
+    dismissed = sum(1 for c in finished if not c.front and c.reason.startswith("dominated"))
+    return SearchProgress(done=len(finished), total=total, solved=solved, dismissed=dismissed, infeasible=len(finished) - solved - dismissed,
+                          elapsed_s=time.perf_counter() - t0, configuration=configuration, outcome=line)
 
 
 def batch_rows(graph: IRGraph) -> int:
@@ -502,7 +539,8 @@ def _plan_configuration(
     if not solutions:  # the sweep's LP bounds showed every plan that fits covered by points found before
         return replace(done, reason=f"dominated: the LP relaxation shows its plans within {format_bytes(budget)} all slower and "
                        f"{_larger(resolution)} than plans of the configurations above", seconds=time.perf_counter() - t0)
-    plans = merge([make_plan(problem.graph, problem, sol, model_name=model_name, memory_budget=budget, optimizer=optimizer) for sol in solutions])
+    plans = merge([make_plan(problem.graph, problem, sol, model_name=model_name, memory_budget=budget, optimizer=optimizer) for sol in solutions],
+                  resolution if front else 0.0)
     log.info("mesh %s ZeRO-%d CDP %s: %d points", cand.mesh, cand.zero, cand.cdp, len(plans))
     return replace(done, family=plans[0].tp, plan=plans[0], front=tuple(plans), seconds=time.perf_counter() - t0)
 

@@ -165,6 +165,7 @@ def test_a_coarser_resolution_keeps_every_brute_force_point_within_it(resolution
         assert any(ft <= t * (1 + 1e-6) and fm * (1 - resolution) <= m + 1.0 for ft, fm in found), (t, m, found)
     for ft, fm in found:
         assert any(ft == pytest.approx(t, rel=1e-6) and fm == pytest.approx(m, abs=1.0) for t, m in every), (ft, fm)
+    assert all(b[1] <= a[1] * (1 - resolution) for a, b in itertools.pairwise(found)), found  # spaced by the resolution
 
 
 def test_one_plan_is_the_brute_force_fastest_within_each_budget() -> None:
@@ -193,6 +194,30 @@ def test_the_knee_is_the_point_farthest_below_the_chord() -> None:
     assert knee(front[:2]) is front[0] and knee([]) is None
     assert merge([P(2.0, 50), *front]) == front  # (2.0, 50) is dominated by (1.1, 40)
     assert covered_below(front, 1.2) == 40 and covered_below(front, 0.5) == float("inf")
+
+
+def test_a_resolution_spaces_the_merged_front_and_keeps_the_fastest_at_the_least_memory_end() -> None:
+    """Sorted by time, each kept point needs at least ``resolution`` less memory than the one
+    before; of the points within it of the least memory, the fastest stands for the others (the
+    issue's 2.601 s, 3.513 s, 10.297 s all at 9.40 GiB keep 2.601 s); 0 keeps the exact front."""
+
+    class P:
+        def __init__(self, t: float, m: int) -> None:
+            self.step_time_s, self.peak_memory_bytes = t, m
+
+        def __repr__(self) -> str:
+            return f"P({self.step_time_s}, {self.peak_memory_bytes})"
+
+    points = [P(2.328, 13_700), P(2.329, 13_510), P(2.4, 12_000), P(2.601, 9_400), P(3.513, 9_399), P(10.297, 9_398)]
+    assert merge(points, 0.05) == [points[0], points[2], points[3]]
+    assert merge(points, 0.0) == points
+    assert merge(points, 0.2) == [points[0], points[3]]
+    for r in (0.0, 0.05, 0.2):
+        kept = merge(points, r)
+        for p in points:  # every dropped point has a kept one as fast that needs at most 1 / (1 - r) of its memory
+            assert any(k.step_time_s <= p.step_time_s and k.peak_memory_bytes * (1 - r) <= p.peak_memory_bytes for k in kept)
+    with pytest.raises(ValueError, match="resolution"):
+        merge(points, 1.0)
 
 
 def test_nothing_fits_says_the_least_memory_its_terms_and_what_to_change() -> None:
