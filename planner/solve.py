@@ -524,26 +524,39 @@ class BudgetILP:
         # a weighted solve 1.2 s with presolve (0.84 s of it presolving), 0.2 s without; with a
         # budget that binds, presolve pays (a knapsack MIP of 10-20 s either way, 25 % faster with)
         easy = budget == float("inf") or self.objective == "memory"
-        highs.setOptionValue("presolve", "off" if easy else "choose")
-        if easy:
-            # without presolve HiGHS may find no incumbent at all (measured: the least-memory MIP of
-            # a 2-layer Llama on 2 x 2 x 2, 58k columns, none in 60 s; with presolve optimal in 15 s):
-            # a first attempt capped in proportion to the model's size, then presolve for the rest
-            # when it has not proved its answer optimal (the peak rows of planner.peak made GPT-3
-            # 13B's least-memory MIP on 8 x 8 stop at the cap with an unproved incumbent)
-            limit = self.settings.time_limit_s
-            highs.setOptionValue("time_limit", min(limit, max(2.0, 1e-4 * highs.getNumCol())))
-            t0 = time.perf_counter()
+        if not easy:
+            highs.setOptionValue("presolve", "choose")
             highs.run()
-            unproved = highs.getModelStatus() == highspy.HighsModelStatus.kTimeLimit
-            if unproved or (highs.getInfo().primal_solution_status != 2 and highs.getModelStatus() != highspy.HighsModelStatus.kInfeasible):  # 2: feasible
-                highs.setOptionValue("presolve", "choose")
-                highs.setOptionValue("time_limit", max(limit - (time.perf_counter() - t0), 1.0))
-                highs.run()
-            highs.setOptionValue("time_limit", limit)
         else:
-            highs.run()
+            self._run_without_presolve(highs)
         lp.assignStatus(*self.solver.findSolutionValues(lp))
+
+    def _run_without_presolve(self, highs: highspy.Highs) -> None:
+        """An easy MIP without presolve, in two attempts: the first capped in proportion to the
+        model's size; when the cap stops it with an incumbent it goes on without presolve from that
+        incumbent for the rest of the limit, and only without one (measured: the least-memory MIP
+        of a 2-layer Llama on 2 x 2 x 2, 58k columns, none in 60 s without presolve, optimal in
+        15 s with) does the rest run with presolve. Measured, GPT-3 1.3B on 2 x 2 x 2, a weighted
+        MIP: 7.8 s without presolve, 33.7 s with (its presolve alone 25 s): going on with presolve
+        after a 5 s cap, as this did, took 30-60 s per weighted solve."""
+        limit = self.settings.time_limit_s
+        highs.setOptionValue("presolve", "off")
+        highs.setOptionValue("time_limit", min(limit, max(2.0, 1e-4 * highs.getNumCol())))
+        t0 = time.perf_counter()
+        try:
+            highs.run()
+            if highs.getModelStatus() != highspy.HighsModelStatus.kTimeLimit:
+                if highs.getInfo().primal_solution_status == 2 or highs.getModelStatus() == highspy.HighsModelStatus.kInfeasible:
+                    return  # 2: feasible
+            incumbent = highs.getSolution() if highs.getInfo().primal_solution_status == 2 else None
+            highs.setOptionValue("time_limit", max(limit - (time.perf_counter() - t0), 1.0))
+            if incumbent is not None:
+                highs.setSolution(incumbent)
+            else:
+                highs.setOptionValue("presolve", "choose")
+            highs.run()
+        finally:
+            highs.setOptionValue("time_limit", limit)
 
     def relaxation(self, budget: float) -> float | None:
         """A lower bound on the objective of every plan within ``budget`` (seconds): the LP
@@ -680,7 +693,9 @@ def sweep(
 ) -> list[Solution]:
     """The configuration's time/memory Pareto front within ``memory_budget``, fastest first.
 
-    1. The two ends: the fastest plan (no budget) and the least memory any plan needs (``m_min``).
+    1. The two ends: the fastest plan (no budget) and the least memory any plan needs (``m_min``),
+       ended by the fastest plan of that memory (``resolution`` r > 0: the fastest within
+       ``m_min / (1 - r)``, the point the spaced front keeps there, see :func:`planner.front.merge`).
     2. The supported points (on the front's convex hull) by weighted sums (the dichotomic scheme
        of Aneja & Nair 1979): between two points A and B, minimise time + w x memory with w the
        slope of AB; a plan strictly below the segment is a new point, and both halves are
@@ -715,8 +730,11 @@ def sweep(
     top = fastest or ilp.run(float("inf"))
     assert top is not None
     # the least-memory end: the fastest plan of that memory (the memory objective only breaks ties),
-    # unless a bound shows it covered by points found elsewhere
-    end = _fill(ilp, floor * (1 + FLOOR_SLACK), covered, floor * (1 - 1e-6), bounding)
+    # or, with a resolution r, the fastest plan within 1 / (1 - r) of it, which is the point the
+    # spaced front keeps there (planner.front.merge) and a far easier MIP than one whose budget is
+    # the least memory itself (measured, GPT-3 1.3B on 2 x 2 x 2: that one stopped at the 120 s
+    # limit); unless a bound shows it covered by points found elsewhere
+    end = _fill(ilp, max(floor * (1 + FLOOR_SLACK), floor / (1 - resolution)), covered, floor * (1 - 1e-6), bounding)
     least = end or least  # when covered: the memory objective's plan, to end the hull, not to report
     if covered is not None and top.evaluation.peak_memory > memory_budget:
         covered_at_budget = covered(bounding.relaxation(memory_budget) or 0.0)

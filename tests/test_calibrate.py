@@ -76,7 +76,7 @@ def test_planner_calibrate_quick_writes_a_profile_the_report_uses(tmp_path: Path
     assert 0.0 <= profile.overlap_efficiency <= 1.0 and "1024 KiB" in data["sources"]["overlap_efficiency"]  # --quick: 1 MiB
     text = io.StringIO()
     with contextlib.redirect_stdout(text):
-        assert main(["report", "gpt-tiny", "--devices", "2", "--tp", "none", "--hardware", str(out)]) == 0
+        assert main(["report", "gpt-tiny", "--devices", "2", "--tp", "none", "--zero", "0", "--hardware", str(out)]) == 0
     assert "hardware calibrated-cpu" in text.getvalue()
 
 

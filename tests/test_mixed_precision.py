@@ -116,5 +116,5 @@ def test_the_cli_prices_bf16_mixed_precision() -> None:
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        assert main(["report", "gpt-tiny", "--devices", "2", "--tp", "none", "--precision", "bf16-mixed"]) == 0
+        assert main(["report", "gpt-tiny", "--devices", "2", "--tp", "none", "--zero", "0", "--precision", "bf16-mixed"]) == 0
     assert "master weights float32" in out.getvalue()

@@ -54,7 +54,7 @@ def test_least_memory_plan_shards_parameters_four_ways(tiny_plan: Plan) -> None:
 
 
 def test_cli_json_has_the_documented_fields(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["report", "gpt3-1.3b", "--devices", "8", "--tp", "none,1d", "--json"]) == 0
+    assert main(["report", "gpt3-1.3b", "--devices", "8", "--tp", "none,1d", "--zero", "0", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["pareto"], doc
     for entry in doc["pareto"]:
@@ -67,7 +67,7 @@ def test_cli_json_has_the_documented_fields(capsys: pytest.CaptureFixture[str]) 
 
 
 def test_cli_text_report_names_the_best_mesh(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["report", "gpt2-small", "--devices", "4", "--tp", "1d"]) == 0
+    assert main(["report", "gpt2-small", "--devices", "4", "--tp", "1d", "--zero", "0"]) == 0
     out = capsys.readouterr().out
     assert "best" in out and "Plan: mesh dp=" in out and "Collectives per device per step" in out
 
@@ -96,7 +96,7 @@ def test_cli_tp_3d_with_dp_1_plans_pure_3d_tensor_parallelism(capsys: pytest.Cap
 
 
 def test_infeasible_budget_says_by_how_much(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["report", "gpt3-175b", "--devices", "64", "--tp", "1d"]) == 1
+    assert main(["report", "gpt3-175b", "--devices", "64", "--tp", "1d", "--zero", "0"]) == 1
     out = capsys.readouterr().out
     assert "no plan on mesh dp=8 x tp=8 fits 80.00 GiB per device" in out
     assert "GiB over" in out
