@@ -150,7 +150,7 @@ def main() -> None:
     p.add_argument("--models", default=",".join(ZOO))
     p.add_argument("--devices", default=None, help="comma list (default 8,64,512, and 4096 for gpt3-13b and gpt3-175b)")
     p.add_argument("--modes", default="front,best")
-    p.add_argument("--timeout", type=float, default=None, help="seconds per cell before it is killed (default: 4x its target, at least 30)")
+    p.add_argument("--timeout", type=float, default=None, help="seconds per cell before it is killed (default: 2x its target, at least 20)")
     p.add_argument("--markdown", action="store_true")
     p.add_argument("--cell", nargs=3, metavar=("MODEL", "DEVICES", "MODE"), help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -162,7 +162,7 @@ def main() -> None:
         counts = [int(d) for d in a.devices.split(",")] if a.devices else [*DEVICES, *((4096,) if model_name in LARGE else ())]
         for devices in counts:
             for mode in a.modes.split(","):
-                timeout = a.timeout or max(30.0, 4 * target(devices).limit(mode))
+                timeout = a.timeout or max(20.0, 2 * target(devices).limit(mode))
                 cell = spawn(model_name, devices, mode, timeout)
                 rows.append(row(cell))
                 print("  ".join(rows[-1]), file=sys.stderr, flush=True)

@@ -430,6 +430,11 @@ def solve_within(ilp: BudgetILP, memory_budget: float, fastest: Solution | None 
     search that has a plan elsewhere; only for problems whose evaluation adds no memory term
     the ILP leaves out, where the ILP finding nothing means nothing fits)."""
     problem, settings = ilp.problem, ilp.settings
+    if fastest is None and memory_budget != float("inf") and ilp.objective == "time":
+        # the fastest plan without a budget, when it fits, is the fastest within it: an easy MIP
+        # (no presolve, no knapsack row) in place of a budgeted one (measured, gpt-tiny's one-plan
+        # search on 8 devices, 2-D and 3-D meshes within 80 GiB: 4.5 s and 2.2 s budgeted)
+        fastest = ilp.run(float("inf"))
     if fastest is not None and fastest.evaluation.peak_memory <= memory_budget:
         return fastest
     solution = _within(ilp, memory_budget)
