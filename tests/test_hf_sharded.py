@@ -81,7 +81,7 @@ def _cdp_plan(name: str, dtype: torch.dtype) -> Plan:
     batch), in float32 with AdamW for the memory check (tests/dist_checks.py's)."""
     same_math = dtype == torch.float64
     graph = _graph(name, dtype, CDP_BATCH if same_math else BATCH)
-    space = SearchSpace(devices=4, dp=4, tp=("none",), cdp=("v1",), cdp_stages=CDP_STAGES)
+    space = SearchSpace(devices=4, dp=4, tp=("none",), zero=(0,), cdp=("v1",), cdp_stages=CDP_STAGES)
     result = search(graph, space, A100_80G, model_name=name, optimizer="sgd" if same_math else "adamw", allow=cdp_filter(graph), front=False)
     assert result.best is not None and result.best.cdp == "v1", (name, [c.reason for c in result.candidates])
     return result.best
