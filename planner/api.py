@@ -68,7 +68,7 @@ def plan_model(
     hardware: str | HardwareProfile = "a100-80g",
     memory_budget: float | None = None,
     tp: tuple[str, ...] = ALL_TP,
-    zero: tuple[int, ...] = (0, 1, 2, 3),
+    zero: tuple[int, ...] = (0,),
     cdp: tuple[str, ...] = ("off",),
     cdp_stages: int = 4,
     dp: int | None = None,
