@@ -72,7 +72,7 @@ def run_cell(model_name: str, devices: int, mode: str) -> dict[str, Any]:
     """One cell in this process: trace, search, what the table needs."""
     from planner.cli import load_model
     from planner.hardware import load_profile
-    from planner.search import SearchSpace, search
+    from planner.search import SearchProgress, SearchSpace, search
     from planner.trace import trace
 
     batch = max(8, devices)
@@ -83,18 +83,15 @@ def run_cell(model_name: str, devices: int, mode: str) -> dict[str, Any]:
     t0 = time.perf_counter()
     graph = trace(model, args, kwargs)
     trace_s = time.perf_counter() - t0
+    events: list[SearchProgress] = []  # the search's own counts, after its last configuration
     result = search(graph, SearchSpace(devices=devices, zero=(0, 1, 2, 3)), load_profile("a100-80g"), model_name=model_name,
-                    front=mode == "front")
-    cands = result.candidates
-    counted = [c for c in cands if c.front or c.least_memory is not None or c.reason.startswith("dominated")]
+                    front=mode == "front", progress=events.append)
+    last = events[-1]
     return {
         "model": model_name, "devices": devices, "mode": mode, "batch": batch,
         "trace_s": trace_s, "search_s": result.seconds,
         "rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB,
-        "configurations": len(counted),
-        "solved": sum(1 for c in counted if c.front),
-        "dismissed": sum(1 for c in counted if not c.front and c.reason.startswith("dominated")),
-        "infeasible": sum(1 for c in counted if not c.front and not c.reason.startswith("dominated")),
+        "configurations": last.done, "solved": last.solved, "dismissed": last.dismissed, "infeasible": last.infeasible,
         "points": len(result.front),
         "best": (f"{'x'.join(f'{a}={d}' for a, d in result.best.mesh.items() if d > 1) or 'one device'} ZeRO-{result.best.zero_stage} "
                  f"{result.best.step_time_s * 1e3:.1f} ms") if result.best else "nothing fits",

@@ -295,8 +295,8 @@ def search(
         outcome[k] = cand
         found = merge([*found, *cand.front])
         if progress:
-            solved = [outcome[j] for j in outcome if not configs[j].reason]
-            progress(_progress(solved, len(bounds), _configuration_text(configs[k]), _outcome_line(cand), t0))
+            searched = [outcome[j] for j in outcome if not configs[j].reason]  # the pruned ones are not counted
+            progress(_progress(searched, len(bounds), _configuration_text(configs[k]), _outcome_line(cand), t0))
 
     if progress:
         progress(_progress([], len(bounds), "", "", t0))

@@ -736,9 +736,9 @@ def sweep(
     assert top is not None
     # the least-memory end: the fastest plan of that memory (the memory objective only breaks ties),
     # or, with a resolution r, the fastest plan within 1 / (1 - r) of it, which is the point the
-    # spaced front keeps there (planner.front.merge) and a far easier MIP than one whose budget is
-    # the least memory itself (measured, GPT-3 1.3B on 2 x 2 x 2: that one stopped at the 120 s
-    # limit); unless a bound shows it covered by points found elsewhere
+    # spaced front keeps there (planner.front.merge); unless a bound shows it covered by points
+    # found elsewhere. Near the least memory these budgeted MIPs are hard either way (measured,
+    # GPT-3 1.3B on 2 x 2 x 2: both budgets stopped at the 120 s limit)
     end = _fill(ilp, max(floor * (1 + FLOOR_SLACK), floor / (1 - resolution)), covered, floor * (1 - 1e-6), bounding)
     least = end or least  # when covered: the memory objective's plan, to end the hull, not to report
     if covered is not None and top.evaluation.peak_memory > memory_budget:
