@@ -146,26 +146,30 @@ def parameter_gathers(problem: Problem, assignment: dict[str, int]) -> list[Site
                 continue
             stored = problem.choices[producer.name][assignment[problem.node_group[producer.name]]].outputs[0]
             assert stored is not None
-            want = s.inputs[pos]
-            own = pos in regather  # the kernel gathers it itself (and frees it)
-            loose = own and want != stored
-            if own:
-                stored, want = want, regather[pos]
-            if want == stored:
-                continue
-            conv = cache.conversion(spec_id(stored), spec_id(want))
-            if not is_unit_gather(conv, mesh):
-                continue
-            site = f"{node.name}:{pos}" if own else f"{producer.name}->{want.encode()}"
-            if site in seen:
-                continue
-            seen.add(site)
-            layer = match_layer(node.module_path)
-            block = f"{layer[0]}.{layer[1]}" if layer is not None else ""
-            nbytes = producer.out.nbytes // want.layout.shard_factor(mesh)
-            reduced = bool(conv.backward) and producer.requires_grad and producer.out.is_float
-            gather = Gather(site, producer.name, block, conv.forward[0].axes, producer.out.dtype, nbytes, own and pos in saved, reduced)
-            out.append(Site(gather, node.name, position, loose))
+            arrival = s.inputs[pos]
+            # up to two gathers: the edge's, stored -> arrival (a unit member), and the kernel's
+            # own, arrival -> what it computes with (a unit member when the parameter arrives as
+            # stored, else loose); a kernel that gathers over the tensor-parallel axes itself
+            # (3-D's re-gathering variant) can still take its input from a unit's edge gather
+            hops = [(stored, arrival, False)]
+            if pos in regather:
+                hops.append((arrival, regather[pos], True))
+            for have, want, own in hops:
+                if want == have:
+                    continue
+                conv = cache.conversion(spec_id(have), spec_id(want))
+                if not is_unit_gather(conv, mesh):
+                    continue
+                site = f"{node.name}:{pos}" if own else f"{producer.name}->{want.encode()}"
+                if site in seen:
+                    continue
+                seen.add(site)
+                layer = match_layer(node.module_path)
+                block = f"{layer[0]}.{layer[1]}" if layer is not None else ""
+                nbytes = producer.out.nbytes // want.layout.shard_factor(mesh)
+                reduced = bool(conv.backward) and producer.requires_grad and producer.out.is_float
+                gather = Gather(site, producer.name, block, conv.forward[0].axes, producer.out.dtype, nbytes, own and pos in saved, reduced)
+                out.append(Site(gather, node.name, position, own and arrival != stored))
     return out
 
 

@@ -89,6 +89,14 @@ def regathering(node: Node, s: Strategy) -> bool:
     return True
 
 
+def weight_regathering(node: Node, s: Strategy) -> bool:
+    """Every block linear gathers its weight over a tensor-parallel axis itself: under ZeRO-3 the
+    weight first reaches it through a unit's all-gather over dp on the edge (stored split over dp)."""
+    if node.target == "aten.linear.default" and node.module_path.startswith("h."):
+        return s.algorithm.endswith("+regather") and 1 in dict(s.regather)
+    return True
+
+
 def megatron_dp(node: Node, s: Strategy) -> bool:
     """Megatron with the batch split over dp everywhere."""
     return megatron(node, s) and data_parallel(node, s)
@@ -118,6 +126,7 @@ CASES = {
         "3-D 2x2x2 least-memory": dict(dp=1, family="3d", objective="memory"),
         "3-D 2x2x2 re-gathering": dict(dp=1, family="3d", allow=regathering),
         "dp=2 x 2-D 2x2 least-memory": dict(dp=2, family="2d", objective="memory"),
+        "dp=2 x 2-D 2x2 ZeRO-3, weights re-gathered over tp": dict(dp=2, family="2d", zero=3, allow=weight_regathering),
     },
 }
 
