@@ -802,6 +802,7 @@ def _price_edges(problem: Problem) -> None:
     cache = _conversion_cache(mesh)
     sig_ids: dict[tuple[tuple[str, int], ...], int] = {}  # the conversion keys hold a consumer signature's id
     works_seen: set[tuple[str, frozenset[tuple[tuple[object, ...], float]]]] = set()
+    helds: dict[tuple[str, int, int, int], float] = {}  # bytes a conversion holds while it runs
     for (ut, index, vt, p, signature), producers in pending.items():
         u = graph.nodes[ut]
         gu, gv = problem.node_group[ut], problem.node_group[vt]
@@ -829,8 +830,10 @@ def _price_edges(problem: Problem) -> None:
             pairs = {(a, b): (ia, ib) for a, ia in src_sets.items() for b, ib in dst_sets.items() if a != b}
         work: Form = {}
         for (a, b), (iu, _iv) in pairs.items():
-            forward, backward = cache.working_sets(a, b, meta.nbytes, meta.shape)
-            held = float(max(forward, backward if with_grad else 0))
+            held = helds.get((ut, index, a, b))
+            if held is None:  # every consumer of a tensor asks again for the same pairs
+                forward, backward = cache.working_sets(a, b, meta.nbytes, meta.shape)
+                held = helds[(ut, index, a, b)] = float(max(forward, backward if with_grad else 0))
             if held and edge is not None:
                 work[("e", edge.index, a, b)] = held
             elif held:

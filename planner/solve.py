@@ -69,7 +69,7 @@ import os
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 from typing import Literal, NamedTuple, cast
 
@@ -80,6 +80,8 @@ import pulp
 from planner.peak import Form
 from planner.problem import EdgeTerm, Evaluation, Group, Problem, evaluate, price_edges
 from planner.units import format_bytes
+
+EQ, GE = pulp.LpConstraintEQ, pulp.LpConstraintGE
 
 log = logging.getLogger(__name__)
 
@@ -219,16 +221,22 @@ class _Model:
 
     def _form(self, form: Form) -> pulp.LpAffineExpression:
         """A linear form of planner.peak over the indicators x, z, e (in ``m_unit``)."""
+        return pulp.LpAffineExpression(self._form_terms(form))
+
+    def _form_terms(self, form: Form, sign: float = 1.0) -> list[tuple[pulp.LpVariable, float]]:
+        """:meth:`_form`'s (variable, coefficient) terms, times ``sign`` (each variable once: a
+        form is a dict over them)."""
         terms = []
+        scale = sign / self.m_unit
         for var, v in form.items():
             kind = var[0]
             if kind == "x":
-                terms.append((self.x[cast(str, var[1])][cast(int, var[2])], v / self.m_unit))
+                terms.append((self.x[cast(str, var[1])][cast(int, var[2])], v * scale))
             elif kind == "e":
-                terms.append((self.e_of[cast(int, var[1])][(cast(int, var[2]), cast(int, var[3]))], v / self.m_unit))
+                terms.append((self.e_of[cast(int, var[1])][(cast(int, var[2]), cast(int, var[3]))], v * scale))
             else:
-                terms.append((self.z[cast(tuple[object, ...], var[1])], v / self.m_unit))
-        return pulp.LpAffineExpression(terms)
+                terms.append((self.z[cast(tuple[object, ...], var[1])], v * scale))
+        return terms
 
     def peak_bound(self) -> None:
         """The peak over the step's instants (planner.peak): P_k, the activations alive, and Q_k, the
@@ -238,18 +246,18 @@ class _Model:
         alive = [self.lp.add_variable(f"alive_{k}", 0) for k in range(len(points))]
         made = [self.lp.add_variable(f"made_{k}", 0) for k in range(len(points))]
         for k, point in enumerate(points):
-            before = alive[k - 1] if k else 0
-            self.lp += alive[k] == before + self._form(point.saved), f"peak_alive_{k}"
-            after = made[k + 1] if k + 1 < len(points) else 0
-            self.lp += made[k] == after + self._form(point.grads), f"peak_made_{k}"
+            before = [(alive[k - 1], -1.0)] if k else []
+            self._row(f"peak_alive_{k}", EQ, 0.0, [(alive[k], 1.0)], before, self._form_terms(point.saved, -1.0))
+            after = [(made[k + 1], -1.0)] if k + 1 < len(points) else []
+            self._row(f"peak_made_{k}", EQ, 0.0, [(made[k], 1.0)], after, self._form_terms(point.grads, -1.0))
         for k, point in enumerate(points):
-            base = alive[k] + made[k] + self._form(point.in_flight)
+            base = [(alive[k], 1.0), (made[k], 1.0), *self._form_terms(point.in_flight)]
             if len(point.work) > 1:  # one variable for what is alive, so each row is short
                 held = self.lp.add_variable(f"held_{k}", 0)
-                self.lp += held == base, f"peak_held_{k}"
-                base = held
+                self._row(f"peak_held_{k}", EQ, 0.0, [(held, 1.0)], [(v, -c) for v, c in base])
+                base = [(held, 1.0)]
             for m, work in enumerate(point.work):
-                self.lp += self.peak >= base + self._form(work), f"peak_{k}_{m}"
+                self._row(f"peak_{k}_{m}", GE, 0.0, [(self.peak, 1.0)], [(v, -c) for v, c in base], self._form_terms(work, -1.0))
         grads = self._terms("G")
         self.lp += self.peak >= self._terms("A"), "peak_activations"
         self.lp += self.peak >= grads, "peak_gradients"
@@ -258,9 +266,24 @@ class _Model:
     def _sum(self, g: str, idx: frozenset[int]) -> pulp.LpAffineExpression:
         return pulp.lpSum(self.x[g][i] for i in idx)
 
+    def _ones(self, g: str, idx: frozenset[int], coef: float = 1.0) -> list[tuple[pulp.LpVariable, float]]:
+        return [(self.x[g][i], coef) for i in idx]
+
+    def _row(self, name: str, sense: int, rhs: float, *parts: Iterable[tuple[pulp.LpVariable, float]]) -> pulp.LpConstraint:
+        """sum(parts) <sense> rhs, added to the model: the terms summed into one dict, one
+        constraint object (PuLP's operators copy an expression per +, -, ==, >=: most of the
+        model's build time on small problems, measured)."""
+        terms: dict[pulp.LpVariable, float] = {}
+        for part in parts:
+            for var, coef in part:
+                terms[var] = terms.get(var, 0.0) + coef
+        row = pulp.LpConstraint(pulp.LpAffineExpression(terms), sense, name, rhs)
+        self.lp.addConstraint(row)
+        return row
+
     def one_strategy(self) -> None:
         for g, xs in self.x.items():
-            self.lp += pulp.lpSum(xs) == 1, f"one_strategy_{self.gid[g]}"
+            self._row(f"one_strategy_{self.gid[g]}", EQ, 1.0, ((x, 1.0) for x in xs))
 
     def conversion(self) -> None:
         """Within a group: y >= x[i] for the strategies whose two ends disagree. Between groups,
@@ -282,7 +305,7 @@ class _Model:
                 self.y[key] = self.lp.add_variable(f"y_{k}", 0, 1)
             for m, (gu, iu, gv, iv) in enumerate(term.conditions):
                 if gu == gv and key in self.y:
-                    self.lp += self.y[key] >= self._sum(gu, iu & iv), f"conversion_{k}_{m}"
+                    self._row(f"conversion_{k}_{m}", GE, 0.0, [(self.y[key], 1.0)], self._ones(gu, iu & iv, -1.0))
         for k, edge in enumerate(p.edges.values()):
             e = {
                 (a, b): self.lp.add_variable(f"e_{k}_{m}", 0)
@@ -291,13 +314,13 @@ class _Model:
             self.e.setdefault((edge.group_u, edge.group_v), []).append((edge, e))
             self.e_of.append(e)
             for a, iu in edge.src_sets.items():
-                self.lp += pulp.lpSum(e[(a, b)] for b in edge.dst_sets) == self._sum(edge.group_u, iu), f"edge_{k}_src_{a}"
+                self._row(f"edge_{k}_src_{a}", EQ, 0.0, ((e[(a, b)], 1.0) for b in edge.dst_sets), self._ones(edge.group_u, iu, -1.0))
             for b, iv in edge.dst_sets.items():
-                self.lp += pulp.lpSum(e[(a, b)] for a in edge.src_sets) == self._sum(edge.group_v, iv), f"edge_{k}_dst_{b}"
+                self._row(f"edge_{k}_dst_{b}", EQ, 0.0, ((e[(a, b)], 1.0) for a in edge.src_sets), self._ones(edge.group_v, iv, -1.0))
             for pair, keys in edge.conversions.items():
                 for key in keys:
                     if key in self.y:
-                        self.lp += self.y[key] >= e[pair], f"edge_{k}_conv_{id(key) % 10**9}_{id(pair) % 10**9}"
+                        self._row(f"edge_{k}_conv_{id(key) % 10**9}_{id(pair) % 10**9}", GE, 0.0, [(self.y[key], 1.0), (e[pair], -1.0)])
                     elif p.conversions[key].cost:
                         self.y[key] = e[pair]
 
@@ -314,9 +337,9 @@ class _Model:
         for k, (key, term) in enumerate(self.problem.holds.items()):
             for m, (gu, iu, gv, iv) in enumerate(term.conditions):
                 if gv is None:
-                    self.lp += self.z[key] >= self._sum(gu, iu), f"hold_{k}_{m}"
+                    self._row(f"hold_{k}_{m}", GE, 0.0, [(self.z[key], 1.0)], self._ones(gu, iu, -1.0))
                     continue
-                self.lp += self.z[key] >= self._sum(gu, iu) + self._sum(gv, iv) - 1, f"hold_{k}_{m}"
+                self._row(f"hold_{k}_{m}", GE, -1.0, [(self.z[key], 1.0)], self._ones(gu, iu, -1.0), self._ones(gv, iv, -1.0))
                 pair = self._pair(gu, iu, gv, iv)
                 if pair is not None:
                     row = self.z[key] >= pair
