@@ -39,6 +39,7 @@ class NodePlan(_Frozen):
     split_axes: tuple[str, ...] = ()
     raw_output: str | None = None  # the kernel's output Spec before the strategy's own conversion
     regather: tuple[tuple[int, str], ...] = ()  # inputs gathered by the kernel, again in backward
+    module: str = Field(default="", description="the module that runs the node, by its path in the model ('' at the root)")
 
     def input_specs(self) -> list[Spec | None]:
         return [parse_spec(s) if s is not None else None for s in self.inputs]
@@ -167,6 +168,32 @@ class Plan(_Frozen):
             if n.name == name:
                 return n
         raise KeyError(name)
+
+    def strategies_by_module(self) -> dict[str, str]:
+        """The chosen strategy of each module's ops, by module path, in graph order, the layers of
+        a repeated stack once (``h.*.attn.q_proj: tp1d-col``; every instance gets the same
+        strategy); a module whose ops run different strategies lists them (``a, b``). Parameters
+        (their storage is in the layouts) and view-like ops that follow their input are left out;
+        ops at the root are keyed by their node name."""
+        numbered: dict[str, set[str]] = {}
+        for node in self.nodes:
+            parts = node.module.split(".")
+            k = next((k for k in range(1, len(parts)) if parts[k].isdigit()), None)
+            if k is not None:
+                numbered.setdefault(".".join(parts[:k]), set()).add(parts[k])
+        out: dict[str, list[str]] = {}
+        for node in self.nodes:
+            if node.target == "placeholder" or node.algorithm == "follow" or node.name.startswith("p_"):
+                continue
+            parts = node.module.split(".") if node.module else []
+            k = next((k for k in range(1, len(parts)) if parts[k].isdigit()), None)
+            if k is not None and len(numbered[".".join(parts[:k])]) > 1:
+                parts[k] = "*"
+            key = ".".join(parts) or node.name
+            algorithms = out.setdefault(key, [])
+            if node.algorithm not in algorithms:
+                algorithms.append(node.algorithm)
+        return {key: ", ".join(algorithms) for key, algorithms in out.items()}
 
     @property
     def shards_nothing(self) -> bool:

@@ -262,7 +262,7 @@ def _strategy_lines(plan: Plan, graph: IRGraph | None) -> list[str]:
             continue
         times = counts.get(node.name, 1)
         rep = f" x{times}" if times > 1 else ""
-        where = paths.get(node.name, "")
+        where = paths.get(node.name, node.module)
         lines.append(f"  {node.name:<32} {node.target.removeprefix('aten.'):<44} {node.algorithm:<24} {where}{rep}")
     return lines
 
@@ -290,6 +290,7 @@ def search_json(result: SearchResult, *, model_name: str, devices: int, hardware
             "solver_status": p.solver.status,
             "knee": p is result.knee,
             "best": p is result.best,
+            "strategies": p.strategies_by_module(),
         }
 
     def candidate(c: Candidate) -> dict[str, Any]:

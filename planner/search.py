@@ -747,6 +747,7 @@ def make_plan(
                 split_axes=problem.mesh.sort_axes(s.split_axes),
                 raw_output=s.raw_output.encode() if s.raw_output is not None else None,
                 regather=tuple((pos, spec.encode()) for pos, spec in s.regather),
+                module=graph.nodes[name].module_path,
             )
         )
         if s.algorithm == FALLBACK:

@@ -35,7 +35,7 @@ class Filler:
     The common template, every tensor a top-level positional argument, fills by index; any other
     (a tensor inside a list, or a keyword) goes the general way."""
 
-    __slots__ = ("template", "args", "kwargs", "slots")
+    __slots__ = ("args", "kwargs", "slots", "template")
 
     def __init__(self, template: tuple[Any, dict[str, Any]]) -> None:
         self.template = template

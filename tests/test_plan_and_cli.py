@@ -32,6 +32,25 @@ def test_plan_round_trips_through_json_exactly(tiny_plan: Plan) -> None:
     assert again.model_dump_json() == tiny_plan.model_dump_json()
 
 
+def test_plan_nodes_carry_module_paths_and_strategies_read_per_module(tiny_plan: Plan) -> None:
+    """Every op of a layer names its module; strategies_by_module reads like the model (the
+    repeated blocks once, as h.*) and agrees with the nodes it summarises."""
+    by_name = {n.name: n for n in tiny_plan.nodes}
+    assert by_name["linear"].module == "h.0.attn.q_proj" and by_name["linear_6"].module == "h.1.attn.q_proj"
+    assert by_name["embedding"].module == "wte"
+    strategies = tiny_plan.strategies_by_module()
+    assert list(strategies)[:3] == ["arange", "wte", "wpe"]
+    assert "h.*.attn.q_proj" in strategies and "h.*.mlp.fc" in strategies and "lm_head" in strategies
+    assert not any(".0." in key or ".1." in key for key in strategies)  # two blocks, listed once
+    assert strategies["h.*.attn.q_proj"] == by_name["linear"].algorithm == by_name["linear_6"].algorithm
+    assert strategies["lm_head"] == next(n.algorithm for n in tiny_plan.nodes if n.module == "lm_head")
+    # a plan saved before nodes had module paths still loads (module "")
+    data = json.loads(tiny_plan.model_dump_json())
+    for node in data["nodes"]:
+        del node["module"]
+    assert all(n.module == "" for n in Plan.model_validate(data).nodes)
+
+
 def test_plan_is_frozen_and_rejects_unknown_fields(tiny_plan: Plan) -> None:
     with pytest.raises(ValidationError, match="frozen"):
         tiny_plan.step_time_s = 0.0  # type: ignore[misc]

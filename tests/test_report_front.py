@@ -100,6 +100,7 @@ def test_json_front_is_non_dominated_fastest_first_and_marks_one_knee(capsys: py
     mems = [e["peak_memory_bytes"] for e in front]
     assert times == sorted(times) and all(a > b for a, b in itertools.pairwise(mems))
     assert [e["knee"] for e in front].count(True) == 1 and front[0]["best"]
+    assert all(e["strategies"] and all(isinstance(v, str) and v for v in e["strategies"].values()) for e in front)
     every = [(p["step_time_s"], p["peak_memory_bytes"]) for c in doc["candidates"] for p in c["front"]]
     for e in front:  # no point any configuration found beats a front point on both axes
         assert not any(t <= e["step_time_s"] and m <= e["peak_memory_bytes"] and (t, m) != (e["step_time_s"], e["peak_memory_bytes"])
