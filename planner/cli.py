@@ -29,10 +29,11 @@ import argparse
 import importlib
 import json
 import logging
+import os
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -44,14 +45,29 @@ from planner.units import parse_bytes
 
 def _bytes_arg(text: str) -> float:
     try:
-        return parse_bytes(text)
+        value = parse_bytes(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from exc
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text} must be > 0 bytes per device (e.g. 40GiB; leave --memory out for the device's memory)")
+    return value
+
+
+def _seconds(option: str) -> Any:
+    def parse(text: str) -> float:
+        value = float(text)
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"{option} {text} must be > 0 seconds")
+        return value
+
+    return parse
 
 
 def _list(kind: type, allowed: tuple[Any, ...] | None = None) -> Any:
     def parse(text: str) -> tuple[Any, ...]:
         items = tuple(kind(x.strip()) for x in text.split(",") if x.strip())
+        if not items:
+            raise argparse.ArgumentTypeError(f"{text!r} names nothing: give a comma list" + (f" of {', '.join(map(str, allowed))}" if allowed else ""))
         if allowed is not None:
             bad = [x for x in items if x not in allowed]
             if bad:
@@ -153,7 +169,7 @@ def _add_search_options(r: argparse.ArgumentParser) -> None:
     r.add_argument("--no-prefetch", action="store_true", help="ZeRO-3: gather each parameter when used, not one ahead")
     r.add_argument("--optimizer", choices=("adamw", "sgd-momentum"), default="adamw", help="optimizer whose states are priced (default adamw)")
     r.add_argument("--gap", type=_fraction("--gap", "the relative MIP gap"), default=1e-6, help="relative MIP gap at which a solve stops as optimal (default 1e-6)")
-    r.add_argument("--time-limit", type=float, default=120.0, help="time limit of each ILP solve, seconds (a solve stopped by it is reported as time_limit, not optimal)")
+    r.add_argument("--time-limit", type=_seconds("--time-limit"), default=120.0, help="time limit of each ILP solve, seconds (a solve stopped by it is reported as time_limit, not optimal)")
     r.add_argument("--workers", type=_positive("--workers"), default=1,
                    help="processes solving configurations of a front at once (default 1; 2 on 2 cores: GPT-3 175B's front on 64 devices 20 s -> 14 s; "
                         "--best-only runs serially, which is faster)")
@@ -163,8 +179,16 @@ def _add_search_options(r: argparse.ArgumentParser) -> None:
     r.add_argument("-v", "--verbose", action="store_true", help="log each phase (and print progress) to stderr")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a mistake told in two lines: the error, and where the options are (not the
+    whole usage block above it)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n(`{self.prog} --help` lists the options)\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="planner", description="Automatic parallelization planner for PyTorch training.")
+    p = _Parser(prog="planner", description="Automatic parallelization planner for PyTorch training.")
     sub = p.add_subparsers(dest="command", required=True)
     r = sub.add_parser("report", help="plan a model: the time/memory front, every configuration, the chosen plan")
     _add_search_options(r)
@@ -308,6 +332,28 @@ def explain(args: argparse.Namespace, s: Searched) -> int:
     return 0
 
 
+def _writable(path: str, option: str) -> None:
+    """``ValueError`` unless ``path`` can be written: checked before a search or a calibration,
+    not after it (its answer would be lost)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ValueError(f"{option} {path}: the folder {folder} does not exist; create it or write elsewhere")
+    if os.path.isdir(path) or not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise ValueError(f"{option} {path} cannot be written (a folder, or no write permission); give a file path you can write")
+
+
+def _check_outputs(args: argparse.Namespace) -> None:
+    """What the report writes at the end, checked before the search starts."""
+    if args.save_plan:
+        _writable(args.save_plan, "--save-plan")
+    if args.plot:
+        _writable(args.plot, "--plot")
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError as exc:
+            raise ValueError(f"--plot needs matplotlib ({exc}): pip install matplotlib, or leave --plot out") from exc
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "models":
@@ -318,6 +364,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "calibrate":
         from runtime.calibrate import calibrate  # measuring needs processes: runtime, imported here
 
+        try:
+            _writable(args.out, "--out")
+        except ValueError as exc:
+            print(f"planner: error: {exc}", file=sys.stderr)
+            return 2
+
         profile = calibrate(quick=args.quick, world=args.world, name=args.name)
         with open(args.out, "w") as f:
             f.write(profile.model_dump_json(indent=1))
@@ -327,6 +379,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
+        if args.command == "report":
+            _check_outputs(args)
         searched = run_search(args)
         return report(args, searched) if args.command == "report" else explain(args, searched)
     except ValueError as exc:

@@ -85,6 +85,21 @@ class SearchSpace:
             raise ValueError(f"micro-batch counts must be >= 1, got {self.micro_batches}")
         if self.dp is not None and (self.dp < 1 or self.devices % self.dp):
             raise ValueError(f"--dp {self.dp} does not divide the device count {self.devices}")
+        for what, values in (("tensor-parallel family", self.tp), ("ZeRO stage", self.zero), ("CDP mode", self.cdp)):
+            if not values:
+                raise ValueError(f"the search space names no {what}: give at least one (tp: {', '.join(ALL_TP)}; zero: 0-3; cdp: off, v1, v2)")
+        if not any(self.dp is None or m.degree("dp") == self.dp for f in self.tp for m in _family_meshes(self.devices, f)):
+            raise ValueError(self._no_mesh())
+
+    def _no_mesh(self) -> str:
+        """Why no mesh of the families asked for tiles the devices (with ``dp`` fixed, if it is)."""
+        needs = {"none": f"dp = {self.devices}", "1d": "dp x tp with tp >= 2 dividing the device count",
+                 "2d": "dp x q x q with q >= 2, q*q dividing the device count (4, 8, 9, 12, 16, ...)",
+                 "3d": "dp x q x q x q with q >= 2, q^3 dividing the device count (8, 16, 24, 27, 32, ...)"}
+        fixed = f" with dp = {self.dp}" if self.dp is not None else ""
+        return (f"no mesh of --tp {','.join(self.tp)} tiles {self.devices} devices{fixed} ("
+                + "; ".join(f"{f}: {needs[f]}" for f in self.tp)
+                + "): search another family (e.g. --tp none,1d) or a device count these tile")
 
 
 @dataclass(frozen=True)
@@ -271,6 +286,8 @@ def search(
     ``m`` > 1 of ``space.micro_batches`` (:func:`planner.trace.micro_batch_inputs` cuts the inputs)."""
     if objective not in ("time", "memory", "knee"):
         raise ValueError(f"objective must be time, memory or knee; got {objective!r}")
+    if memory_budget is not None and not memory_budget > 0:
+        raise ValueError(f"memory budget {memory_budget!r} must be > 0 bytes per device (e.g. 40GiB; leave it out for the device's memory)")
     t0 = time.perf_counter()
     budget = float(memory_budget if memory_budget is not None else hardware.device_memory)
     batch = batch_rows(graph)

@@ -139,3 +139,54 @@ def test_auto_parallelize_requires_devices_outside_torchrun() -> None:
     model = build_model("mlp-tiny", device="meta")
     with pytest.raises(ValueError, match="devices is required"):
         auto_parallelize(model, example_inputs=(None,))
+
+
+BAD_REPORTS = [  # (arguments after `report mlp-tiny --devices 4`, what stderr must say)
+    (["--memory", "0"], "must be > 0 bytes per device"),
+    (["--devices", "7", "--tp", "2d"], "no mesh of --tp 2d tiles 7 devices"),
+    (["--tp", "3d"], "no mesh of --tp 3d tiles 4 devices"),
+    (["--tp", "none", "--dp", "2"], "no mesh of --tp none tiles 4 devices with dp = 2"),
+    (["--tp", ","], "names nothing"),
+    (["--zero", ""], "names nothing"),
+    (["--time-limit", "0"], "--time-limit 0 must be > 0 seconds"),
+    (["--save-plan", "/nonexistent-folder/plan.json"], "--save-plan /nonexistent-folder/plan.json: the folder"),
+    (["--plot", "/nonexistent-folder/front.png"], "--plot /nonexistent-folder/front.png: the folder"),
+]
+
+
+@pytest.mark.parametrize(("extra", "says"), BAD_REPORTS, ids=[" ".join(a) for a, _ in BAD_REPORTS])
+def test_cli_bad_input_is_one_line_exit_2_before_any_search(extra: list[str], says: str, capsys: pytest.CaptureFixture[str],
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A user's mistake: exit code 2, the input named on stderr, no traceback, and nothing
+    searched first (the output paths and the search space are checked before the model is traced)."""
+    import planner.search
+
+    def no_search(*args: object, **kwargs: object) -> None:
+        raise AssertionError("searched before the input was checked")
+
+    monkeypatch.setattr(planner.search, "search", no_search)
+    try:
+        code = main(["report", "mlp-tiny", "--devices", "4", *extra])
+    except SystemExit as exc:  # argparse's own errors
+        code = exc.code  # type: ignore[assignment]
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert says in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) <= 2, err
+
+
+def test_calibrate_into_a_missing_folder_fails_before_measuring(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["calibrate", "--out", "/nonexistent-folder/profile.json", "--quick"]) == 2
+    assert "--out /nonexistent-folder/profile.json: the folder" in capsys.readouterr().err
+
+
+def test_api_rejects_a_budget_of_nothing_and_an_empty_space() -> None:
+    model = build_model("mlp-tiny", device="meta")
+    args, kwargs = example_inputs("mlp-tiny", batch=8, device="meta")
+    graph = trace(model, args, kwargs)
+    with pytest.raises(ValueError, match="memory budget 0 must be > 0"):
+        search(graph, SearchSpace(devices=4), A100_80G, model_name="mlp-tiny", memory_budget=0)
+    with pytest.raises(ValueError, match="no mesh of --tp 2d tiles 6 devices"):
+        SearchSpace(devices=6, tp=("2d",))
+    with pytest.raises(ValueError, match="names no tensor-parallel family"):
+        SearchSpace(devices=4, tp=())
