@@ -24,6 +24,7 @@ from planner.report import format_search
 from planner.search import ALL_TP, Objective, SearchProgress, SearchResult, SearchSpace, search
 from planner.solve import SolverSettings
 from planner.trace import micro_batch_inputs, trace
+from planner.units import parse_bytes
 
 if TYPE_CHECKING:
     from runtime.module import ParallelModule
@@ -59,6 +60,23 @@ def _world_size() -> int | None:
     return None
 
 
+def _choices(name: str, value: Any, kind: type) -> tuple[Any, ...]:
+    """A search option's values as a tuple: one value alone (``zero=3``, ``tp="1d"``) or a comma
+    string (``tp="none,1d"``) is accepted as a user means it; anything else of the wrong type is
+    a ``TypeError`` naming the option."""
+    if isinstance(value, str):
+        items: list[Any] = [x.strip() for x in value.split(",") if x.strip()]
+        try:
+            return tuple(kind(x) for x in items)
+        except ValueError:
+            raise TypeError(f"{name}={value!r}: expected {kind.__name__} values") from None
+    if isinstance(value, kind) and not isinstance(value, bool):
+        return (value,)
+    if isinstance(value, (tuple, list)) and all(isinstance(x, kind) and not isinstance(x, bool) for x in value):
+        return tuple(value)
+    raise TypeError(f"{name}={value!r}: expected a {kind.__name__} or a tuple of them, e.g. {name}=({'0, 3' if kind is int else repr('1d')},)")
+
+
 def plan_model(
     model: torch.nn.Module,
     *,
@@ -66,13 +84,13 @@ def plan_model(
     example_inputs: tuple[Any, ...] | None = None,
     example_kwargs: dict[str, Any] | None = None,
     hardware: str | HardwareProfile = "a100-80g",
-    memory_budget: float | None = None,
-    tp: tuple[str, ...] = ALL_TP,
-    zero: tuple[int, ...] = (0,),
-    cdp: tuple[str, ...] = ("off",),
+    memory_budget: float | str | None = None,
+    tp: tuple[str, ...] | str = ALL_TP,
+    zero: tuple[int, ...] | int = (0,),
+    cdp: tuple[str, ...] | str = ("off",),
     cdp_stages: int = 4,
     dp: int | None = None,
-    micro_batches: tuple[int, ...] = (1,),
+    micro_batches: tuple[int, ...] | int = (1,),
     objective: Objective = "time",
     optimizer: str = "adamw",
     master_dtype: str | None = None,
@@ -104,8 +122,18 @@ def plan_model(
     if example_inputs is None and not example_kwargs:
         raise ValueError("example_inputs is required: a full (global) batch such that model(*example_inputs) returns the loss")
     hw = load_profile(hardware) if isinstance(hardware, str) else hardware
-    space = SearchSpace(devices=devices, tp=tuple(tp), zero=tuple(zero), cdp=tuple(cdp), cdp_stages=cdp_stages, dp=dp,
-                        micro_batches=tuple(micro_batches))
+    if isinstance(devices, bool) or not isinstance(devices, int):
+        raise TypeError(f"devices must be an int (the device count), got {devices!r}")
+    if isinstance(memory_budget, str):
+        memory_budget = parse_bytes(memory_budget)
+    if not 0 <= resolution < 1:
+        raise ValueError(f"resolution {resolution!r} must be in [0, 1): the relative memory step between front points (0.05: one per 5 %)")
+    if max_points is not None and max_points < 2:
+        raise ValueError(f"max_points {max_points!r} must be >= 2 (the fastest and the smallest plan) or None")
+    if workers is not None and workers < 1:
+        raise ValueError(f"workers {workers!r} must be >= 1 or None")
+    space = SearchSpace(devices=devices, tp=_choices("tp", tp, str), zero=_choices("zero", zero, int), cdp=_choices("cdp", cdp, str),
+                        cdp_stages=cdp_stages, dp=dp, micro_batches=_choices("micro_batches", micro_batches, int))
     t0 = time.perf_counter()
     graph = trace(model, tuple(example_inputs or ()), dict(example_kwargs or {}))
     trace_s = time.perf_counter() - t0

@@ -90,6 +90,10 @@ class SearchSpace:
                 raise ValueError(f"the search space names no {what}: give at least one (tp: {', '.join(ALL_TP)}; zero: 0-3; cdp: off, v1, v2)")
         if not any(self.dp is None or m.degree("dp") == self.dp for f in self.tp for m in _family_meshes(self.devices, f)):
             raise ValueError(self._no_mesh())
+        if min(self.zero) > 0 and (self.dp == 1 or self.devices == 1):
+            stages = ",".join(map(str, self.zero))
+            raise ValueError(f"ZeRO {stages} shards over the data-parallel axis, and dp = 1 leaves none to shard over (every stage is "
+                             "ZeRO 0 there): search --zero 0 for the same plans, or let dp be > 1")
 
     def _no_mesh(self) -> str:
         """Why no mesh of the families asked for tiles the devices (with ``dp`` fixed, if it is)."""
