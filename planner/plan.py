@@ -15,7 +15,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from planner.buckets import DEFAULT_BUCKET_BYTES
-from planner.ir import IRGraph
+from planner.ir import InputRef, IRGraph
 from planner.layout import Spec, parse_spec
 from planner.mesh import Mesh
 
@@ -219,9 +219,27 @@ class Plan(_Frozen):
         return out
 
 
-def fingerprint(graph: IRGraph) -> str:
-    """A hash of the traced structure (ops, shapes, parameter names): plans are tied to it."""
+CONTIGUOUS = "aten.contiguous.default"
+
+
+def fingerprint(graph: IRGraph, *, exact: bool = False) -> str:
+    """A hash of the traced structure (ops, shapes, parameter names): plans are tied to it.
+
+    ``aten.contiguous`` nodes are left out, their consumers hashed as reading the node's input:
+    whether export keeps one depends on the strides of the device traced on, not on the model (an
+    attention output's transpose is contiguous on CPU, whose SDPA returns it so, and not on meta),
+    and a plan made on the meta device must run on the model built for real. ``exact``: every
+    node (the fingerprint plans carried before)."""
+    skip = {} if exact else {name: node.inputs[0] for name, node in graph.nodes.items() if node.target == CONTIGUOUS and len(node.inputs) == 1}
+
+    def source(ref: InputRef) -> tuple[str, int]:
+        while ref.node in skip:
+            ref = skip[ref.node]
+        return ref.node, ref.index
+
     h = hashlib.sha256()
     for node in graph.nodes.values():
-        h.update(f"{node.name}|{node.target}|{node.outputs}|{node.param_names}|{[(i.node, i.index) for i in node.inputs]}\n".encode())
+        if node.name in skip:
+            continue
+        h.update(f"{node.name}|{node.target}|{node.outputs}|{node.param_names}|{[source(i) for i in node.inputs]}\n".encode())
     return h.hexdigest()[:16]

@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from planner.ir import IRGraph, Node
 from planner.layout import Layout, Spec, parse_spec, spec_conversion
-from planner.plan import NodePlan, Plan, fingerprint
+from planner.plan import CONTIGUOUS, NodePlan, Plan, fingerprint
 from planner.trace import micro_batch_inputs, trace
 from runtime.collectives import CommRecorder, Convert, relayout
 from runtime.groups import MeshGroups, build_groups
@@ -90,7 +90,7 @@ def compile_plan(
         example_args, example_kwargs = micro_batch_inputs(example_args, example_kwargs, plan.micro_batches)
     if graph is None:
         graph = trace(model, example_args, example_kwargs)
-    if fingerprint(graph) != plan.model_fingerprint:
+    if plan.model_fingerprint not in (fingerprint(graph), fingerprint(graph, exact=True)):
         raise ValueError(
             f"the plan was made for a different model or input shapes (fingerprint {plan.model_fingerprint}, "
             f"this model traces to {fingerprint(graph)}); re-plan with these inputs"
@@ -196,6 +196,12 @@ class _Builder:
         self.rec = rec
         self.device = device
         self.nodes: dict[str, NodePlan] = {n.name: n for n in plan.nodes}
+        for node in graph.nodes.values():  # traced here but not where the plan was made (planner.plan.fingerprint)
+            if node.target == CONTIGUOUS and node.name not in self.nodes and len(node.inputs) == 1:
+                ref = node.inputs[0]
+                spec = self.nodes[ref.node].outputs[ref.index]
+                self.nodes[node.name] = NodePlan(name=node.name, target=node.target, algorithm="follow", kernel="op", inputs=(spec,), outputs=(spec,),
+                                                 split_axes=self.nodes[ref.node].split_axes, module=node.module_path)
         self.fx_nodes = {n.name: n for n in graph.graph_module.graph.nodes}
         self.root = torch.nn.Module()
         self.fx = torch.fx.Graph()

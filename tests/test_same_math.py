@@ -59,9 +59,15 @@ def _plan(
     zero: int = 0, start: str = "cpu",
 ) -> tuple[str, ...]:
     """(model, plan JSON[, optimizer, precision, start]) for tests.dist_checks.train_and_compare;
-    ``start="meta"``: planned on the model built on the meta device, which the ranks materialise."""
-    module = build_native(model, torch.float64, "meta") if start == "meta" else build_model(model, dtype=torch.float64)
-    args, kwargs = example_inputs(model, batch=BATCH, dtype=torch.float64)
+    ``start="meta"``: planned on the model built on the meta device, which the ranks materialise;
+    ``"plan-on-meta"``: planned on the meta device (as `planner report --save-plan` plans), the
+    ranks build the model for real; ``"meta-from-cpu-plan"``: the other way round. A trace on meta
+    has an ``aten.contiguous`` the one on CPU drops (planner.plan.fingerprint)."""
+    if start == "meta":
+        module = build_native(model, torch.float64, "meta")
+    else:
+        module = build_model(model, dtype=torch.float64, device="meta" if start == "plan-on-meta" else "cpu")
+    args, kwargs = example_inputs(model, batch=BATCH, dtype=torch.float64, device="meta" if start == "plan-on-meta" else "cpu")
     graph = trace(module, args, kwargs)
     space = SearchSpace(devices=devices, dp=dp, tp=(family,) if devices > dp else ("none",), zero=(zero,))
     buckets = {"bucket_bytes": bucket_bytes} if bucket_bytes else {}
@@ -70,7 +76,7 @@ def _plan(
     if devices > dp:
         assert result.best.tp == family, (family, result.best.tp)
     assert result.best.zero_stage == zero
-    if start == "meta":
+    if start in ("meta", "meta-from-cpu-plan"):
         return model, result.best.model_dump_json(), "sgd", "fp64", "meta"
     return model, result.best.model_dump_json()
 
@@ -112,6 +118,8 @@ CASES = {
         "tp=2 least-memory": dict(dp=1, objective="memory"),
         "vit-tiny tp=2 least-memory": dict(dp=1, model="vit-tiny", objective="memory"),
         "mlp-tiny tp=2 megatron": dict(dp=1, model="mlp-tiny", allow=megatron),
+        "tp=2 megatron planned on meta, run on the CPU model": dict(dp=1, allow=megatron, start="plan-on-meta"),
+        "tp=2 megatron planned on the CPU model, run from meta": dict(dp=1, allow=megatron, start="meta-from-cpu-plan"),
     },
     4: {
         "dp=2 x tp=2 megatron": dict(dp=2, allow=megatron_dp),
