@@ -12,7 +12,7 @@ import hashlib
 from collections import Counter
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from planner.buckets import DEFAULT_BUCKET_BYTES
 from planner.ir import InputRef, IRGraph
@@ -158,6 +158,14 @@ class Plan(_Frozen):
     comms: tuple[CommRecord, ...]
     fallbacks: tuple[str, ...] = Field(default=(), description="nodes replicated because no rule covers their op")
     solver: SolverInfo
+
+    @field_validator("version")
+    @classmethod
+    def _known_version(cls, v: int) -> int:
+        if v != PLAN_VERSION:
+            raise ValueError(f"plan version {v}: this planner reads version {PLAN_VERSION} plans; re-plan with this planner "
+                             "(planner report ... --save-plan FILE)")
+        return v
 
     @property
     def mesh_obj(self) -> Mesh:

@@ -202,6 +202,12 @@ class _Builder:
                 spec = self.nodes[ref.node].outputs[ref.index]
                 self.nodes[node.name] = NodePlan(name=node.name, target=node.target, algorithm="follow", kernel="op", inputs=(spec,), outputs=(spec,),
                                                  split_axes=self.nodes[ref.node].split_axes, module=node.module_path)
+        missing = [name for name, node in graph.nodes.items() if node.kind != "output" and name not in self.nodes]
+        extra = [n.name for n in plan.nodes if n.name not in graph.nodes and n.target != CONTIGUOUS]
+        if missing or extra:
+            raise ValueError(f"the plan does not match the traced graph: nodes {missing[:5]} have no strategy in the plan"
+                             f"{f', and the plan names nodes the graph lacks: {extra[:5]}' if extra else ''} (an edited plan file, "
+                             "or one made by another version of the planner); re-plan with planner report ... --save-plan FILE")
         self.fx_nodes = {n.name: n for n in graph.graph_module.graph.nodes}
         self.root = torch.nn.Module()
         self.fx = torch.fx.Graph()

@@ -209,3 +209,20 @@ def test_api_takes_options_as_a_user_writes_them_and_names_the_wrong_ones() -> N
         options = {"devices": 4, **bad}
         with pytest.raises(error, match=match):
             plan_model(model, example_inputs=args, example_kwargs=kwargs, **options)  # type: ignore[arg-type]
+
+
+def test_plan_files_are_checked_not_trusted(tiny_plan: Plan) -> None:
+    """A plan from a newer planner, or one whose nodes were renamed, is refused with what to do
+    (not a KeyError halfway through compiling)."""
+    from runtime.compile import compile_plan
+
+    data = json.loads(tiny_plan.model_dump_json())
+    data["version"] = 99
+    with pytest.raises(ValidationError, match="plan version 99: this planner reads version 1"):
+        Plan.model_validate(data)
+    data = json.loads(tiny_plan.model_dump_json())
+    renamed = next(n for n in data["nodes"] if n["name"] == "linear")
+    renamed["name"] = "linear_renamed"
+    args, kwargs = example_inputs("gpt-tiny", batch=4)
+    with pytest.raises(ValueError, match=r"does not match the traced graph: nodes \['linear'\].*'linear_renamed'"):
+        compile_plan(Plan.model_validate(data), build_model("gpt-tiny"), args, kwargs, mesh_groups=object())  # type: ignore[arg-type]
