@@ -297,6 +297,10 @@ def search(
     batch = batch_rows(graph)
     result = SearchResult(best=None, objective=objective, memory_budget=budget)
     configs = candidate_meshes(space, batch)
+    if all(c.reason for c in configs):  # nothing to solve, and memory is not why: the user's options are
+        reasons = list(dict.fromkeys(c.reason for c in configs))
+        raise ValueError(f"no configuration of this search can run: {'; '.join(reasons[:4])}{' ...' if len(reasons) > 4 else ''} "
+                         f"(global batch {batch}, {space.devices} devices); change the options named")
     graphs = _micro_graphs(graph, batch, {c.micro_batches for c in configs if not c.reason}, micro_graph)
     problems = {}
     for k, cand in enumerate(configs):

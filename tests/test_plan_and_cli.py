@@ -226,3 +226,16 @@ def test_plan_files_are_checked_not_trusted(tiny_plan: Plan) -> None:
     args, kwargs = example_inputs("gpt-tiny", batch=4)
     with pytest.raises(ValueError, match=r"does not match the traced graph: nodes \['linear'\].*'linear_renamed'"):
         compile_plan(Plan.model_validate(data), build_model("gpt-tiny"), args, kwargs, mesh_groups=object())  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("extra", "says"), [
+    (["--micro-batches", "3"], "no configuration of this search can run: batch 8 does not split into 3 micro-batches x 4 ways"),
+    (["--devices", "1", "--cdp", "v1"], "CDP runs over the data-parallel axis: needs dp > 1"),
+    (["--batch", "12", "--dp", "8", "--devices", "8"], "batch 12 does not split 8 ways"),
+], ids=["micro-batches 3 on batch 8", "cdp on one device", "batch 12 over dp 8"])
+def test_a_search_that_cannot_run_says_why_not_that_memory_is_short(extra: list[str], says: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Options that leave no configuration to solve exit 2 with the reasons, not exit 1 with "no
+    plan fits the memory budget" (exit 1 is for memory)."""
+    assert main(["report", "mlp-tiny", "--devices", "4", *extra]) == 2
+    captured = capsys.readouterr()
+    assert says in captured.err and "memory budget" not in captured.err and not captured.out
