@@ -128,17 +128,23 @@ def load_model(spec: str, batch: int, dtype: torch.dtype = torch.float32) -> tup
         try:
             factory = getattr(importlib.import_module(module_name), attr)
         except (ImportError, AttributeError) as exc:
-            raise SystemExit(f"cannot load model factory {spec!r}: {exc}") from exc
-        out = factory(batch)
-        if not (isinstance(out, tuple) and len(out) == 3):
-            raise SystemExit(f"{spec}(batch) must return (model, args, kwargs); got {type(out).__name__}")
+            raise ValueError(f"cannot load model factory {spec!r}: {exc}") from exc
+        if not callable(factory):
+            raise ValueError(f"{spec} is a {type(factory).__name__}, not a factory: give a function f(batch) -> (model, args, kwargs)")
+        try:
+            out = factory(batch)
+        except Exception as exc:
+            raise ValueError(f"the model factory {spec}({batch}) raised {type(exc).__name__}: {exc}") from exc
+        if not (isinstance(out, tuple) and len(out) == 3 and isinstance(out[0], torch.nn.Module)):
+            got = f"a tuple of {len(out)}" if isinstance(out, tuple) else type(out).__name__
+            raise ValueError(f"{spec}(batch) must return (model, args, kwargs) with model a torch.nn.Module; got {got}")
         model, args, kwargs = out
         cast = [a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
         return model.to(dtype), tuple(cast), dict(kwargs), spec
     from models import available_models, build_model, example_inputs
 
     if spec not in available_models():
-        raise SystemExit(f"unknown model {spec!r}: use one of {', '.join(available_models())} or package.module:factory")
+        raise ValueError(f"unknown model {spec!r}: use one of {', '.join(available_models())} or package.module:factory")
     model = build_model(spec, device="meta", dtype=dtype)
     args, kwargs = example_inputs(spec, batch=batch, device="meta", dtype=dtype)
     return model, args, kwargs, spec

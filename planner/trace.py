@@ -105,9 +105,23 @@ def _to_meta(x: Any) -> Any:
     return x
 
 
+@contextlib.contextmanager
+def _torch_errors_unlogged() -> Iterator[None]:
+    """torch's fake-tensor dispatch logs the traceback of an op that fails on fake tensors (a shape
+    mismatch: 19 lines) at ERROR before raising; the TraceError below says it in three, so torch's
+    own copy is held back while exporting (it is still the TraceError's cause)."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 def _export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     try:
-        with _loss_only(model), _without_partial_graph():
+        with _loss_only(model), _without_partial_graph(), _torch_errors_unlogged():
             ep = torch.export.export(model, args, kwargs, strict=False)
         if any(_mutates(n) for n in ep.graph.nodes):
             # in-place ops (BART's shift_tokens_right, a router's ``/=``, ``detach_``) write through

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
@@ -239,3 +240,51 @@ def test_a_search_that_cannot_run_says_why_not_that_memory_is_short(extra: list[
     assert main(["report", "mlp-tiny", "--devices", "4", *extra]) == 2
     captured = capsys.readouterr()
     assert says in captured.err and "memory budget" not in captured.err and not captured.out
+
+
+FACTORIES = '''
+import torch
+
+
+class Sum(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.l(x).sum()
+
+
+def wrong_shapes(batch):
+    return Sum(), (torch.randn(batch, 5),), {}
+
+
+def raises(batch):
+    raise RuntimeError("factory broke")
+
+
+def no_tuple(batch):
+    return Sum()
+
+
+not_callable = 3
+'''
+
+
+@pytest.mark.parametrize(("factory", "says"), [
+    ("wrong_shapes", "could not trace Sum with torch.export (non-strict): RuntimeError: a and b must have same reduction dim"),
+    ("raises", "the model factory user_factories:raises(8) raised RuntimeError: factory broke"),
+    ("no_tuple", "must return (model, args, kwargs) with model a torch.nn.Module; got Sum"),
+    ("not_callable", "user_factories:not_callable is a int, not a factory"),
+    ("missing", "cannot load model factory 'user_factories:missing'"),
+])
+def test_a_bad_model_factory_is_a_short_error(factory: str, says: str, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A user's package.module:factory that raises, is not callable, returns the wrong thing or
+    traces with wrong shapes: exit 2 and the planner's own few lines (torch's logged traceback of
+    the failing op held back)."""
+    (tmp_path / "user_factories.py").write_text(FACTORIES)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["report", f"user_factories:{factory}", "--devices", "2"]) == 2
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err and len(err.strip().splitlines()) <= 4, err
