@@ -111,6 +111,16 @@ def _positive(option: str) -> Any:
     return parse
 
 
+def _at_least(low: int, option: str, why: str) -> Any:
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{option} {text} must be >= {low}: {why}")
+        return value
+
+    return parse
+
+
 def _max_points(text: str) -> int:
     value = int(text)
     if value < 2:
@@ -185,6 +195,15 @@ def _add_search_options(r: argparse.ArgumentParser) -> None:
     r.add_argument("-v", "--verbose", action="store_true", help="log each phase (and print progress) to stderr")
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("planner")
+    except PackageNotFoundError:  # run from a checkout that was not installed
+        return "(not installed)"
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse, with a mistake told in two lines: the error, and where the options are (not the
     whole usage block above it)."""
@@ -195,6 +214,7 @@ class _Parser(argparse.ArgumentParser):
 
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="planner", description="Automatic parallelization planner for PyTorch training.")
+    p.add_argument("--version", action="version", version=f"planner {_version()}")
     sub = p.add_subparsers(dest="command", required=True)
     r = sub.add_parser("report", help="plan a model: the time/memory front, every configuration, the chosen plan")
     _add_search_options(r)
@@ -211,7 +231,8 @@ def _parser() -> argparse.ArgumentParser:
     c = sub.add_parser("calibrate", help="measure this machine (matmuls, op overhead, memory, collectives) and write a profile")
     c.add_argument("--out", required=True, metavar="FILE.json", help="where to write the profile (use it with report --hardware FILE.json)")
     c.add_argument("--quick", action="store_true", help="small sizes and few repeats (under a minute)")
-    c.add_argument("--world", type=int, default=2, help="processes for the collective benchmarks (default 2)")
+    c.add_argument("--world", type=_at_least(2, "--world", "collectives are timed between at least 2 processes"), default=2,
+                   help="processes for the collective benchmarks (default 2)")
     c.add_argument("--name", default=None, help="profile name (default calibrated-cpu / calibrated-gpu)")
     return p
 

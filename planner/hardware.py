@@ -15,7 +15,7 @@ import json
 import math
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 
 class LinkTier(BaseModel):
@@ -67,7 +67,7 @@ class HardwareProfile(BaseModel):
 
     name: str
     device_memory: int = Field(gt=0, description="bytes of device memory")
-    peak_flops: dict[str, float] = Field(description="dense FLOP/s by dtype name, e.g. 'torch.bfloat16'")
+    peak_flops: dict[str, float] = Field(min_length=1, description="dense FLOP/s by dtype name, e.g. 'torch.bfloat16'")
     memory_bandwidth: float = Field(gt=0, description="bytes/s")
     devices_per_node: int = Field(ge=1)
     intra_node: LinkTier
@@ -273,5 +273,15 @@ def load_profile(name_or_path: str) -> HardwareProfile:
     if path.suffix == ".json" or path.exists():
         if not path.exists():
             raise ValueError(f"hardware profile file {path} does not exist")
-        return HardwareProfile.model_validate(json.loads(path.read_text()))
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"hardware profile file {path} is not JSON ({exc}); write one with planner calibrate --out FILE.json") from exc
+        try:
+            return HardwareProfile.model_validate(data)
+        except ValidationError as exc:
+            problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or '<root>'}: {e['msg']}" for e in exc.errors()[:4])
+            more = f" (and {exc.error_count() - 4} more)" if exc.error_count() > 4 else ""
+            raise ValueError(f"hardware profile file {path} is not a profile: {problems}{more}; write one with planner calibrate "
+                             f"--out FILE.json, or start from a preset's fields (planner.hardware.PRESETS)") from None
     raise ValueError(f"unknown hardware {name_or_path!r}: use one of {sorted(PRESETS)} or a JSON profile file")

@@ -163,6 +163,14 @@ class IRGraph:
         ops = sum(1 for n in self.nodes.values() if n.kind == "op")
         rep = "; ".join(f"{r.count} x {r.prefix}.* ({r.nodes_per_layer} nodes each)" for r in self.repeated)
         return (
-            f"{ops} ops, {len(self.params)} parameters ({self.num_params() / 1e9:.3f} B values), "
+            f"{ops} ops, {len(self.params)} parameters ({_count(self.num_params())} values), "
             f"{self.total_flops() / 1e12:.2f} TFLOP per step; repeated: {rep or 'none'}"
         )
+
+
+def _count(n: float) -> str:
+    """A count as people read it: 6.2 K, 124.4 M, 12.854 B (a tiny model's 0.000 B said nothing)."""
+    for scale, unit, digits in ((1e9, "B", 3), (1e6, "M", 1), (1e3, "K", 1)):
+        if n >= scale:
+            return f"{n / scale:.{digits}f} {unit}"
+    return f"{int(n)}"

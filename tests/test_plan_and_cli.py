@@ -288,3 +288,27 @@ def test_a_bad_model_factory_is_a_short_error(factory: str, says: str, tmp_path:
     assert main(["report", f"user_factories:{factory}", "--devices", "2"]) == 2
     err = capsys.readouterr().err
     assert says in err and "Traceback" not in err and len(err.strip().splitlines()) <= 4, err
+
+
+def test_hardware_files_version_and_counts_read_as_a_person_expects(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A partial or empty hardware profile is one line naming its fields (not pydantic's dump, not
+    min() of an empty sequence); calibrate needs 2 processes; --version answers; a tiny model's
+    size is a count (1.9 K values), not 0.000 B."""
+    from planner.hardware import A100_80G
+
+    partial = tmp_path / "partial.json"
+    partial.write_text('{"name": "mine"}')
+    empty = tmp_path / "empty.json"
+    empty.write_text(A100_80G.model_copy(update={"peak_flops": {}}).model_dump_json())
+    for path, says in ((partial, "device_memory: Field required"), (empty, "peak_flops: Dictionary should have at least 1 item")):
+        assert main(["report", "mlp-tiny", "--devices", "2", "--hardware", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert f"hardware profile file {path} is not a profile: " in err and says in err and len(err.strip().splitlines()) == 1
+    with pytest.raises(SystemExit) as exc:
+        main(["calibrate", "--out", str(tmp_path / "p.json"), "--world", "0"])
+    assert exc.value.code == 2 and "--world 0 must be >= 2" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0 and capsys.readouterr().out.startswith("planner ")
+    assert main(["report", "mlp-tiny", "--devices", "2", "--tp", "none"]) == 0
+    assert "6 parameters (1.9 K values)" in capsys.readouterr().out
