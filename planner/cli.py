@@ -101,21 +101,11 @@ def _point(text: str) -> int:
     return value
 
 
-def _positive(option: str) -> Any:
-    def parse(text: str) -> int:
-        value = int(text)
-        if value < 1:
-            raise argparse.ArgumentTypeError(f"{option} {text} must be >= 1")
-        return value
-
-    return parse
-
-
-def _at_least(low: int, option: str, why: str) -> Any:
+def _at_least(low: int, option: str, why: str = "") -> Any:
     def parse(text: str) -> int:
         value = int(text)
         if value < low:
-            raise argparse.ArgumentTypeError(f"{option} {text} must be >= {low}: {why}")
+            raise argparse.ArgumentTypeError(f"{option} {text} must be >= {low}" + (f": {why}" if why else ""))
         return value
 
     return parse
@@ -186,7 +176,7 @@ def _add_search_options(r: argparse.ArgumentParser) -> None:
     r.add_argument("--optimizer", choices=("adamw", "sgd-momentum"), default="adamw", help="optimizer whose states are priced (default adamw)")
     r.add_argument("--gap", type=_fraction("--gap", "the relative MIP gap"), default=1e-6, help="relative MIP gap at which a solve stops as optimal (default 1e-6)")
     r.add_argument("--time-limit", type=_seconds("--time-limit"), default=120.0, help="time limit of each ILP solve, seconds (a solve stopped by it is reported as time_limit, not optimal)")
-    r.add_argument("--workers", type=_positive("--workers"), default=1,
+    r.add_argument("--workers", type=_at_least(1, "--workers"), default=1,
                    help="processes solving configurations of a front at once (default 1; 2 on 2 cores: GPT-3 175B's front on 64 devices 20 s -> 14 s; "
                         "--best-only runs serially, which is faster)")
     r.add_argument("--progress", action="store_true",

@@ -151,6 +151,8 @@ def parameter_gathers(problem: Problem, assignment: dict[str, int]) -> list[Site
             # own, arrival -> what it computes with (a unit member when the parameter arrives as
             # stored, else loose); a kernel that gathers over the tensor-parallel axes itself
             # (3-D's re-gathering variant) can still take its input from a unit's edge gather
+            layer = match_layer(node.module_path)
+            block = f"{layer[0]}.{layer[1]}" if layer is not None else ""
             hops = [(stored, arrival, False)]
             if pos in regather:
                 hops.append((arrival, regather[pos], True))
@@ -164,8 +166,6 @@ def parameter_gathers(problem: Problem, assignment: dict[str, int]) -> list[Site
                 if site in seen:
                     continue
                 seen.add(site)
-                layer = match_layer(node.module_path)
-                block = f"{layer[0]}.{layer[1]}" if layer is not None else ""
                 nbytes = producer.out.nbytes // want.layout.shard_factor(mesh)
                 reduced = bool(conv.backward) and producer.requires_grad and producer.out.is_float
                 gather = Gather(site, producer.name, block, conv.forward[0].axes, producer.out.dtype, nbytes, own and pos in saved, reduced)

@@ -18,6 +18,7 @@ from planner.buckets import DEFAULT_BUCKET_BYTES
 from planner.ir import InputRef, IRGraph
 from planner.layout import Spec, parse_spec
 from planner.mesh import Mesh
+from planner.trace import match_layer
 
 PLAN_VERSION = 1
 COST_MODEL_VERSION = "analytic-1"
@@ -183,21 +184,18 @@ class Plan(_Frozen):
         strategy); a module whose ops run different strategies lists them (``a, b``). Parameters
         (their storage is in the layouts) and view-like ops that follow their input are left out;
         ops at the root are keyed by their node name."""
-        numbered: dict[str, set[str]] = {}
-        for node in self.nodes:
-            parts = node.module.split(".")
-            k = next((k for k in range(1, len(parts)) if parts[k].isdigit()), None)
-            if k is not None:
-                numbered.setdefault(".".join(parts[:k]), set()).add(parts[k])
+        layers = [match_layer(node.module) for node in self.nodes]
+        indices: dict[str, set[int]] = {}
+        for layer in layers:
+            if layer is not None:
+                indices.setdefault(layer[0], set()).add(layer[1])
         out: dict[str, list[str]] = {}
-        for node in self.nodes:
+        for node, layer in zip(self.nodes, layers, strict=True):
             if node.target == "placeholder" or node.algorithm == "follow" or node.name.startswith("p_"):
                 continue
-            parts = node.module.split(".") if node.module else []
-            k = next((k for k in range(1, len(parts)) if parts[k].isdigit()), None)
-            if k is not None and len(numbered[".".join(parts[:k])]) > 1:
-                parts[k] = "*"
-            key = ".".join(parts) or node.name
+            key = node.module or node.name
+            if layer is not None and len(indices[layer[0]]) > 1:  # h.3.attn -> h.*.attn
+                key = f"{layer[0]}.*" + key[len(f"{layer[0]}.{layer[1]}"):]
             algorithms = out.setdefault(key, [])
             if node.algorithm not in algorithms:
                 algorithms.append(node.algorithm)

@@ -263,9 +263,6 @@ class _Model:
         self.lp += self.peak >= grads, "peak_gradients"
         self.lp += self.peak >= grads + self.step_transient, "peak_step"
 
-    def _sum(self, g: str, idx: frozenset[int]) -> pulp.LpAffineExpression:
-        return pulp.lpSum(self.x[g][i] for i in idx)
-
     def _ones(self, g: str, idx: frozenset[int], coef: float = 1.0) -> list[tuple[pulp.LpVariable, float]]:
         return [(self.x[g][i], coef) for i in idx]
 
