@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from planner.plan import GradBucket
 from planner.problem import zero_dim
-from runtime.collectives import CommRecorder, _nbytes
+from runtime.collectives import CommRecorder, Issued, _nbytes, named_failure
 from runtime.groups import MeshGroups
 
 
@@ -105,7 +105,7 @@ class GradBuckets:
             work = None
             if group is not None and names:
                 self.rec.add("all_reduce", bucket.axes, _nbytes(flat), bucket.collectives[0][1])
-                work = dist.all_reduce(flat, group=group, async_op=True)
+                work = Issued(dist.all_reduce(flat, group=group, async_op=True), "all_reduce", bucket.axes, self.mg, bucket.collectives[0][1])
             self.in_flight[k] = (work, flat, names)
             return
         grads = {m: self.params[m].grad for m in names}
@@ -119,7 +119,8 @@ class GradBuckets:
         work = None
         if names:
             self.rec.add("reduce_scatter", bucket.axes, _nbytes(flat), bucket.collectives[0][1])
-            work = dist.reduce_scatter(out, list(flat.chunk(n)), group=group, async_op=True)
+            work = Issued(dist.reduce_scatter(out, list(flat.chunk(n)), group=group, async_op=True), "reduce_scatter", bucket.axes, self.mg,
+                          bucket.collectives[0][1])
         self.in_flight[k] = (work, out, names)
 
     def finish(self) -> None:
@@ -176,7 +177,10 @@ class GradBuckets:
                 mine = torch.cat([self.shards[m].detach().reshape(-1) for m in bucket.params])
                 out = mine.new_empty(mine.numel() * n)
                 self.rec.add("all_gather", bucket.axes, _nbytes(out), "step")
-                dist.all_gather(list(out.chunk(n)), mine, group=self.mg.group(bucket.axes))
+                try:
+                    dist.all_gather(list(out.chunk(n)), mine, group=self.mg.group(bucket.axes))
+                except RuntimeError as exc:
+                    raise named_failure("all_gather", bucket.axes, self.mg, "step", exc) from exc
                 for r, part in enumerate(out.chunk(n)):
                     offset = 0
                     for m in bucket.params:

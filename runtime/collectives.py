@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from planner.layout import Layout, Step, conversion_steps
+from runtime.faults import failed, group_ranks
 from runtime.groups import MeshGroups
 
 
@@ -31,6 +32,27 @@ class CommRecorder:
             self.records.append((kind, axes, nbytes, phase))
 
 
+def named_failure(kind: str, axes: tuple[str, ...], mg: MeshGroups, phase: str, exc: BaseException) -> Exception:
+    """The error a collective over ``axes`` raises when a rank of its group stalled or died
+    (:mod:`runtime.faults`: it names the collective and the rank)."""
+    return failed(f"{kind} over mesh axes {mg.mesh.sort_axes(axes)} in {phase}", group_ranks(mg.group(axes)), exc)
+
+
+class Issued:
+    """An asynchronous collective's work whose ``wait()`` names a failure as :func:`named_failure` does."""
+
+    __slots__ = ("axes", "kind", "mg", "phase", "work")
+
+    def __init__(self, work: Any, kind: str, axes: tuple[str, ...], mg: MeshGroups, phase: str) -> None:
+        self.work, self.kind, self.axes, self.mg, self.phase = work, kind, axes, mg, phase
+
+    def wait(self) -> None:
+        try:
+            self.work.wait()
+        except RuntimeError as exc:
+            raise named_failure(self.kind, self.axes, self.mg, self.phase, exc) from exc
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -40,7 +62,10 @@ def all_reduce(t: torch.Tensor, axes: tuple[str, ...], mg: MeshGroups, rec: Comm
     out = t.clone(memory_format=torch.contiguous_format)
     if mg.size(axes) > 1:
         rec.add("all_reduce", mg.mesh.sort_axes(axes), _nbytes(out), phase)
-        dist.all_reduce(out, op=op or dist.ReduceOp.SUM, group=mg.group(axes))
+        try:
+            dist.all_reduce(out, op=op or dist.ReduceOp.SUM, group=mg.group(axes))
+        except RuntimeError as exc:
+            raise named_failure("all_reduce", axes, mg, phase, exc) from exc
     return out
 
 
@@ -83,7 +108,10 @@ def all_gather(t: torch.Tensor, axes: tuple[str, ...], dim: int, mg: MeshGroups,
     flat = t.new_empty((n, *t.shape))
     rec.add("all_gather", mg.mesh.sort_axes(axes), _nbytes(flat), phase)
     parts = list(flat.unbind(0))
-    dist.all_gather(parts, t, group=mg.group(axes))
+    try:
+        dist.all_gather(parts, t, group=mg.group(axes))
+    except RuntimeError as exc:
+        raise named_failure("all_gather", axes, mg, phase, exc) from exc
     return torch.cat(parts, dim=dim)
 
 
@@ -93,7 +121,10 @@ def all_gather_into(out: torch.Tensor, t: torch.Tensor, axes: tuple[str, ...], d
     n = mg.size(axes)
     rec.add("all_gather", mg.mesh.sort_axes(axes), _nbytes(out), phase)
     targets, finish = _gather_targets(out, t, n, dim)
-    dist.all_gather(targets, t.contiguous(), group=mg.group(axes))
+    try:
+        dist.all_gather(targets, t.contiguous(), group=mg.group(axes))
+    except RuntimeError as exc:
+        raise named_failure("all_gather", axes, mg, phase, exc) from exc
     finish()
     return out
 
@@ -108,7 +139,10 @@ def reduce_scatter(t: torch.Tensor, axes: tuple[str, ...], dim: int, mg: MeshGro
     parts = [p.contiguous() for p in t.chunk(n, dim=dim)]
     out = t.new_empty(parts[0].shape)
     rec.add("reduce_scatter", mg.mesh.sort_axes(axes), _nbytes(t), phase)
-    dist.reduce_scatter(out, parts, group=mg.group(axes))
+    try:
+        dist.reduce_scatter(out, parts, group=mg.group(axes))
+    except RuntimeError as exc:
+        raise named_failure("reduce_scatter", axes, mg, phase, exc) from exc
     return out
 
 
@@ -118,14 +152,17 @@ def broadcast_start(t: torch.Tensor, axis: str, root: int, mg: MeshGroups, rec: 
     it travels while the caller computes (SUMMA's next step)."""
     out = t.clone(memory_format=torch.contiguous_format) if mg.coords[axis] == root else torch.empty_like(t, memory_format=torch.contiguous_format)
     rec.add("broadcast", (axis,), _nbytes(out), phase)
-    return out, dist.broadcast(out, src=mg.peer(axis, root), group=mg.group((axis,)), async_op=True)
+    return out, Issued(dist.broadcast(out, src=mg.peer(axis, root), group=mg.group((axis,)), async_op=True), "broadcast", (axis,), mg, phase)
 
 
 def reduce(t: torch.Tensor, axis: str, root: int, mg: MeshGroups, rec: CommRecorder, phase: str) -> torch.Tensor:
     """Sum of ``t`` over the group of ``axis``, valid on the rank at coordinate ``root``."""
     out = t.clone(memory_format=torch.contiguous_format)
     rec.add("reduce", (axis,), _nbytes(out), phase)
-    dist.reduce(out, dst=mg.peer(axis, root), group=mg.group((axis,)))
+    try:
+        dist.reduce(out, dst=mg.peer(axis, root), group=mg.group((axis,)))
+    except RuntimeError as exc:
+        raise named_failure("reduce", (axis,), mg, phase, exc) from exc
     return out
 
 
@@ -218,7 +255,8 @@ class Convert(torch.nn.Module):
         out = gathered_empty(src, n, step.dim)
         self.recorder.add("all_gather", self.mesh_groups.mesh.sort_axes(step.axes), _nbytes(out), "fwd")
         targets, finish = _gather_targets(out, src, n, step.dim)
-        work = dist.all_gather(targets, src, group=self.mesh_groups.group(step.axes), async_op=True)
+        work = Issued(dist.all_gather(targets, src, group=self.mesh_groups.group(step.axes), async_op=True), "all_gather", step.axes,
+                      self.mesh_groups, "fwd")
         self._pending = (id(x), work, out, finish)
 
     def run_forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -94,7 +94,22 @@ def build_groups(mesh: Mesh, device_type: str = "cpu", device_mesh: Any = None) 
             mine, _ = dist.new_subgroups_by_enumeration(mesh.groups(subset))
             assert mine is not None
             result.groups[subset] = mine
+    inherit_timeout(list(result.groups.values()))
     return result
+
+
+def inherit_timeout(groups: list[dist.ProcessGroup]) -> None:
+    """Give ``groups`` the default group's timeout (``init_process_group(timeout=)``): torch makes
+    sub-groups (DeviceMesh's too) with its 30-minute default instead, so a stalled rank would hold
+    a sub-group's collectives that long whatever the user set (runtime/faults.py)."""
+    try:
+        device = torch.device("cuda") if torch.device("cuda") in dist.group.WORLD._device_types else torch.device("cpu")  # type: ignore[union-attr]
+        timeout = dist.group.WORLD._get_backend(device).options._timeout  # type: ignore[union-attr]
+    except (AttributeError, RuntimeError):  # another backend, or a torch without these internals: groups keep torch's default
+        return
+    for group in groups:
+        if group is not dist.group.WORLD:
+            dist.distributed_c10d._set_pg_timeout(timeout, group)
 
 
 def check_device_mesh(device_mesh: Any, mesh: Mesh) -> None:

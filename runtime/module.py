@@ -40,6 +40,7 @@ from planner.plan import Plan
 from planner.trace import micro_batch_inputs
 from runtime.buckets import GradBuckets
 from runtime.collectives import CommRecorder, all_reduce, relayout
+from runtime.faults import CollectiveError
 from runtime.groups import MeshGroups
 from runtime.precision import MasterWeights, find_master_weights
 from runtime.zero import ZeroOptimizer, ZeroShards
@@ -249,6 +250,8 @@ class ParallelModule(torch.nn.Module):
     def _kernel_error(self, exc: Exception) -> Exception:
         """``exc`` as a :class:`KernelError` naming the traced op that raised it (``exc`` itself
         when no node of the generated forward was running: an error before or after the graph)."""
+        if isinstance(exc, CollectiveError):  # a rank stalled or died: that message is the one to read
+            return exc
         fx_node = _failed_node(self.graph_module, exc)
         traced = self.node_origin.get(fx_node.name) if fx_node is not None else None
         node = self.graph.nodes.get(traced) if traced is not None else None

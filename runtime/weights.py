@@ -142,12 +142,11 @@ class CheckpointSource(WeightSource):
     """The parameters of a checkpoint :mod:`runtime.checkpoint` wrote (keys ``model/<name>``)."""
 
     def __init__(self, path: str | os.PathLike[str], prefix: str = "model/") -> None:
-        from runtime.checkpoint import checkpoint_metadata
+        from runtime.checkpoint import Stored
 
-        self.folder, self.metadata = checkpoint_metadata(path)
+        self.stored = Stored(path)
         self.prefix = prefix
-        self.shapes = {key[len(prefix):]: tuple(md.size) for key, md in self.metadata.state_dict_metadata.items()
-                       if key.startswith(prefix) and hasattr(md, "size")}
+        self.shapes = {key[len(prefix):]: size for key, size in self.stored.tensor_keys().items() if key.startswith(prefix)}
 
     def names(self) -> set[str]:
         return set(self.shapes)
@@ -158,7 +157,7 @@ class CheckpointSource(WeightSource):
     def read(self, boxes: dict[str, Box]) -> dict[str, torch.Tensor]:
         from runtime.checkpoint import read_boxes
 
-        got = read_boxes(self.folder, self.metadata, {self.prefix + n: b for n, b in boxes.items()})
+        got = read_boxes(self.stored, {self.prefix + n: b for n, b in boxes.items()})
         return {k[len(self.prefix):]: v for k, v in got.items()}
 
 
@@ -167,11 +166,11 @@ def open_weights(path: str | os.PathLike[str]) -> WeightSource:
     p = Path(path)
     if not p.exists():
         raise ValueError(f"no weights at {p}")
-    if p.is_dir() and (p.resolve() / ".metadata").exists():
+    if p.is_dir() and ((p.resolve() / "manifest.json").exists() or (p.resolve() / ".metadata").exists()):
         return CheckpointSource(p)
     if p.is_dir() or p.suffix == ".safetensors":
         return SafetensorsSource(p)
-    raise ValueError(f"{p} is neither a checkpoint folder (with DCP's .metadata) nor safetensors (a .safetensors file or a folder of them)")
+    raise ValueError(f"{p} is neither a checkpoint folder (with manifest.json) nor safetensors (a .safetensors file or a folder of them)")
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from planner.plan import ParamUnit
-from runtime.collectives import CommRecorder, Convert, _nbytes
+from runtime.collectives import CommRecorder, Convert, Issued, _nbytes
 from runtime.groups import MeshGroups
 
 
@@ -90,7 +90,7 @@ class ParamUnits:
         sent = torch.cat([members[i].shard.detach().reshape(-1) for i in which])
         out = sent.new_empty(sent.numel() * n)
         self.rec.add("all_gather", self.mg.mesh.sort_axes(self.units[k].axes), _nbytes(out), phase)
-        work = dist.all_gather_single(out, sent, group=group, async_op=True)
+        work = Issued(dist.all_gather_single(out, sent, group=group, async_op=True), "all_gather", self.units[k].axes, self.mg, phase)
         return _Flight(work, sent, out, which)
 
     def _arrived(self, k: int, flight: _Flight) -> dict[int, torch.Tensor]:
@@ -172,7 +172,7 @@ class ParamUnits:
         del got, chunks
         out = flat.new_empty(flat.numel() // n)
         self.rec.add("reduce_scatter", self.mg.mesh.sort_axes(self.units[k].axes), _nbytes(flat), "bwd")
-        work = dist.reduce_scatter(out, list(flat.chunk(n)), group=group, async_op=True)
+        work = Issued(dist.reduce_scatter(out, list(flat.chunk(n)), group=group, async_op=True), "reduce_scatter", self.units[k].axes, self.mg, "bwd")
         self.reducing.append((k, order, work, out))
 
     def _deliver(self, k: int, order: list[int], work: Any, out: torch.Tensor) -> None:

@@ -25,7 +25,7 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...], out: Any) -> None:
+def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...], out: Any, pg_timeout: float, settle: bool) -> None:
     import torch.distributed as dist
 
     os.environ["MASTER_ADDR"] = "127.0.0.1"
@@ -34,21 +34,25 @@ def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple
     # core in each of them made tiny ops spin (measured: 4 ranks on 2 cores, a 64 x 32 linear 24 ms)
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=pg_timeout))
         result = fn(rank, world, *args)
         out.put((rank, "ok", result))
-        dist.barrier()  # before destroy: avoids a rare abort at exit after collectives in backward
-        dist.destroy_process_group()
+        if settle:  # (a test that breaks the world on purpose does not settle it)
+            dist.barrier()  # before destroy: avoids a rare abort at exit after collectives in backward
+            dist.destroy_process_group()
     except BaseException:
         out.put((rank, "error", traceback.format_exc()))
 
 
-def run_world(world: int, fn: Callable[..., Any], *args: Any, timeout: float = 600.0) -> list[Any]:
-    """``fn(rank, world, *args)`` on every rank; returns the ranks' results (rank order)."""
+def run_world(world: int, fn: Callable[..., Any], *args: Any, timeout: float = 600.0, pg_timeout: float = 120.0,
+              settle: bool = True) -> list[Any]:
+    """``fn(rank, world, *args)`` on every rank; returns the ranks' results (rank order).
+    ``pg_timeout``: the process group's timeout (s); ``settle=False``: no closing barrier (the
+    function broke the world on purpose)."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world, port, fn, args, out), daemon=True) for r in range(world)]
+    procs = [ctx.Process(target=_entry, args=(r, world, port, fn, args, out, pg_timeout, settle), daemon=True) for r in range(world)]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}

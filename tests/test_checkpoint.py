@@ -7,6 +7,10 @@ ones bit for bit after the move, and the next step's loss equals the uninterrupt
 
 from __future__ import annotations
 
+import json
+import os
+import pickle
+import re
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +39,7 @@ def test_a_crash_mid_write_leaves_the_previous_checkpoint_whole(tmp_path: Path, 
         raise OSError("disk full")
 
     monkeypatch.setattr(ckpt.dcp.FileSystemWriter, "write_data", broken_write)
-    with pytest.raises(ckpt.dcp.api.CheckpointException):
+    with pytest.raises(ckpt.CheckpointError, match="disk full"):
         ckpt.write_state({"step": torch.tensor(2), "w": torch.zeros(4)}, path)
     monkeypatch.undo()
     kept = ckpt.read_state(path)
@@ -56,6 +60,153 @@ def test_a_plain_folder_is_never_overwritten(tmp_path: Path) -> None:
     (tmp_path / "mine").mkdir()
     with pytest.raises(ValueError, match="not a checkpoint link"):
         ckpt.write_state({"w": torch.zeros(2)}, tmp_path / "mine")
+
+
+def test_loading_never_unpickles_dcps_metadata(tmp_path: Path) -> None:
+    """A stranger's ``.metadata`` pickle that would run code is never opened: the manifest (JSON)
+    is the only metadata a load reads."""
+    path = tmp_path / "ckpt"
+    ckpt.write_state({"w": torch.arange(4.0), "progress": {"step": 7}}, path)
+    ran = tmp_path / "ran"
+    (path.resolve() / ".metadata").write_bytes(pickle.dumps(_RunsCode(str(ran))))
+    state = ckpt.read_state(path)
+    assert torch.equal(state["w"], torch.arange(4.0)) and state["progress"] == {"step": 7}
+    assert not ran.exists()
+
+
+class _RunsCode:
+    def __init__(self, file: str) -> None:
+        self.file = file
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Path(self.file).touch, ())
+
+
+def test_a_checkpoint_without_manifest_needs_trust(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt"
+    ckpt.write_state({"w": torch.arange(4.0)}, path)
+    (path.resolve() / ckpt.MANIFEST).unlink()
+    with pytest.raises(ckpt.CheckpointError, match="trust_pickle=True"):
+        ckpt.read_state(path)
+    assert torch.equal(ckpt.read_state(path, trust_pickle=True)["w"], torch.arange(4.0))
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("truncate", "truncated or partial"),
+    ("missing", "is missing"),
+    ("traversal", "not a plain .distcp name"),
+    ("outside", "outside the tensor"),
+    ("version", "newer than this runtime"),
+    ("garbage", "not a valid manifest"),
+    ("dtype", "unknown dtype"),
+])
+def test_a_damaged_checkpoint_is_one_clear_error(tmp_path: Path, damage: str, message: str) -> None:
+    """Truncated, partial or tampered files raise CheckpointError (an Exception, unlike DCP's
+    CheckpointException) naming what is wrong; nothing of torch's leaks."""
+    path = tmp_path / "ckpt"
+    ckpt.write_state({"w": torch.arange(64.0), "v": torch.ones(3, 2)}, path)
+    folder = path.resolve()
+    manifest = json.loads((folder / ckpt.MANIFEST).read_text())
+    data = folder / next(iter(manifest["files"]))
+    if damage == "truncate":
+        data.write_bytes(data.read_bytes()[:-100])
+    elif damage == "missing":
+        data.unlink()
+    elif damage == "traversal":
+        manifest["files"] = {"../../etc/passwd": 1}
+    elif damage == "outside":
+        manifest["tensors"]["v"]["chunks"][0]["sizes"] = [4, 2]
+    elif damage == "version":
+        manifest["version"] = 99
+    elif damage == "garbage":
+        manifest = {"tensors": 1}
+    elif damage == "dtype":
+        manifest["tensors"]["v"]["dtype"] = "Tensor"
+    if damage not in ("truncate", "missing"):
+        (folder / ckpt.MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(ckpt.CheckpointError, match=message):
+        ckpt.read_state(path)
+
+
+def test_a_corrupt_payload_is_a_checkpoint_error(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt"
+    ckpt.write_state({"w": torch.arange(64.0)}, path)
+    folder = path.resolve()
+    data = folder / next(iter(json.loads((folder / ckpt.MANIFEST).read_text())["files"]))
+    raw = bytearray(data.read_bytes())
+    raw[:200] = bytes(200)  # same size, wrong bytes
+    data.write_bytes(bytes(raw))
+    with pytest.raises(ckpt.CheckpointError, match="could not be read"):
+        ckpt.read_state(path)
+
+
+def test_the_next_save_removes_what_a_crash_left(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt"
+    ckpt.write_state({"w": torch.zeros(2)}, path)
+    crashed = tmp_path / ".ckpt.0123456789ab"  # a save killed before its link swap
+    crashed.mkdir()
+    (crashed / "__0_0.distcp").write_bytes(b"half")
+    os.symlink(crashed.name, tmp_path / ".ckpt.0123456789ab.link")
+    other = tmp_path / ".other.0123456789ab"  # another checkpoint's folder is not touched
+    other.mkdir()
+    ckpt.write_state({"w": torch.ones(2)}, path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["ckpt", path.resolve().name, other.name])
+    assert torch.equal(ckpt.read_state(path)["w"], torch.ones(2))
+
+
+def test_what_json_cannot_hold_is_refused_before_writing(tmp_path: Path) -> None:
+    with pytest.raises(TypeError, match=r"'loader'.*JSON"):
+        ckpt.write_state({"w": torch.zeros(2), "loader": object()}, tmp_path / "ckpt")
+    assert list(tmp_path.iterdir()) == []
+
+
+def _mlp_module(layers: int, hidden: int = 32) -> Any:
+    from models.mlp import MLP, MLPConfig, mlp_example_inputs
+    from planner.plan import Plan
+    from runtime.compile import compile_plan
+
+    config = MLPConfig(in_features=16, hidden=hidden, out_features=8, n_layers=layers)
+    torch.manual_seed(0)
+    model = MLP(config).double()
+    args, kwargs = mlp_example_inputs(config, 4, dtype=torch.float64, device=torch.device("cpu"), generator=torch.Generator().manual_seed(0))
+    result = search(trace(model, args, kwargs), SearchSpace(devices=1), A100_80G, model_name="mlp", front=False)
+    assert result.best is not None
+    pm = compile_plan(Plan.model_validate_json(result.best.model_dump_json()), model, args, kwargs)
+    return pm, pm.make_optimizer(torch.optim.AdamW, lr=1e-3)
+
+
+def _refusals(rank: int, world: int, path: str) -> dict[str, Any]:
+    """Save a 2-layer MLP of width 32, load it into 1 or 3 layers or width 48: each error's text."""
+    pm, opt = _mlp_module(2)
+    ckpt.save_checkpoint(pm, opt, path, step=1)
+    out: dict[str, Any] = {}
+    for other in ((1, 32), (3, 32), (2, 48)):
+        pm_b, opt_b = _mlp_module(*other)
+        try:
+            ckpt.load_checkpoint(pm_b, opt_b, path)
+            out[str(other)] = "loaded"
+        except ckpt.CheckpointError as exc:
+            out[str(other)] = str(exc)
+        if other == (1, 32):
+            out["non-strict step"] = ckpt.load_checkpoint(pm_b, opt_b, path, strict=False)["step"]
+    return out
+
+
+@pytest.fixture(scope="module")
+def refusals(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return run_world(1, _refusals, str(tmp_path_factory.mktemp("ckpt") / "mlp"), timeout=300)[0]  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("other, message", [
+    ((1, 32), r"holds 2 parameter\(s\) the model does not have, first 'layers.1.fc.bias'.*strict=False"),
+    ((3, 32), "has no parameter 'layers.2.fc.weight'"),
+    ((2, 48), r"holds layers.0.fc.\w+ as \[32(, 16)?\], the model as \[48(, 16)?\]"),
+])
+def test_a_checkpoint_of_another_model_is_refused(refusals: dict[str, Any], other: tuple[int, int], message: str) -> None:
+    """Saved from a 2-layer MLP of width 32; loaded into 1 or 3 layers, or width 48: refused,
+    naming the first difference (and strict=False loads what the 1-layer model has)."""
+    assert re.search(message, refusals[str(other)]), refusals[str(other)]
+    assert refusals["non-strict step"] == 1
 
 
 def _plan(devices: int, dp: int, zero: int, family: str, allow: Any, dtype: torch.dtype = torch.float64) -> str:
@@ -111,8 +262,7 @@ def save_then_move(rank: int, world: int, plan_a: str, plan_b: str, path: str, d
         save_peak = peak_count(lambda: ckpt.save_checkpoint(pm_a, opt_a, path, step=2, extra={"loader": {"epoch": 0, "batch": 8}})) - before
     params, states = pm_a.full_state_dict(), ckpt.full_optimizer_state(pm_a, opt_a)
     held_a = _held(pm_a, opt_a)
-    _, metadata = ckpt.checkpoint_metadata(path)
-    stored = metadata.state_dict_metadata
+    stored = ckpt.Stored(path).metadata.state_dict_metadata
     chunks = {}  # each parameter: (its stored chunks' shapes, this rank's shard's shape, the full shape)
     for attr, p in pm_a.local_parameters().items():
         md = stored[f"model/{pm_a.param_names[attr][0]}"]
