@@ -4,8 +4,11 @@ train, checkpoint shard by shard, resume.
 
     # 4 CPU processes with gloo (no GPU needed):
     torchrun --nproc-per-node 4 examples/train_large.py --out run
-    # again, resuming from run/ckpt where it stopped (any plan, any world size):
-    torchrun --nproc-per-node 2 examples/train_large.py --out run --resume
+    # again: it resumes from run/ckpt where it stopped (any plan, any world size):
+    torchrun --nproc-per-node 2 examples/train_large.py --out run
+    # survive a crash: torchrun restarts every process, which resume from the newest checkpoint
+    # (--crash-at 7 kills rank 1 in the middle of step 7 on the first attempt, to try it):
+    torchrun --standalone --nproc-per-node 4 --max-restarts 3 examples/train_large.py --out run --crash-at 7
     # start from a Hugging Face checkpoint (save_pretrained's folder: safetensors, sharded or not):
     torchrun --nproc-per-node 4 examples/train_large.py --model hf-llama --weights path/to/folder --out run
     # 2 nodes x 8 GPUs (NCCL): the same command on every node, K = 0 and 1
@@ -14,13 +17,17 @@ train, checkpoint shard by shard, resume.
 
 Rank 0 plans (``auto_parallelize``; ``--zero``, ``--objective``), every rank compiles that plan on
 the meta model: its shards only, so no rank ever holds the whole model. Batch ``k`` is the same
-on every launch (seeded by k), so a resumed run continues the uninterrupted one. ``--losses FILE``
-writes the steps' losses as JSON (rank 0).
+on every launch (seeded by k), and the checkpoint holds the step counter and the losses so far, so
+a resumed run (after a stop, or a crash and torchrun's restart) continues the uninterrupted one
+exactly. ``--losses FILE`` writes every step's loss as JSON (rank 0). ``--timeout`` is the
+process group's: a rank that stalls longer fails the others with a message naming it and the
+collective (runtime/faults.py), and torchrun restarts the world.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 from pathlib import Path
@@ -47,10 +54,13 @@ def main() -> None:
     parser.add_argument("--weights", default=None, help="safetensors file or folder, or a checkpoint, to start from")
     parser.add_argument("--out", default="run", help="folder of the checkpoint (out/ckpt)")
     parser.add_argument("--save-every", type=int, default=5)
-    parser.add_argument("--resume", action="store_true", help="continue from out/ckpt")
+    parser.add_argument("--resume", nargs="?", const="yes", choices=("auto", "yes", "no"), default="auto",
+                        help="continue from out/ckpt: auto (where it exists), yes (it must), no (start over, overwriting it)")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds a collective waits for a stalled rank before failing")
+    parser.add_argument("--crash-at", type=int, default=None, help="kill rank 1 in the middle of this step on the first attempt")
     parser.add_argument("--losses", default=None, help="write the losses here (JSON, rank 0)")
     args = parser.parse_args()
-    dist.init_process_group(args.backend)
+    dist.init_process_group(args.backend, timeout=datetime.timedelta(seconds=args.timeout))
     device = None
     if args.backend == "nccl":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
@@ -66,18 +76,21 @@ def main() -> None:
                           weights=args.weights, device=device, **search)
     optimizer = pm.make_optimizer(torch.optim.AdamW, lr=1e-3)
     ckpt = Path(args.out) / "ckpt"
-    start = 0
-    if args.resume:
-        start = load_checkpoint(pm, optimizer, ckpt)["step"]
+    start, losses = 0, {}
+    if args.resume == "yes" or (args.resume == "auto" and ckpt.exists()):
+        progress = load_checkpoint(pm, optimizer, ckpt)
+        start, losses = progress["step"], {int(k): v for k, v in progress["extra"].get("losses", {}).items()}
     if rank == 0:
         held = sum(p.numel() * p.element_size() for p in pm.parameters())
         print(f"plan: mesh {pm.plan.mesh}, tp {pm.plan.tp}, ZeRO-{pm.plan.zero_stage}; this rank holds {held / 2**20:.2f} MiB of parameters; "
-              f"predicted peak {pm.plan.peak_memory_bytes / 2**20:.1f} MiB/device; starting at step {start}", flush=True)
-    losses = {}
+              f"predicted peak {pm.plan.peak_memory_bytes / 2**20:.1f} MiB/device; starting at step {start} "
+              f"(attempt {os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')})", flush=True)
     for step in range(start, args.steps):
         full_args, full_kwargs = example_inputs(args.model, batch=args.batch, dtype=dtype, seed=1000 + step)
         local_args, local_kwargs = pm.shard_batch(*full_args, **full_kwargs)
         loss = pm(*local_args, **local_kwargs)
+        if step == args.crash_at and rank == 1 and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+            os._exit(1)  # a crash between forward and backward: the others fail in backward's collectives
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -85,7 +98,7 @@ def main() -> None:
         if rank == 0:
             print(f"step {step}: loss {losses[step]:.6f}", flush=True)
         if (step + 1) % args.save_every == 0 or step + 1 == args.steps:
-            save_checkpoint(pm, optimizer, ckpt, step=step + 1)
+            save_checkpoint(pm, optimizer, ckpt, step=step + 1, extra={"losses": losses})
     if rank == 0 and args.losses:
         Path(args.losses).write_text(json.dumps(losses))
     dist.barrier()

@@ -101,7 +101,7 @@ class _Tensor(BaseModel):
 class Manifest(BaseModel):
     """``manifest.json``: everything a load needs, as data."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", ser_json_inf_nan="constants")  # a diverged run's NaN loss survives
     format: Literal["planner-checkpoint"] = "planner-checkpoint"
     version: int
     objects: dict[str, JsonValue]  # the non-tensor entries (plan, progress, optimizer scalars that are not tensors)
@@ -130,13 +130,16 @@ def _remove_stale(target: Path, keep: set[str]) -> None:
 
 
 def _json_objects(objects: dict[str, Any]) -> dict[str, Any]:
+    """``objects`` as JSON holds them (dict keys become strings, tuples lists), or a TypeError
+    naming the first entry JSON cannot hold."""
+    out = {}
     for key, value in objects.items():
         try:
-            json.dumps(value, allow_nan=True)
+            out[key] = json.loads(json.dumps(value, allow_nan=True))
         except (TypeError, ValueError) as exc:
             raise TypeError(f"checkpoint entry {key!r} is a {type(value).__name__}, which a checkpoint cannot hold: "
                             f"store tensors or JSON values (numbers, strings, lists, dicts, None) ({exc})") from None
-    return objects
+    return out
 
 
 def _manifest(folder: Path, metadata: Metadata, objects: dict[str, Any]) -> Manifest:
@@ -448,8 +451,7 @@ def save_checkpoint(pm: ParallelModule, optimizer: Any, path: str | os.PathLike[
     """Write (DCP, atomically) this rank's shards of the parameters and optimizer states: a
     checkpoint every plan can load (module docstring). ``step`` and ``extra`` (JSON values: a data
     loader's position, say) come back from :func:`load_checkpoint`. Every rank calls it."""
-    progress = {"step": step, "extra": extra or {}}
-    _json_objects({"progress": progress})  # raises on what JSON cannot hold, before anything is written
+    progress = _json_objects({"progress": {"step": step, "extra": extra or {}}})["progress"]  # raises on what JSON cannot hold, before anything is written
     state: dict[str, Any] = {"plan": pm.plan.model_dump_json(), "progress": progress}
     boxes: dict[str, Box] = {}
     states = _inner(optimizer).state

@@ -4,7 +4,11 @@ step counter and losses."""
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -89,3 +93,41 @@ def test_the_others_name_the_stalled_or_dead_rank_and_the_collective(plan: str, 
         assert got["seconds"] <= bound, got
         if mode == "stall":
             assert got["seconds"] >= PG_TIMEOUT - 0.5, got  # it waited for the timeout, not less
+
+
+TRAIN = ["examples/train_large.py", "--model", "gpt-tiny", "--steps", "6", "--save-every", "2", "--batch", "8", "--dtype", "float64",
+         "--tp", "none", "--dp", "2", "--zero", "1"]
+
+
+def _torchrun(args: list[str], log: Path, timeout: float = 300) -> int:
+    torchrun = Path(sys.executable).with_name("torchrun")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PLANNER_FAULT_GRACE_S="1")
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([str(torchrun), "--standalone", "--nproc-per-node", "2", *args], cwd=ROOT, env=env,
+                                stdout=out, stderr=subprocess.STDOUT)
+        try:
+            return proc.wait(timeout=timeout)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def test_a_crash_mid_step_restarts_from_the_newest_checkpoint_with_the_uninterrupted_losses(tmp_path: Path) -> None:
+    """``torchrun --max-restarts 1``: rank 1 dies between forward and backward of step 3 (of 6,
+    a checkpoint every 2); torchrun stops rank 0 and restarts both (``--standalone``: a c10d
+    rendezvous per attempt; the static one of ``--master-port`` hands the new attempt the old
+    attempt's addresses, and gloo cannot connect), they resume at step 2 from the newest complete checkpoint, and every step's loss (the
+    ones before the crash come back from the checkpoint) equals the uninterrupted run's."""
+    assert _torchrun([*TRAIN, "--out", str(tmp_path / "one"), "--losses", str(tmp_path / "one.json")], tmp_path / "one.log") == 0, \
+        (tmp_path / "one.log").read_text()[-3000:]
+    code = _torchrun(["--max-restarts", "1", *TRAIN, "--out", str(tmp_path / "two"), "--losses", str(tmp_path / "two.json"), "--crash-at", "3"],
+                     tmp_path / "two.log")
+    log = (tmp_path / "two.log").read_text(errors="replace")
+    assert code == 0, log[-3000:]
+    assert "starting at step 0 (attempt 0)" in log and "starting at step 2 (attempt 1)" in log, log[-3000:]
+    want = json.loads((tmp_path / "one.json").read_text())
+    got = json.loads((tmp_path / "two.json").read_text())
+    assert sorted(got, key=int) == sorted(want, key=int) == [str(k) for k in range(6)]
+    for step, loss in want.items():
+        assert abs(got[step] - loss) <= 1e-12 * abs(loss), (step, got[step], loss)
