@@ -142,7 +142,7 @@ def plan_model(
                     master_dtype=master_dtype, prefetch=prefetch, settings=solver, front=front, resolution=resolution,
                     max_points=max_points, progress=progress, workers=workers, bucket_bytes=bucket_bytes,
                     micro_graph=lambda m: trace(model, *micro_batch_inputs(tuple(example_inputs or ()), example_kwargs, m)))
-    report = format_search(result, model_name=name, devices=devices, hardware=hw, trace_seconds=trace_s, graph=graph)
+    report = format_search(result, model_name=name, devices=devices, hardware=hw, trace_seconds=trace_s, graph=graph, verbose=True)
     return PlanningResult(result.best, result, report, graph)
 
 

@@ -30,6 +30,7 @@ import importlib
 import json
 import logging
 import os
+import shlex
 import sys
 import time
 from dataclasses import dataclass
@@ -182,7 +183,8 @@ def _add_search_options(r: argparse.ArgumentParser) -> None:
     r.add_argument("--progress", action="store_true",
                    help="show the search's progress on stderr: configurations done, solved/dismissed/infeasible, ETA (a bar when "
                         "stderr is a terminal, which is the default there; a line per configuration otherwise)")
-    r.add_argument("-v", "--verbose", action="store_true", help="log each phase (and print progress) to stderr")
+    r.add_argument("-v", "--verbose", action="store_true",
+                   help="the whole report (every configuration, the chosen plan's strategies and collectives); log each phase to stderr")
 
 
 def _version() -> str:
@@ -312,6 +314,29 @@ def run_search(args: argparse.Namespace) -> Searched:
     return Searched(name, graph, hw, result, trace_s)
 
 
+_NOT_REPEATED = {"--json": 0, "--markdown": 0, "-v": 0, "--verbose": 0, "--progress": 0, "--save-plan": 1, "--plot": 1}
+
+
+def how_to_run(args: argparse.Namespace, s: Searched) -> list[str]:
+    """Two lines: the command that saves this plan (this one's options) and the code that runs it."""
+    words: list[str] = []
+    skip = 0
+    for word in args.argv:
+        if skip:
+            skip -= 1
+            continue
+        flag = word.split("=", 1)[0]
+        if flag in _NOT_REPEATED:
+            skip = _NOT_REPEATED[flag] if "=" not in word else 0
+            continue
+        words.append(word)
+    saved = args.save_plan or "plan.json"
+    first = f"Run it: the plan is in {saved}" if args.save_plan else f"Run it: {shlex.join(['planner', *words, '--save-plan', saved])}"
+    return [first,
+            f"  then in train.py under torchrun --nproc-per-node {args.devices}: pm = compile_plan(Plan.model_validate_json(open({saved!r}).read()), model, *batch)",
+            f"  (or pm = auto_parallelize(model, devices={args.devices}, example_inputs=batch): plans and compiles in one call)"]
+
+
 def report(args: argparse.Namespace, s: Searched) -> int:
     """Print the report (text, markdown or JSON); write the plot and the chosen plan if asked."""
     from planner.report import format_search, save_front_plot, search_json
@@ -334,7 +359,8 @@ def report(args: argparse.Namespace, s: Searched) -> int:
         print(json.dumps(search_json(result, model_name=s.name, devices=args.devices, hardware=s.hardware), indent=1))
     else:
         print(format_search(result, model_name=s.name, devices=args.devices, hardware=s.hardware, trace_seconds=s.trace_seconds,
-                            graph=s.graph, markdown=args.markdown))
+                            graph=s.graph, markdown=args.markdown, verbose=args.verbose,
+                            how_to_run=how_to_run(args, s) if result.best is not None else ()))
     return 0 if result.best is not None else 1
 
 
@@ -373,6 +399,7 @@ def _check_outputs(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     if args.command == "models":
         from models import available_models
 

@@ -1,9 +1,9 @@
 """Readable reports of a search and of one plan (plain text or GitHub markdown; the CLI only prints).
 
-:func:`format_search` prints the time/memory front (one row per non-dominated plan across the
-configurations searched, fastest first, with the knee and the objective's choice marked), then what
-happened to every configuration (its own front, or why it was pruned or cannot fit), then the chosen
-plan (:func:`format_plan`). :func:`plot_front` draws the same front with matplotlib.
+:func:`format_search` answers first: the chosen plan and how to run it, then the time/memory
+front (one row per non-dominated plan across the configurations searched, fastest first, with the
+knee and the objective's choice marked); verbose adds what happened to every configuration (its own
+front, or why it was pruned or cannot fit) and the chosen plan's detail (:func:`format_plan`). :func:`plot_front` draws the same front with matplotlib.
 
 :func:`search_json` is the document ``planner report --json`` prints: a ``pareto`` array (the merged
 front, fastest first; each entry ``step_time_s``, ``peak_memory_bytes``, ``memory_breakdown``,
@@ -17,6 +17,7 @@ front, fastest first; each entry ``step_time_s``, ``peak_memory_bytes``, ``memor
 from __future__ import annotations
 
 import math
+import textwrap
 from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -170,13 +171,23 @@ def format_search(
     trace_seconds: float,
     graph: IRGraph | None = None,
     markdown: bool = False,
+    verbose: bool = False,
+    how_to_run: Sequence[str] = (),
 ) -> str:
-    """The whole report: header, the front, the configurations, CDP pipeline estimates, then the
-    chosen plan (or, when nothing fits, the search's message saying what would). ``markdown``:
-    GitHub markdown (tables, the plan in a code block)."""
+    """The report, answer first: the chosen plan in a few lines and ``how_to_run`` (the command or
+    code that runs it), what was searched, the front; with ``verbose``, every configuration (its
+    own front, or why it was pruned or cannot fit), CDP pipeline estimates and the chosen plan's
+    strategies and collectives (:func:`format_plan`). When nothing fits, the search's message
+    saying what would comes first and the configurations follow. ``markdown``: GitHub markdown."""
     out = [("# " if markdown else "") + f"planner report: {model_name} on {devices} devices, hardware {hardware.name}"]
     if markdown:
         out.append("")
+    if result.best is None:
+        out.append(result.infeasible or "No configuration fits the memory budget (see the configurations below for the least memory each needs).")
+    else:
+        answer = plan_summary(result.best, objective=result.objective) + [f"  {line}" for line in how_to_run]
+        out += ["```text", *answer, "```"] if markdown else answer
+    out.append("")
     if graph is not None:
         shapes = ", ".join(str(list(graph.nodes[n].out.shape)) for n in graph.input_names)
         counts = sorted({c.micro_batches for c in result.candidates})
@@ -185,15 +196,35 @@ def format_search(
         out.append(f"model: {graph.summary()}; inputs {shapes} (one step's global batch, {accumulation})")
     out.append(f"searched {len(result.candidates)} configurations in {result.seconds:.2f} s (trace {trace_seconds:.2f} s); "
                f"objective {result.objective}; memory budget {format_bytes(result.memory_budget)} per device")
-    out += ["", format_front(result, markdown=markdown), "", format_configurations(result, markdown=markdown)]
-    out += _pipelines(result, markdown=markdown)
-    out.append("")
-    if result.best is None:
-        out.append(result.infeasible or "No configuration fits the memory budget (see above for the least memory each needs).")
+    out += ["", format_front(result, markdown=markdown), ""]
+    if verbose or result.best is None:
+        out += [format_configurations(result, markdown=markdown)]
+        out += _pipelines(result, markdown=markdown)
     else:
+        statuses = Counter(candidate_status(c, result.memory_budget) for c in result.candidates)
+        counts_text = ", ".join(f"{n} {status}" for status, n in sorted(statuses.items(), key=lambda kv: -kv[1]))
+        out.append(f"Configurations: {counts_text}. --verbose prints each one (its front, or why it has no plan) and the chosen plan's "
+                   "strategies and collectives.")
+    if verbose and result.best is not None:
         plan = format_plan(result.best, graph=graph)
-        out.append(f"## Chosen plan\n\n```text\n{plan}\n```" if markdown else plan)
+        out += ["", f"## Chosen plan\n\n```text\n{plan}\n```" if markdown else plan]
     return "\n".join(out)
+
+
+def plan_summary(plan: Plan, *, objective: str) -> list[str]:
+    """The chosen plan in two or three lines: what it is, its time and memory, and a note where it shards nothing."""
+    extra = [f"CDP {plan.cdp} ({plan.cdp_stages} stages)"] if plan.cdp != "off" else []
+    extra += [f"{plan.micro_batches} micro-batches"] if plan.micro_batches > 1 else []
+    extra += [f"master weights {plan.master_dtype}"] if plan.master_dtype else []
+    hidden = f", {format_seconds(plan.overlap_time_s)} of it hidden" if plan.overlap_time_s else ""
+    return [
+        f"Chosen plan ({objective}): mesh {mesh_text(plan.mesh)}, tensor parallelism {plan.tp}, ZeRO {plan.zero_stage}"
+        + "".join(f", {e}" for e in extra),
+        f"  {format_seconds(plan.step_time_s)} per step (compute {format_seconds(plan.compute_time_s)}, communication "
+        f"{format_seconds(plan.comm_time_s)}{hidden}); {format_bytes(plan.peak_memory_bytes)} per device of "
+        f"{format_bytes(plan.memory_budget_bytes) if plan.memory_budget_bytes else 'no budget'}",
+        *(textwrap.wrap(plan.shards_nothing_note(), 118, initial_indent="  ", subsequent_indent="  ") if plan.shards_nothing else []),
+    ]
 
 
 def format_plan(plan: Plan, *, graph: IRGraph | None = None) -> str:
@@ -229,13 +260,16 @@ def format_plan(plan: Plan, *, graph: IRGraph | None = None) -> str:
     ]
     lines += _strategy_lines(plan, graph)
     lines.append("")
-    lines.append("Collectives per device per step:")
-    by_phase: dict[str, list[str]] = defaultdict(list)
+    lines.append("Collectives per device per step (count x kind(mesh axes) total bytes):")
+    grouped: dict[tuple[str, str, tuple[str, ...]], list[int]] = defaultdict(lambda: [0, 0])
     for c in plan.comms:
-        by_phase[c.phase].append(f"{c.count} x {c.kind}({','.join(c.axes)}) {format_bytes(c.nbytes)}")
+        total = grouped[(c.phase, c.kind, tuple(c.axes))]
+        total[0] += c.count
+        total[1] += c.count * c.nbytes
     for phase in ("fwd", "bwd", "step"):
-        if by_phase[phase]:
-            lines.append(f"  {phase}: " + "; ".join(by_phase[phase]))
+        kinds = [f"{n} x {kind}({','.join(axes)}) {format_bytes(nbytes)}" for (ph, kind, axes), (n, nbytes) in sorted(grouped.items()) if ph == phase]
+        if kinds:
+            lines.append(f"  {phase}: " + "; ".join(kinds))
     if not plan.comms:
         lines.append("  none")
     if plan.fallbacks:

@@ -87,13 +87,13 @@ def test_cli_json_has_the_documented_fields(capsys: pytest.CaptureFixture[str]) 
 
 
 def test_cli_text_report_names_the_best_mesh(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["report", "gpt2-small", "--devices", "4", "--tp", "1d", "--zero", "0"]) == 0
+    assert main(["report", "gpt2-small", "--devices", "4", "--tp", "1d", "--zero", "0", "--verbose"]) == 0
     out = capsys.readouterr().out
     assert "best" in out and "Plan: mesh dp=" in out and "Collectives per device per step" in out
 
 
 def test_cli_searches_cdp_and_prunes_what_it_cannot_run(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["report", "gpt-tiny", "--devices", "8", "--tp", "none,1d", "--zero", "0,2", "--cdp", "off,v1", "--cdp-stages", "2"]) == 0
+    assert main(["report", "gpt-tiny", "--devices", "8", "--tp", "none,1d", "--zero", "0,2", "--cdp", "off,v1", "--cdp-stages", "2", "--verbose"]) == 0
     out = capsys.readouterr().out
     assert "dp=1 x tp=8 CDP v1: CDP runs over the data-parallel axis: needs dp > 1" in out
     assert "CDP with ZeRO-2 is not built in the runtime" in out

@@ -51,13 +51,29 @@ def test_report_prints_the_front_table_fastest_first_with_knee_and_best_marked(c
     assert sum("knee" in r for r in rows) == 1 and sum("best" in r for r in rows) == 1
     assert "best" in rows[0]  # objective time: the fastest point
     assert "one step's global batch" in out
+    assert "--verbose prints each one" in out and "Configurations (" not in out and "Strategies" not in out
+    code, verbose, _ = run(capsys, "report", *TINY, "--verbose")
+    assert code == 0
     for column in ("points", "on front", "fastest", "least memory", "status"):
-        assert column in out  # the per-configuration table under the front
-    assert out.index("Time/memory front") < out.index("Configurations (") < out.index("Plan: mesh")
+        assert column in verbose  # the per-configuration table under the front
+    assert verbose.index("Chosen plan") < verbose.index("Time/memory front") < verbose.index("Configurations (") < verbose.index("Plan: mesh")
+
+
+def test_the_report_answers_first(capsys: pytest.CaptureFixture[str]) -> None:
+    """The chosen plan and how to run it come first, within 15 lines: the command that saves it
+    (this one's options, --save-plan added) and the code that runs it."""
+    code, out, _ = run(capsys, "report", *TINY, "--progress")
+    assert code == 0
+    head = out.splitlines()[:15]
+    assert head[1].startswith("Chosen plan (time): mesh ")
+    run_line = next(line for line in head if "Run it:" in line)
+    assert run_line.strip() == "Run it: planner report " + " ".join(TINY) + " --save-plan plan.json"
+    assert any("compile_plan(Plan.model_validate_json(open('plan.json').read()), model, *batch)" in line for line in head)
+    assert max(len(line) for line in head[:4]) <= 160
 
 
 def test_markdown_prints_github_tables(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = run(capsys, "report", *TINY, "--markdown")
+    code, out, _ = run(capsys, "report", *TINY, "--markdown", "--verbose")
     assert code == 0
     assert "| # | step time | memory/device | mesh | tp | zero | cdp | micro-batches |  |" in out
     assert "| mesh | tp | zero | cdp | micro-batches | points | on front | fastest | its memory | least memory | status |" in out
@@ -68,7 +84,7 @@ def test_markdown_prints_github_tables(capsys: pytest.CaptureFixture[str]) -> No
 def test_micro_batch_counts_are_searched_and_reported(capsys: pytest.CaptureFixture[str]) -> None:
     """--micro-batches 1,2: every configuration in each count (the table's micro-batches column),
     a count the batch does not split into pruned with its reason, and the JSON says each point's."""
-    code, out, _ = run(capsys, "report", *TINY, "--batch", "4", "--micro-batches", "1,2,8")
+    code, out, _ = run(capsys, "report", *TINY, "--batch", "4", "--micro-batches", "1,2,8", "--verbose")
     assert code == 0
     assert "split into 1, 2, 8 micro-batches for gradient accumulation" in out
     assert "does not split into 8 micro-batches" in out
