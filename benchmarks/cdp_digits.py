@@ -39,7 +39,7 @@ def _data() -> tuple[torch.Tensor, ...]:
 
 
 def _model() -> torch.nn.Module:
-    from models.mlp import MLP, MLPConfig
+    from planner.models.mlp import MLP, MLPConfig
 
     torch.manual_seed(0)
     model = MLP(MLPConfig(in_features=64, hidden=128, out_features=10, n_layers=2))
@@ -65,9 +65,10 @@ def _worker(rank: int, port: int, plan_json: str, mode: str, epochs: int, stages
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    from planner.runtime.cdp import CDPTrainer
+    from planner.runtime.compile import compile_plan
+
     from planner.plan import Plan
-    from runtime.cdp import CDPTrainer
-    from runtime.compile import compile_plan
 
     x, y, x_test, y_test = _data()
     plan = Plan.model_validate_json(plan_json)

@@ -67,7 +67,7 @@ def _median_step(step: Any, steps: int, warmup: int, device: torch.device) -> fl
 
 
 def calibrate_profile(out: Path, quick: bool) -> Any:
-    from runtime.calibrate import calibrate
+    from planner.runtime.calibrate import calibrate
 
     t0 = time.perf_counter()
     profile = calibrate(quick=quick, world=torch.cuda.device_count() if torch.cuda.is_available() else 2)
@@ -80,7 +80,8 @@ def calibrate_profile(out: Path, quick: bool) -> Any:
 
 def mfu(model_name: str, batch: int, steps: int, device: torch.device, profile: Any) -> None:
     """bf16 autocast over fp32 weights, fused AdamW where the device has it."""
-    from models import build_model, example_inputs
+    from planner.models import build_model, example_inputs
+
     from planner.hardware import H200_141G
     from planner.trace import trace
 
@@ -107,7 +108,8 @@ def mfu(model_name: str, batch: int, steps: int, device: torch.device, profile: 
 
 
 def _plans(model_name: str, batch: int, profile: Any, world: int) -> list[tuple[str, str]]:
-    from models import build_model, example_inputs
+    from planner.models import build_model, example_inputs
+
     from planner.search import SearchSpace, search
     from planner.trace import trace
 
@@ -129,10 +131,10 @@ def _plans(model_name: str, batch: int, profile: Any, world: int) -> list[tuple[
 
 def _run_plans(rank: int, world: int, port: int, model_name: str, batch: int, steps: int, plans: list[tuple[str, str]], use_cuda: bool, out: Any) -> None:
     import torch.distributed as dist
+    from planner.models import build_model, example_inputs
+    from planner.runtime.compile import compile_plan
 
-    from models import build_model, example_inputs
     from planner.plan import Plan
-    from runtime.compile import compile_plan
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     device = torch.device("cuda", 0) if use_cuda else torch.device("cpu")

@@ -55,8 +55,7 @@ def target(devices: int) -> Target:
 def llama3_8b(batch: int, seq: int = 8192) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
     """Hugging Face Llama with Llama-3-8B's shapes on the meta device, token ids and labels."""
     import torch
-
-    from models.hf import _transformers
+    from planner.models.hf import _transformers
 
     transformers = _transformers()
     config = transformers.LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,

@@ -41,7 +41,8 @@ CONFIGS = [  # (label, tp families, dp, zero)
 
 
 def _plans(hardware: Any) -> list[tuple[str, str, str]]:
-    from models import build_model, example_inputs
+    from planner.models import build_model, example_inputs
+
     from planner.search import SearchSpace, search
     from planner.trace import trace
 
@@ -67,10 +68,11 @@ def _measure(rank: int, port: int, plans: list[tuple[str, str, str]], steps: int
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    from models import build_model, example_inputs
+    from planner.models import build_model, example_inputs
+    from planner.runtime.compile import compile_plan
+    from planner.runtime.memory import LiveMemory
+
     from planner.plan import Plan
-    from runtime.compile import compile_plan
-    from runtime.memory import LiveMemory
 
     rows = []
     for name, label, text in plans:
@@ -138,7 +140,7 @@ def main() -> None:
     if args.hardware:
         hardware = load_profile(args.hardware)
     else:
-        from runtime.calibrate import calibrate
+        from planner.runtime.calibrate import calibrate
 
         hardware = calibrate(quick=True, world=WORLD)  # the ranks share the host as the plans will
         print(f"calibrated: {json.dumps({k: v for k, v in hardware.sources.items() if k in ('peak_flops', 'op_overhead', 'memory_bandwidth')})}", file=sys.stderr)

@@ -54,8 +54,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-
-from models.gpt import GPT, GPTConfig
+from planner.models.gpt import GPT, GPTConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: tests.harness spawns and reaps the ranks
 from tests.harness import run_world
@@ -121,8 +120,9 @@ Step = Callable[[int], float]  # step number -> this rank's loss
 
 
 def ours(text: str, case: str = "dp") -> tuple[Step, Any]:
+    from planner.runtime.compile import compile_plan
+
     from planner.plan import Plan
-    from runtime.compile import compile_plan
 
     pm = compile_plan(Plan.model_validate_json(text), make_model(case), batch(0), {})
     opt = pm.make_optimizer(torch.optim.AdamW, lr=LR)
@@ -282,7 +282,7 @@ def main() -> None:
     if a.hardware:
         hardware = load_profile(a.hardware)
     else:
-        from runtime.calibrate import calibrate
+        from planner.runtime.calibrate import calibrate
 
         hardware = calibrate(quick=True, world=a.world)
     print(f"planning for {hardware.name}", flush=True)

@@ -25,8 +25,8 @@ import os
 
 import torch
 import torch.distributed as dist
+from planner.models import build_model, example_inputs
 
-from models import build_model, example_inputs
 from planner import auto_parallelize
 
 

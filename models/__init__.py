@@ -20,14 +20,13 @@ from functools import partial
 from typing import Literal
 
 import torch
+from planner.models.gpt import GPT, GPT_PRESETS, GPTConfig, gpt_example_inputs, num_params
+from planner.models.hf import HF_PRESETS, build_hf_model, hf_example_inputs
+from planner.models.inputs import InputFactory, Inputs
+from planner.models.mlp import MLP, MLP_PRESETS, MLPConfig, mlp_example_inputs
+from planner.models.transformer import Attention, Block, MLPBlock, init_weights
+from planner.models.vit import VIT_PRESETS, ViT, ViTConfig, vit_example_inputs
 from torch import nn
-
-from models.gpt import GPT, GPT_PRESETS, GPTConfig, gpt_example_inputs, num_params
-from models.hf import HF_PRESETS, build_hf_model, hf_example_inputs
-from models.inputs import InputFactory, Inputs
-from models.mlp import MLP, MLP_PRESETS, MLPConfig, mlp_example_inputs
-from models.transformer import Attention, Block, MLPBlock, init_weights
-from models.vit import VIT_PRESETS, ViT, ViTConfig, vit_example_inputs
 
 __all__ = [
     "GPT",

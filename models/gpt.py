@@ -41,10 +41,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from planner.models.inputs import Inputs, rand_int
+from planner.models.transformer import Block, init_weights
 from torch import nn
-
-from models.inputs import Inputs, rand_int
-from models.transformer import Block, init_weights
 
 __all__ = ["GPT", "GPT_PRESETS", "GPTConfig", "gpt_example_inputs", "num_params"]
 

@@ -26,10 +26,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from planner.models.inputs import Inputs, rand_int, rand_normal
+from planner.models.transformer import Block, init_weights
 from torch import nn
-
-from models.inputs import Inputs, rand_int, rand_normal
-from models.transformer import Block, init_weights
 
 __all__ = ["VIT_PRESETS", "ViT", "ViTConfig", "vit_example_inputs"]
 

@@ -27,7 +27,7 @@ from planner.trace import micro_batch_inputs, trace
 from planner.units import parse_bytes
 
 if TYPE_CHECKING:
-    from runtime.module import ParallelModule
+    from planner.runtime.module import ParallelModule
 
 
 @dataclass(frozen=True)
@@ -183,8 +183,8 @@ def auto_parallelize(
         if plan is not None:
             raise ValueError("plan= runs a saved plan, which needs torchrun (a process group); outside it, call without plan=")
         return plan_model(model, devices=devices, example_inputs=example_inputs, example_kwargs=example_kwargs, **planning)
-    from runtime.compile import compile_plan
-    from runtime.groups import agree_on_rank0
+    from planner.runtime.compile import compile_plan
+    from planner.runtime.groups import agree_on_rank0
 
     if plan is None:
 

@@ -142,7 +142,7 @@ def load_model(spec: str, batch: int, dtype: torch.dtype = torch.float32) -> tup
         model, args, kwargs = out
         cast = [a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
         return model.to(dtype), tuple(cast), dict(kwargs), spec
-    from models import available_models, build_model, example_inputs
+    from planner.models import available_models, build_model, example_inputs
 
     if spec not in available_models():
         raise ValueError(f"unknown model {spec!r}: use one of {', '.join(available_models())} or package.module:factory")
@@ -401,12 +401,12 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     if args.command == "models":
-        from models import available_models
+        from planner.models import available_models
 
         print("\n".join(available_models()))
         return 0
     if args.command == "calibrate":
-        from runtime.calibrate import calibrate  # measuring needs processes: runtime, imported here
+        from planner.runtime.calibrate import calibrate  # measuring needs processes: runtime, imported here
 
         try:
             _writable(args.out, "--out")

@@ -157,7 +157,7 @@ def _pipelines(result: SearchResult, *, markdown: bool) -> list[str]:
     if not result.pipelines:
         return []
     rows = [[str(e.stages), str(e.devices), str(e.dp_mp_devices), format_bytes(e.peak_memory), format_seconds(e.step_time)] for e in result.pipelines]
-    return ["", f"CDP with stages on different devices (analytic estimate, not searched by the ILP; runtime.cdp.CDPPipeline runs it), "
+    return ["", f"CDP with stages on different devices (analytic estimate, not searched by the ILP; planner.runtime.cdp.CDPPipeline runs it), "
                 f"N = {result.pipelines[0].workers} micro-batches:", "",
             render(rows, ["stages", "devices", "DP x MP would need", "memory/device", "step time"], markdown=markdown)]
 
@@ -238,7 +238,7 @@ def format_plan(plan: Plan, *, graph: IRGraph | None = None) -> str:
             + ("the update uses the previous step's gradient" if plan.cdp == "v1" else "workers use the newest parameters on the stages already updated, the previous version elsewhere")
             + " (a one-step gradient delay), and holds "
             + ("the delayed gradient" if plan.cdp == "v1" else "a second parameter version")
-            + ". Run it with runtime.cdp.CDPTrainer.",
+            + ". Run it with planner.runtime.cdp.CDPTrainer.",
         ]
     lines = [
         f"Plan: mesh {mesh}, tensor parallelism {plan.tp}, ZeRO {plan.zero_stage}, CDP {plan.cdp}, optimizer {plan.optimizer}"

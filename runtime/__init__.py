@@ -3,7 +3,7 @@
 ``compile_plan(plan, model, args, kwargs)`` builds this rank's module (see runtime.compile).
 """
 
-from runtime.compile import compile_plan
-from runtime.module import ParallelModule
+from planner.runtime.compile import compile_plan
+from planner.runtime.module import ParallelModule
 
 __all__ = ["ParallelModule", "compile_plan"]

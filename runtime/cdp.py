@@ -44,10 +44,10 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 import torch.fx
+from planner.runtime.module import ParallelModule
 from torch.utils._pytree import tree_flatten, tree_map
 
 from planner.stages import StageCut, cut_stages
-from runtime.module import ParallelModule
 
 UpdateRule = Literal["sync", "v1", "v2"]
 

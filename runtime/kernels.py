@@ -14,10 +14,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from planner.runtime.collectives import CommRecorder, Convert, all_reduce, broadcast_start, reduce
+from planner.runtime.groups import MeshGroups
 from torch.utils._pytree import tree_map
-
-from runtime.collectives import CommRecorder, Convert, all_reduce, broadcast_start, reduce
-from runtime.groups import MeshGroups
 
 
 @dataclass(frozen=True)

@@ -32,19 +32,19 @@ from typing import Any
 
 import torch
 import torch.fx
+from planner.runtime.buckets import GradBuckets
+from planner.runtime.collectives import CommRecorder, all_reduce, relayout
+from planner.runtime.faults import CollectiveError
+from planner.runtime.groups import MeshGroups
+from planner.runtime.precision import MasterWeights, find_master_weights
+from planner.runtime.zero import ZeroOptimizer, ZeroShards
+from planner.runtime.zero3 import ParamUnits
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from planner.ir import IRGraph
 from planner.layout import Layout, Spec
 from planner.plan import Plan
 from planner.trace import micro_batch_inputs
-from runtime.buckets import GradBuckets
-from runtime.collectives import CommRecorder, all_reduce, relayout
-from runtime.faults import CollectiveError
-from runtime.groups import MeshGroups
-from runtime.precision import MasterWeights, find_master_weights
-from runtime.zero import ZeroOptimizer, ZeroShards
-from runtime.zero3 import ParamUnits
 
 
 class KernelError(RuntimeError):
@@ -263,7 +263,7 @@ class ParallelModule(torch.nn.Module):
         return KernelError(
             f"rank-local op {fx_node.name} for traced node {node.name} ({node.target}) in module "
             f"{node.module_path or '<root>'}{specs}\n  model source: {where or 'not recorded'}\n  {type(exc).__name__}: {exc}\n"
-            "runtime.debug.first_divergence on a plan that runs finds a wrong value; a failing op is a runtime bug: report it with this message"
+            "planner.runtime.debug.first_divergence on a plan that runs finds a wrong value; a failing op is a runtime bug: report it with this message"
         )
 
     # ----------------------------------------------------------------- introspection

@@ -28,10 +28,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from planner.runtime.groups import MeshGroups
 
 from planner.layout import Layout
 from planner.problem import zero_dim
-from runtime.groups import MeshGroups
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes) per dim, in the full tensor
 
@@ -142,7 +142,7 @@ class CheckpointSource(WeightSource):
     """The parameters of a checkpoint :mod:`runtime.checkpoint` wrote (keys ``model/<name>``)."""
 
     def __init__(self, path: str | os.PathLike[str], prefix: str = "model/") -> None:
-        from runtime.checkpoint import Stored
+        from planner.runtime.checkpoint import Stored
 
         self.stored = Stored(path)
         self.prefix = prefix
@@ -155,7 +155,7 @@ class CheckpointSource(WeightSource):
         return self.shapes[name]
 
     def read(self, boxes: dict[str, Box]) -> dict[str, torch.Tensor]:
-        from runtime.checkpoint import read_boxes
+        from planner.runtime.checkpoint import read_boxes
 
         got = read_boxes(self.stored, {self.prefix + n: b for n, b in boxes.items()})
         return {k[len(self.prefix):]: v for k, v in got.items()}

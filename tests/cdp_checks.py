@@ -13,7 +13,7 @@ SGD: dict[str, Any] = {"lr": 0.1, "momentum": 0.9}
 
 
 def _batches(name: str) -> list[tuple[tuple[Any, ...], dict[str, Any]]]:
-    from models import example_inputs
+    from planner.models import example_inputs
 
     return [example_inputs(name, batch=BATCH, dtype=torch.float64, seed=300 + i) for i in range(STEPS)]
 
@@ -26,7 +26,8 @@ def _micro(batch: tuple[tuple[Any, ...], dict[str, Any]], n: int, workers: int) 
 def reference(name: str, rule: str, workers: int, num_stages: int, stage_of: dict[str, int]) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The update rule run serially in one process on the unsharded model: the N micro-batches one
     after another, gradients summed in worker order, the rule applied as runtime/cdp.py states it."""
-    from models import build_model
+    from planner.models import build_model
+
     from planner.trace import loss_of
 
     model = build_model(name, dtype=torch.float64, seed=0)
@@ -74,11 +75,11 @@ def cdp_train(rank: int, world: int, cases: list[tuple[str, str, str, int]]) -> 
     against the serial reference (rank 0 computes it), the messages this rank sent, and the
     collectives it issued. ``rule == "dp"`` trains the plan as ordinary DP (the baseline)."""
     import torch.distributed as dist
+    from planner.models import build_model
+    from planner.runtime.cdp import CDPTrainer
+    from planner.runtime.compile import compile_plan
 
-    from models import build_model
     from planner.plan import Plan
-    from runtime.cdp import CDPTrainer
-    from runtime.compile import compile_plan
 
     out = []
     for name, text, rule, num_stages in cases:  # rule "plan": the CDP mode the plan was made with
@@ -147,11 +148,12 @@ def cdp_memory(rank: int, world: int, name: str, text: str, num_stages: int) -> 
     """Runs N = 4 micro-batches through the stages in one process on CDP's clock (delta =
     2L/N) and on DP's (delta = 0) (every rank does the same, alone), measuring live saved-for-backward bytes per time unit, and each
     stage's A_l for one micro-batch."""
-    from models import build_model
+    from planner.models import build_model
+    from planner.runtime.cdp import SavedTensorMeter, StagedRunner, simulate_schedule
+    from planner.runtime.compile import compile_plan
+
     from planner.plan import Plan
     from planner.stages import cut_stages
-    from runtime.cdp import SavedTensorMeter, StagedRunner, simulate_schedule
-    from runtime.compile import compile_plan
 
     plan = Plan.model_validate_json(text)
     batch = _batches(name)[0]
@@ -190,13 +192,13 @@ def cdp_pipeline(rank: int, world: int, name: str, plan_json: str, rule: str, nu
     """CDP with model parallelism: N = 4 workers, L stages on L*ceil(N/L) = 4 ranks, 5 steps;
     rank 0 also runs the serial reference of the rule."""
     import torch.distributed as dist
+    from planner.models import build_model
+    from planner.runtime.cdp import CDPPipeline
+    from planner.runtime.compile import compile_plan
+    from planner.runtime.groups import MeshGroups
 
-    from models import build_model
     from planner.mesh import Mesh
     from planner.plan import Plan
-    from runtime.cdp import CDPPipeline
-    from runtime.compile import compile_plan
-    from runtime.groups import MeshGroups
 
     plan = Plan.model_validate_json(plan_json)
     mesh = Mesh.from_dict(plan.mesh)

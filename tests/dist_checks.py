@@ -33,7 +33,7 @@ def build(name: str, dtype: torch.dtype, seed: int = 0) -> torch.nn.Module:
     if ":" in name:
         module, _, attr = name.partition(":")
         return getattr(importlib.import_module(module), attr).build(dtype=dtype, seed=seed)  # type: ignore[no-any-return]
-    from models import build_model
+    from planner.models import build_model
 
     return build_model(name, dtype=dtype, seed=seed)
 
@@ -41,7 +41,7 @@ def build(name: str, dtype: torch.dtype, seed: int = 0) -> torch.nn.Module:
 def build_native(name: str, dtype: torch.dtype, device: str = "cpu") -> torch.nn.Module:
     """Preset ``name`` constructed and initialised in ``dtype`` (not cast to it) on ``device``, after
     ``torch.manual_seed(0)``: on "meta" the model ``compile_plan`` materialises, on "cpu" its twin."""
-    from models import get_spec
+    from planner.models import get_spec
 
     spec = get_spec(name)
     torch.manual_seed(0)
@@ -60,7 +60,7 @@ def inputs(name: str, batch: int, dtype: torch.dtype, seed: int = 0) -> tuple[tu
     if ":" in name:
         module, _, attr = name.partition(":")
         return getattr(importlib.import_module(module), attr).inputs(batch=batch, dtype=dtype, seed=seed)  # type: ignore[no-any-return]
-    from models import example_inputs
+    from planner.models import example_inputs
 
     return example_inputs(name, batch=batch, dtype=dtype, seed=seed)
 
@@ -128,9 +128,10 @@ def train_and_compare(rank: int, world: int, plans_json: list[tuple[str, ...]]) 
     however many plans compare with it. ``start`` "meta": the sharded run compiles the model built
     on the meta device (:func:`build_native`; the plan made on its graph), each rank materialising
     its shards, against the same model built on one CPU."""
+    from planner.runtime.compile import compile_plan
+
     from planner.plan import Plan
     from planner.trace import micro_batch_inputs, trace
-    from runtime.compile import compile_plan
 
     reports = []
     graphs: dict[tuple[str, torch.dtype, int], Any] = {}  # each model traced once, however many plans it has
@@ -245,8 +246,9 @@ def measure_cdp_peak_memory(rank: int, world: int, cases: list[tuple[str, str]])
     at a step's start are every tensor the trainer holds then, found by walking its attributes.
     The two measured steps and the trainer's last messages run in one profiling session
     (tests.memory_probe.peaks_over_steps says why); the smaller peak, as measure_peak_memory."""
+    from planner.runtime.cdp import CDPTrainer
+
     from planner.plan import Plan
-    from runtime.cdp import CDPTrainer
     from tests.memory_probe import peaks_over_steps
 
     out = []
@@ -268,8 +270,9 @@ def measure_cdp_peak_memory(rank: int, world: int, cases: list[tuple[str, str]])
 
 def _compiled_float32(name: str, plan: Any, batch: tuple[tuple[Any, ...], dict[str, Any]], graphs: dict[str, Any], **kwargs: Any) -> Any:
     """A fresh float32 ``name`` compiled under ``plan`` (its traced graph cached in ``graphs``)."""
+    from planner.runtime.compile import compile_plan
+
     from planner.trace import trace
-    from runtime.compile import compile_plan
 
     model = build(name, torch.float32)
     if name not in graphs:

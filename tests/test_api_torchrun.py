@@ -12,7 +12,8 @@ from tests.test_multi_node import _launch, _wait
 
 
 def plan_and_run(rank: int, world: int) -> dict[str, Any]:
-    from models import build_model, example_inputs
+    from planner.models import build_model, example_inputs
+
     from planner import auto_parallelize
 
     model = build_model("gpt-tiny", dtype=torch.float64)

@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 import torch
+from planner.models import build_model, example_inputs
 
-from models import build_model, example_inputs
 from planner.cdp import cdp_filter
 from planner.hardware import A100_80G
 from planner.search import SearchSpace, search

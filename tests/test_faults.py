@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 import torch
+from planner.models import build_model, example_inputs
 
-from models import build_model, example_inputs
 from planner.hardware import A100_80G
 from planner.search import SearchSpace, search
 from planner.trace import trace
@@ -41,9 +41,9 @@ def _fault(rank: int, world: int, plan: str, mode: str) -> dict[str, Any]:
     """One healthy step on every rank; then the victim stalls (sleeps past the timeout) or leaves
     (its connections close, as a killed process's do) while the others take the next step."""
     import torch.distributed as dist
+    from planner.runtime.compile import compile_plan
 
     from planner.plan import Plan
-    from runtime.compile import compile_plan
 
     args, kwargs = example_inputs("mlp-tiny", batch=6, dtype=torch.float64)
     pm = compile_plan(Plan.model_validate_json(plan), build_model("mlp-tiny", dtype=torch.float64), args, kwargs)

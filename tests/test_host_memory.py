@@ -15,7 +15,7 @@ PROBE = """
 import json, resource, sys
 import torch
 if sys.argv[1] == "keep":
-    from runtime.host_memory import keep_freed_memory
+    from planner.runtime.host_memory import keep_freed_memory
     assert keep_freed_memory()
 def step():
     ts = [torch.empty(2**23).fill_(1.0) for _ in range(4)]  # 4 x 32 MiB

@@ -14,8 +14,8 @@ from collections import Counter
 
 import pytest
 import torch
+from planner.models import build_model, example_inputs
 
-from models import build_model, example_inputs
 from planner.cost import comm_time, optimizer_step_time
 from planner.hardware import A100_80G
 from planner.mesh import Mesh

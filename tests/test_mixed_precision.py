@@ -18,8 +18,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from planner.models import build_model, example_inputs
 
-from models import build_model, example_inputs
 from planner.hardware import A100_80G
 from planner.search import SearchSpace, search
 from planner.trace import trace

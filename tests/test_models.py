@@ -9,8 +9,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-
-from models import (
+from planner.models import (
     GPT,
     GPT_PRESETS,
     MLP_PRESETS,
@@ -26,7 +25,7 @@ from models import (
     get_spec,
     num_params,
 )
-from models.hf import HF_PRESETS
+from planner.models.hf import HF_PRESETS
 
 TINY = ["gpt-tiny", "mlp-tiny", "vit-tiny"]
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import random
 
 import pytest
+from planner.models import build_model, example_inputs
 
-from models import build_model, example_inputs
 from planner.hardware import A100_80G
 from planner.mesh import Mesh
 from planner.overlap import sync_rows

@@ -14,9 +14,9 @@ import random
 
 import pytest
 import torch
+from planner.models import GPT, GPTConfig
 from torch import nn
 
-from models import GPT, GPTConfig
 from planner.hardware import A100_80G
 from planner.mesh import Mesh
 from planner.problem import build_problem, evaluate

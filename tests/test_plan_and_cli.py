@@ -6,9 +6,9 @@ import json
 from pathlib import Path
 
 import pytest
+from planner.models import build_model, example_inputs
 from pydantic import ValidationError
 
-from models import build_model, example_inputs
 from planner import auto_parallelize
 from planner.cli import main
 from planner.hardware import A100_80G
@@ -215,7 +215,7 @@ def test_api_takes_options_as_a_user_writes_them_and_names_the_wrong_ones() -> N
 def test_plan_files_are_checked_not_trusted(tiny_plan: Plan) -> None:
     """A plan from a newer planner, or one whose nodes were renamed, is refused with what to do
     (not a KeyError halfway through compiling)."""
-    from runtime.compile import compile_plan
+    from planner.runtime.compile import compile_plan
 
     data = json.loads(tiny_plan.model_dump_json())
     data["version"] = 99

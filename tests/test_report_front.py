@@ -8,8 +8,8 @@ import json
 from pathlib import Path
 
 import pytest
+from planner.models import build_model, example_inputs
 
-from models import build_model, example_inputs
 from planner.cli import main
 from planner.explain import collective_seconds, explain, peak_phase
 from planner.hardware import A100_80G

@@ -31,10 +31,10 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from planner.models import build_model, example_inputs
 from torch import nn
 
 import planner.solve as solve_module
-from models import build_model, example_inputs
 from planner.hardware import A100_80G
 from planner.mesh import Mesh
 from planner.problem import Problem, build_problem, evaluate

@@ -22,8 +22,8 @@ elements:
 from __future__ import annotations
 
 import torch
+from planner.models.gpt import GPT, GPTConfig
 
-from models.gpt import GPT, GPTConfig
 from planner.cost import ring_volume
 from planner.hardware import A100_80G
 from planner.ir import Node

@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 import torch
+from planner.models import build_model, example_inputs
 
-from models import build_model, example_inputs
 from planner.hardware import A100_80G, CollectiveFit, HardwareProfile
 from planner.ir import Node
 from planner.mesh import Mesh
