@@ -100,7 +100,7 @@ def candidate_status(c: Candidate, budget: float) -> str:
         return "time limit" if any(p.solver.status == "time_limit" for p in c.front or (c.plan,)) else "optimal"
     if c.least_memory is not None and c.least_memory > budget:
         return "infeasible"
-    return "dominated" if c.reason.startswith("dominated") else "pruned"
+    return "dominated" if c.reason.startswith("dominated") else "time limit" if c.reason.startswith("stopped") else "pruned"
 
 
 def needs_text(c: Candidate) -> str:

@@ -48,7 +48,17 @@ from planner.overlap import param_units
 from planner.plan import CommRecord, GradBucket, MemoryBreakdown, NodePlan, ParamUnit, Plan, SolverInfo, TPFamily, UnitGather, fingerprint
 from planner.problem import Evaluation, Problem, StrategyFilter, build_problem, zero_param_terms
 from planner.rules import FALLBACK
-from planner.solve import BudgetILP, InfeasibleBudget, Solution, SolverSettings, infeasible_message, solve, solve_within, sweep
+from planner.solve import (
+    BudgetILP,
+    InfeasibleBudget,
+    Solution,
+    SolverSettings,
+    SolveStopped,
+    infeasible_message,
+    solve,
+    solve_within,
+    sweep,
+)
 from planner.units import format_bytes, format_seconds
 
 log = logging.getLogger(__name__)
@@ -365,6 +375,11 @@ def search(
         result.infeasible = least_memory_message(graphs, space, hardware, result, budget, optimizer=optimizer,
                                                  master_dtype=master_dtype, prefetch=prefetch, settings=settings, allow=allow,
                                                  bucket_bytes=bucket_bytes)
+    else:
+        stopped = [c for c in result.candidates if c.reason.startswith("stopped")]
+        if stopped:
+            result.infeasible = (f"No plan found: {len(stopped)} configuration{'s' if len(stopped) > 1 else ''} stopped at the time limit "
+                                 f"before finding any, e.g. {stopped[0].reason.removeprefix('stopped: ')}")
     result.seconds = time.perf_counter() - t0
     return result
 
@@ -561,6 +576,8 @@ def _plan_configuration(
             return replace(done, reason=f"dominated: its plans within {format_bytes(budget)} are all slower and {_larger(resolution)} than plans "
                              "of the configurations above", least_memory=least, seconds=time.perf_counter() - t0)
         return _infeasible(done, problem, budget, exc, time.perf_counter() - t0)
+    except SolveStopped as exc:  # no plan of it is known: it stays out of the front, and says why
+        return replace(done, reason=f"stopped: {exc}", seconds=time.perf_counter() - t0)
     if not solutions:  # the sweep's LP bounds showed every plan that fits covered by points found before
         return replace(done, reason=f"dominated: the LP relaxation shows its plans within {format_bytes(budget)} all slower and "
                        f"{_larger(resolution)} than plans of the configurations above", seconds=time.perf_counter() - t0)
@@ -605,6 +622,8 @@ class Deferred:
                                exact_least=not (found and self.ilp is not None))
         except InfeasibleBudget as exc:
             return _infeasible(self.done, self.problem, self.budget, exc, self.seconds + time.perf_counter() - start)
+        except SolveStopped as exc:
+            return replace(self.done, reason=f"stopped: {exc}", seconds=self.seconds + time.perf_counter() - start)
         plan = make_plan(self.problem.graph, self.problem, sol, model_name=self.model_name, memory_budget=self.budget, optimizer=self.optimizer)
         return replace(self.done, family=plan.tp, plan=plan, front=(plan,), seconds=self.seconds + time.perf_counter() - start)
 

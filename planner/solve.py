@@ -63,6 +63,7 @@ models subtract what the evaluation may hide behind compute, so their optima bou
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import logging
 import os
@@ -141,6 +142,11 @@ class InfeasibleBudget(ValueError):
         super().__init__(message)
         self.budget = budget
         self.least = least
+
+
+class SolveStopped(RuntimeError):
+    """A solve that ended at its time limit without any plan (only the least-memory ILP can:
+    every other has a plan to fall back on); the message names the mesh and the limit."""
 
 
 class _Model:
@@ -677,7 +683,8 @@ class BudgetILP:
         lp = self.model.lp
         if pulp.LpStatus[lp.status] in ("Infeasible", "Not Solved") or lp.sol_status in (pulp.LpSolutionInfeasible, pulp.LpSolutionNoSolutionFound):
             if self.objective == "memory":
-                raise RuntimeError(f"the memory-minimising ILP for mesh {self.problem.mesh} found no solution ({pulp.LpStatus[lp.status]})")
+                raise SolveStopped(f"the least-memory ILP of mesh {self.problem.mesh} found no plan within the time limit of "
+                                   f"{self.settings.time_limit_s:g} s ({pulp.LpStatus[lp.status]}): raise it (--time-limit, SolverSettings.time_limit_s)")
             return None
         status: Status = "optimal" if lp.sol_status == pulp.LpSolutionOptimal else "time_limit"
         assignment = self.model.assignment()
@@ -744,7 +751,13 @@ def sweep(
     ``fastest``: its answer without a budget, when already solved. Raises
     :class:`InfeasibleBudget` when ``m_min`` exceeds the budget."""
     settings = ilp.settings if ilp is not None else settings or SolverSettings()
-    least = _solve_once(problem, float("inf"), "memory", settings)
+    try:
+        least = _solve_once(problem, float("inf"), "memory", settings)
+    except SolveStopped:  # the front's low-memory end is unknown: the fastest plan is still a plan, marked as stopped
+        top = fastest or (ilp or BudgetILP(problem, "time", settings)).run(float("inf"))
+        if top is None or top.evaluation.peak_memory > memory_budget:
+            raise
+        return [dataclasses.replace(top, status="time_limit")]
     floor = least.evaluation.peak_memory
     if floor > memory_budget:
         raise InfeasibleBudget(infeasible_message(problem, memory_budget, least.evaluation), budget=memory_budget, least=least.evaluation)

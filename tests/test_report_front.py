@@ -226,3 +226,23 @@ def test_explain_compares_with_the_neighbours_on_the_front(tiny_search: SearchRe
     assert "point 3 (smaller" in middle and "slower (+" in middle
     assert "no faster point" in explain(tiny_search, A100_80G, point=1)
     assert "no smaller point" in explain(tiny_search, A100_80G, point=n)
+
+
+def test_a_least_memory_solve_stopped_by_the_time_limit_keeps_the_fastest_plan(capsys: pytest.CaptureFixture[str],
+                                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """When the least-memory ILP finds nothing before --time-limit (3-D gpt-tiny on 8 devices:
+    none in 2 s), the configuration keeps its fastest plan, marked "time limit", instead of a
+    traceback; with no plan at all the report says which limit to raise."""
+    import planner.solve as solve
+
+    real = solve._solve_once
+
+    def stopped(problem, budget, objective, settings):  # type: ignore[no-untyped-def]
+        if objective == "memory":
+            raise solve.SolveStopped(f"the least-memory ILP of mesh {problem.mesh} found no plan within the time limit of 2 s: raise it (--time-limit)")
+        return real(problem, budget, objective, settings)
+
+    monkeypatch.setattr(solve, "_solve_once", stopped)
+    code, out, _ = run(capsys, "report", *TINY)
+    assert code == 0 and out.splitlines()[1].startswith("Chosen plan (time): ")
+    assert "time limit" in out, out
