@@ -314,6 +314,6 @@ def _held_tensors(root: Any) -> list[torch.Tensor]:
             stack.extend(x.buffers())
         elif isinstance(x, torch.optim.Optimizer):
             stack.append(x.state)
-        elif hasattr(x, "__dict__") and type(x).__module__.startswith(("runtime", "tests")):
+        elif hasattr(x, "__dict__") and type(x).__module__.startswith(("planner.runtime", "tests")):
             stack.append(vars(x))
     return found

@@ -37,7 +37,7 @@ def _subset(values: tuple[object, ...]) -> st.SearchStrategy[tuple[object, ...]]
 
 
 # no shrinking: a failing draw is printed as drawn (shrinking re-runs searches for minutes)
-@settings(max_examples=100, deadline=None, derandomize=True, phases=(Phase.explicit, Phase.generate))
+@settings(max_examples=400, deadline=None, derandomize=True, phases=(Phase.explicit, Phase.generate))
 @given(
     model=st.sampled_from(MODELS),
     devices=st.integers(1, 8),
