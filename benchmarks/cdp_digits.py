@@ -65,10 +65,9 @@ def _worker(rank: int, port: int, plan_json: str, mode: str, epochs: int, stages
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    from planner.plan import Plan
     from planner.runtime.cdp import CDPTrainer
     from planner.runtime.compile import compile_plan
-
-    from planner.plan import Plan
 
     x, y, x_test, y_test = _data()
     plan = Plan.model_validate_json(plan_json)

@@ -80,9 +80,8 @@ def calibrate_profile(out: Path, quick: bool) -> Any:
 
 def mfu(model_name: str, batch: int, steps: int, device: torch.device, profile: Any) -> None:
     """bf16 autocast over fp32 weights, fused AdamW where the device has it."""
-    from planner.models import build_model, example_inputs
-
     from planner.hardware import H200_141G
+    from planner.models import build_model, example_inputs
     from planner.trace import trace
 
     graph = trace(build_model(model_name, device="meta"), *example_inputs(model_name, batch=batch, device="meta"))
@@ -109,7 +108,6 @@ def mfu(model_name: str, batch: int, steps: int, device: torch.device, profile: 
 
 def _plans(model_name: str, batch: int, profile: Any, world: int) -> list[tuple[str, str]]:
     from planner.models import build_model, example_inputs
-
     from planner.search import SearchSpace, search
     from planner.trace import trace
 
@@ -131,10 +129,10 @@ def _plans(model_name: str, batch: int, profile: Any, world: int) -> list[tuple[
 
 def _run_plans(rank: int, world: int, port: int, model_name: str, batch: int, steps: int, plans: list[tuple[str, str]], use_cuda: bool, out: Any) -> None:
     import torch.distributed as dist
-    from planner.models import build_model, example_inputs
-    from planner.runtime.compile import compile_plan
 
+    from planner.models import build_model, example_inputs
     from planner.plan import Plan
+    from planner.runtime.compile import compile_plan
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     device = torch.device("cuda", 0) if use_cuda else torch.device("cpu")

@@ -13,9 +13,8 @@ import argparse
 import resource
 import time
 
-from planner.models import build_model, example_inputs
-
 from planner.hardware import load_profile
+from planner.models import build_model, example_inputs
 from planner.problem import build_problem
 from planner.search import SearchSpace, candidate_meshes
 from planner.solve import InfeasibleBudget, solve

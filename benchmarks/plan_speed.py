@@ -55,6 +55,7 @@ def target(devices: int) -> Target:
 def llama3_8b(batch: int, seq: int = 8192) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
     """Hugging Face Llama with Llama-3-8B's shapes on the meta device, token ids and labels."""
     import torch
+
     from planner.models.hf import _transformers
 
     transformers = _transformers()

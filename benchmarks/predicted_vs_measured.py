@@ -42,7 +42,6 @@ CONFIGS = [  # (label, tp families, dp, zero)
 
 def _plans(hardware: Any) -> list[tuple[str, str, str]]:
     from planner.models import build_model, example_inputs
-
     from planner.search import SearchSpace, search
     from planner.trace import trace
 
@@ -69,10 +68,9 @@ def _measure(rank: int, port: int, plans: list[tuple[str, str, str]], steps: int
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     from planner.models import build_model, example_inputs
+    from planner.plan import Plan
     from planner.runtime.compile import compile_plan
     from planner.runtime.memory import LiveMemory
-
-    from planner.plan import Plan
 
     rows = []
     for name, label, text in plans:

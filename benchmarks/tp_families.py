@@ -15,9 +15,8 @@ from __future__ import annotations
 import argparse
 import time
 
-from planner.models import build_model, example_inputs
-
 from planner.hardware import load_profile
+from planner.models import build_model, example_inputs
 from planner.problem import build_problem, layer_volume
 from planner.search import SearchSpace, candidate_meshes
 from planner.solve import InfeasibleBudget, SolverSettings, solve

@@ -54,6 +54,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
 from planner.models.gpt import GPT, GPTConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: tests.harness spawns and reaps the ranks
@@ -120,9 +121,8 @@ Step = Callable[[int], float]  # step number -> this rank's loss
 
 
 def ours(text: str, case: str = "dp") -> tuple[Step, Any]:
-    from planner.runtime.compile import compile_plan
-
     from planner.plan import Plan
+    from planner.runtime.compile import compile_plan
 
     pm = compile_plan(Plan.model_validate_json(text), make_model(case), batch(0), {})
     opt = pm.make_optimizer(torch.optim.AdamW, lr=LR)

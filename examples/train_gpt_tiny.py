@@ -25,9 +25,9 @@ import os
 
 import torch
 import torch.distributed as dist
-from planner.models import build_model, example_inputs
 
 from planner import auto_parallelize
+from planner.models import build_model, example_inputs
 
 
 def gpu_preset() -> str:

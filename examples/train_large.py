@@ -34,10 +34,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from planner.models import build_model, example_inputs
-from planner.runtime.checkpoint import load_checkpoint, save_checkpoint
 
 from planner import auto_parallelize
+from planner.models import build_model, example_inputs
+from planner.runtime.checkpoint import load_checkpoint, save_checkpoint
 
 
 def main() -> None:

@@ -20,13 +20,14 @@ from functools import partial
 from typing import Literal
 
 import torch
+from torch import nn
+
 from planner.models.gpt import GPT, GPT_PRESETS, GPTConfig, gpt_example_inputs, num_params
 from planner.models.hf import HF_PRESETS, build_hf_model, hf_example_inputs
 from planner.models.inputs import InputFactory, Inputs
 from planner.models.mlp import MLP, MLP_PRESETS, MLPConfig, mlp_example_inputs
 from planner.models.transformer import Attention, Block, MLPBlock, init_weights
 from planner.models.vit import VIT_PRESETS, ViT, ViTConfig, vit_example_inputs
-from torch import nn
 
 __all__ = [
     "GPT",

@@ -41,9 +41,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from planner.models.inputs import Inputs, rand_int
 from planner.models.transformer import Block, init_weights
-from torch import nn
 
 __all__ = ["GPT", "GPT_PRESETS", "GPTConfig", "gpt_example_inputs", "num_params"]
 

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
 from planner.models.inputs import Inputs
 
 VOCAB, SEQ, CLASSES, IMAGE = 64, 8, 8, 16

@@ -16,9 +16,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from planner.models.inputs import Inputs, rand_int, rand_normal
 from planner.models.transformer import init_weights
-from torch import nn
 
 __all__ = ["MLP", "MLP_PRESETS", "MLPConfig", "mlp_example_inputs"]
 

@@ -26,9 +26,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from planner.models.inputs import Inputs, rand_int, rand_normal
 from planner.models.transformer import Block, init_weights
-from torch import nn
 
 __all__ = ["VIT_PRESETS", "ViT", "ViTConfig", "vit_example_inputs"]
 

@@ -42,10 +42,10 @@ from typing import Any
 
 import torch
 import torch.multiprocessing as mp
-from planner.runtime.host_memory import keep_freed_memory
 
 from planner.cost import ring_terms
 from planner.hardware import CollectiveFit, HardwareProfile, LinkTier, interpolate_log
+from planner.runtime.host_memory import keep_freed_memory
 
 
 def _progress(text: str) -> None:

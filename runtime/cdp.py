@@ -44,9 +44,10 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 import torch.fx
-from planner.runtime.module import ParallelModule
 from torch.utils._pytree import tree_flatten, tree_map
 
+from planner.runtime import faults
+from planner.runtime.module import ParallelModule
 from planner.stages import StageCut, cut_stages
 
 UpdateRule = Literal["sync", "v1", "v2"]
@@ -319,7 +320,7 @@ class CDPTrainer:
     def _send(self, buf: torch.Tensor, worker: int, step: int, stage: int, kind: int) -> Any:
         self.pm.recorder.add("send", (self.axis,), buf.numel() * buf.element_size(), "bwd")
         self.messages.append((step, stage, "ring" if kind else "chain"))
-        return dist.isend(buf, self._peer(worker), tag=self._tag(step, stage, kind))
+        return faults.isend(buf, self._peer(worker), self._tag(step, stage, kind), f"CDP {'ring' if kind else 'chain'} of stage {stage}'s gradient, step {step}")
 
     def _flat(self, stage: int, grads: bool) -> torch.Tensor:
         parts = []
@@ -349,7 +350,7 @@ class CDPTrainer:
         position = self._position(stage)
         if position > 0:
             partial = torch.empty_like(buf)
-            dist.recv(partial, self._peer(self._worker_at(stage, position - 1)), tag=self._tag(t, stage, 0))
+            faults.recv(partial, self._peer(self._worker_at(stage, position - 1)), self._tag(t, stage, 0), f"CDP chain of stage {stage}'s gradient, step {t}")
             buf.add_(partial)  # the same sum as partial + buf (IEEE addition commutes)
             del partial
         record = _StageBuffer(buf)
@@ -363,7 +364,7 @@ class CDPTrainer:
     def _receive_ring(self, key: tuple[int, int], record: _StageBuffer) -> None:
         """Post the ring's receive into the buffer the chain sent from (its send has completed)."""
         record.chain = None
-        record.ring = dist.irecv(record.buf, self._peer(record.source), tag=self._tag(key[0], key[1], 1))
+        record.ring = faults.irecv(record.buf, self._peer(record.source), self._tag(key[0], key[1], 1), f"CDP ring of stage {key[1]}'s gradient, step {key[0]}")
 
     def _pass_on(self, key: tuple[int, int], record: _StageBuffer) -> None:
         """The ring's copy is in: send it on (the place before the owner is the last)."""
@@ -745,7 +746,7 @@ class CDPPipeline:
         for i, name in enumerate(self.runner.boundary(stage)):
             shape, dtype, grad = meta[name]
             t = torch.empty(shape, dtype=dtype)
-            dist.recv(t, self._rank(stage - 1, self.column), tag=i)
+            faults.recv(t, self._rank(stage - 1, self.column), i, f"CDP pipeline activation {name} into stage {stage}, micro-batch {k}")
             mb.values[name] = t.requires_grad_(grad)
         self.runner.forward(mb, stage)
         if stage == self.n_stages - 1:
@@ -754,7 +755,7 @@ class CDPPipeline:
         else:
             for i, name in enumerate(self.runner.boundary(stage + 1)):
                 t = mb.values[name].detach().contiguous()
-                sends.append((dist.isend(t, self._rank(stage + 1, self.column), tag=i), t))
+                sends.append((faults.isend(t, self._rank(stage + 1, self.column), i, f"CDP pipeline activation {name} out of stage {stage}, micro-batch {k}"), t))
                 self.messages.append((k, "activation"))
         return mb
 
@@ -765,7 +766,7 @@ class CDPPipeline:
             for i, name in enumerate(self.runner.boundary(stage + 1)):
                 shape, dtype, _ = meta[name]
                 g = torch.empty(shape, dtype=dtype)
-                dist.recv(g, self._rank(stage + 1, self.column), tag=1000 + i)
+                faults.recv(g, self._rank(stage + 1, self.column), 1000 + i, f"CDP pipeline gradient of {name} into stage {stage}, micro-batch {k}")
                 received[name] = g
         mine = {name: g for name, g in received.items() if self.runner.stage_of[name] == stage}
         self.runner.backward(mb, stage, output_grads=mine)
@@ -781,7 +782,7 @@ class CDPPipeline:
                 if name in received:  # passed through this stage: its later uses' gradient too
                     g = g + received[name]
                 g = g.contiguous()
-                sends.append((dist.isend(g, self._rank(stage - 1, self.column), tag=1000 + i), g))
+                sends.append((faults.isend(g, self._rank(stage - 1, self.column), 1000 + i, f"CDP pipeline gradient of {name} out of stage {stage}, micro-batch {k}"), g))
                 self.messages.append((k, "gradient"))
 
     def _sum_and_update(self, k: int, acc: dict[str, torch.Tensor], sends: list[Any]) -> None:
@@ -794,19 +795,19 @@ class CDPPipeline:
         buf = torch.cat([(acc[a] if a in acc else torch.zeros_like(self.masters[a])).reshape(-1) for a in self.attrs])
         if j > 0:
             partial = torch.empty_like(buf)
-            dist.recv(partial, self._rank(self.stage, j - 1), tag=2000)
+            faults.recv(partial, self._rank(self.stage, j - 1), 2000, f"CDP pipeline chain of stage {self.stage}'s gradient, step {k}")
             buf = partial + buf
         if j < d - 1:
-            sends.append((dist.isend(buf, self._rank(self.stage, j + 1), tag=2000), buf))
+            sends.append((faults.isend(buf, self._rank(self.stage, j + 1), 2000, f"CDP pipeline chain of stage {self.stage}'s gradient, step {k}"), buf))
             self.messages.append((k, "chain"))
             total = torch.empty_like(buf)
-            dist.recv(total, self._rank(self.stage, d - 1 if j == 0 else j - 1), tag=2001)
+            faults.recv(total, self._rank(self.stage, d - 1 if j == 0 else j - 1), 2001, f"CDP pipeline ring of stage {self.stage}'s gradient, step {k}")
             buf = total
             if j + 1 < d - 1:
-                sends.append((dist.isend(buf, self._rank(self.stage, j + 1), tag=2001), buf))
+                sends.append((faults.isend(buf, self._rank(self.stage, j + 1), 2001, f"CDP pipeline ring of stage {self.stage}'s gradient, step {k}"), buf))
                 self.messages.append((k, "ring"))
         elif d > 1:
-            sends.append((dist.isend(buf, self._rank(self.stage, 0), tag=2001), buf))
+            sends.append((faults.isend(buf, self._rank(self.stage, 0), 2001, f"CDP pipeline ring of stage {self.stage}'s gradient, step {k}"), buf))
             self.messages.append((k, "ring"))
         offset = 0
         for a in self.attrs:

@@ -48,10 +48,6 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from planner.runtime.collectives import CommRecorder, all_gather
-from planner.runtime.module import ParallelModule
-from planner.runtime.precision import find_master_weights
-from planner.runtime.weights import Box, full_shape, local_box, pick_name, zero_box
 from pydantic import BaseModel, ConfigDict, JsonValue, ValidationError
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import create_default_local_save_plan
@@ -66,6 +62,11 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from planner.runtime.collectives import CommRecorder, all_gather
+from planner.runtime.module import ParallelModule
+from planner.runtime.precision import find_master_weights
+from planner.runtime.weights import Box, full_shape, local_box, pick_name, zero_box
 
 CHECKPOINT_VERSION = 4  # 4: manifest.json; 3: DCP chunks with a pickled header; 2: every tensor whole
 PICKLED_VERSIONS = (2, 3)  # read only with trust_pickle=True

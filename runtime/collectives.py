@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from planner.runtime.faults import failed, group_ranks
-from planner.runtime.groups import MeshGroups
 
 from planner.layout import Layout, Step, conversion_steps
+from planner.runtime.faults import failed, group_ranks
+from planner.runtime.groups import MeshGroups
 
 
 @dataclass

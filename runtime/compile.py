@@ -25,6 +25,11 @@ from typing import Any
 
 import torch
 import torch.fx
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from planner.ir import IRGraph, Node
+from planner.layout import Layout, Spec, parse_spec, spec_conversion
+from planner.plan import CONTIGUOUS, NodePlan, Plan, fingerprint
 from planner.runtime.collectives import CommRecorder, Convert, relayout
 from planner.runtime.groups import MeshGroups, build_groups
 from planner.runtime.host_memory import keep_freed_memory
@@ -45,11 +50,6 @@ from planner.runtime.materialize import is_meta_module, materialize
 from planner.runtime.module import ParallelModule, attr_name
 from planner.runtime.weights import Wanted, WeightSource, box_requests, open_weights
 from planner.runtime.zero3 import Member, ParamUnits
-from torch.utils._pytree import tree_flatten, tree_unflatten
-
-from planner.ir import IRGraph, Node
-from planner.layout import Layout, Spec, parse_spec, spec_conversion
-from planner.plan import CONTIGUOUS, NodePlan, Plan, fingerprint
 from planner.trace import micro_batch_inputs, trace
 
 _BIAS_INPUT = {"linear": 2, "addmm": 0}  # which input of the kernel is the bias

@@ -15,11 +15,11 @@ from typing import Any
 
 import torch
 import torch.fx
-from planner.runtime.collectives import relayout
-from planner.runtime.module import ParallelModule
 from torch.utils._pytree import tree_flatten
 
 from planner.layout import Layout
+from planner.runtime.collectives import relayout
+from planner.runtime.module import ParallelModule
 
 
 @dataclass(frozen=True)

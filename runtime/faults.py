@@ -31,7 +31,9 @@ import os
 import re
 import time
 from collections.abc import Sequence
+from typing import Any
 
+import torch
 import torch.distributed as dist
 
 GRACE_S = float(os.environ.get("PLANNER_FAULT_GRACE_S", "3"))
@@ -93,3 +95,43 @@ def _ranks(ranks: Sequence[int]) -> str:
 def group_ranks(group: dist.ProcessGroup | None) -> list[int]:
     """The global ranks of ``group`` (the world where None)."""
     return list(range(dist.get_world_size())) if group is None else list(dist.get_process_group_ranks(group))
+
+
+class NamedWork:
+    """An asynchronous operation's work whose ``wait()`` raises :func:`failed`'s error."""
+
+    __slots__ = ("ranks", "what", "work")
+
+    def __init__(self, work: Any, what: str, ranks: Sequence[int]) -> None:
+        self.work, self.what, self.ranks = work, what, ranks
+
+    def wait(self) -> None:
+        try:
+            self.work.wait()
+        except RuntimeError as exc:
+            raise failed(self.what, self.ranks, exc) from exc
+
+    def is_completed(self) -> bool:
+        return bool(self.work.is_completed())
+
+
+def recv(t: torch.Tensor, src: int, tag: int, what: str) -> None:
+    """``dist.recv`` from global rank ``src``; a failure names ``what`` and whether ``src`` stalled."""
+    try:
+        dist.recv(t, src, tag=tag)
+    except RuntimeError as exc:
+        raise failed(f"{what} (receive from rank {src})", [dist.get_rank(), src], exc) from exc
+
+
+def isend(t: torch.Tensor, dst: int, tag: int, what: str) -> NamedWork:
+    """``dist.isend`` to global rank ``dst``, its wait naming ``what`` when it fails."""
+    try:
+        work = dist.isend(t, dst, tag=tag)
+    except RuntimeError as exc:
+        raise failed(f"{what} (send to rank {dst})", [dist.get_rank(), dst], exc) from exc
+    return NamedWork(work, f"{what} (send to rank {dst})", [dist.get_rank(), dst])
+
+
+def irecv(t: torch.Tensor, src: int, tag: int, what: str) -> NamedWork:
+    """``dist.irecv`` from global rank ``src``, its wait naming ``what`` when it fails."""
+    return NamedWork(dist.irecv(t, src, tag=tag), f"{what} (receive from rank {src})", [dist.get_rank(), src])

@@ -14,9 +14,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.utils._pytree import tree_map
+
 from planner.runtime.collectives import CommRecorder, Convert, all_reduce, broadcast_start, reduce
 from planner.runtime.groups import MeshGroups
-from torch.utils._pytree import tree_map
 
 
 @dataclass(frozen=True)

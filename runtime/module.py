@@ -32,6 +32,11 @@ from typing import Any
 
 import torch
 import torch.fx
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from planner.ir import IRGraph
+from planner.layout import Layout, Spec
+from planner.plan import Plan
 from planner.runtime.buckets import GradBuckets
 from planner.runtime.collectives import CommRecorder, all_reduce, relayout
 from planner.runtime.faults import CollectiveError
@@ -39,11 +44,6 @@ from planner.runtime.groups import MeshGroups
 from planner.runtime.precision import MasterWeights, find_master_weights
 from planner.runtime.zero import ZeroOptimizer, ZeroShards
 from planner.runtime.zero3 import ParamUnits
-from torch.utils._pytree import tree_flatten, tree_unflatten
-
-from planner.ir import IRGraph
-from planner.layout import Layout, Spec
-from planner.plan import Plan
 from planner.trace import micro_batch_inputs
 
 

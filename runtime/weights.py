@@ -28,10 +28,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from planner.runtime.groups import MeshGroups
 
 from planner.layout import Layout
 from planner.problem import zero_dim
+from planner.runtime.groups import MeshGroups
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes) per dim, in the full tensor
 

@@ -14,11 +14,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
+from planner.problem import zero_dim
 from planner.runtime.collectives import CommRecorder, all_gather, all_gather_into, all_reduce, reduce_scatter
 from planner.runtime.groups import MeshGroups
 from planner.runtime.precision import OptimizerWrapper
-
-from planner.problem import zero_dim
 
 
 class ZeroShards:

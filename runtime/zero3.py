@@ -33,10 +33,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from planner.runtime.collectives import CommRecorder, Convert, Issued, _nbytes
-from planner.runtime.groups import MeshGroups
 
 from planner.plan import ParamUnit
+from planner.runtime.collectives import CommRecorder, Convert, Issued, _nbytes
+from planner.runtime.groups import MeshGroups
 
 
 @dataclass

@@ -27,7 +27,6 @@ def reference(name: str, rule: str, workers: int, num_stages: int, stage_of: dic
     """The update rule run serially in one process on the unsharded model: the N micro-batches one
     after another, gradients summed in worker order, the rule applied as runtime/cdp.py states it."""
     from planner.models import build_model
-
     from planner.trace import loss_of
 
     model = build_model(name, dtype=torch.float64, seed=0)
@@ -75,11 +74,11 @@ def cdp_train(rank: int, world: int, cases: list[tuple[str, str, str, int]]) -> 
     against the serial reference (rank 0 computes it), the messages this rank sent, and the
     collectives it issued. ``rule == "dp"`` trains the plan as ordinary DP (the baseline)."""
     import torch.distributed as dist
+
     from planner.models import build_model
+    from planner.plan import Plan
     from planner.runtime.cdp import CDPTrainer
     from planner.runtime.compile import compile_plan
-
-    from planner.plan import Plan
 
     out = []
     for name, text, rule, num_stages in cases:  # rule "plan": the CDP mode the plan was made with
@@ -149,10 +148,9 @@ def cdp_memory(rank: int, world: int, name: str, text: str, num_stages: int) -> 
     2L/N) and on DP's (delta = 0) (every rank does the same, alone), measuring live saved-for-backward bytes per time unit, and each
     stage's A_l for one micro-batch."""
     from planner.models import build_model
+    from planner.plan import Plan
     from planner.runtime.cdp import SavedTensorMeter, StagedRunner, simulate_schedule
     from planner.runtime.compile import compile_plan
-
-    from planner.plan import Plan
     from planner.stages import cut_stages
 
     plan = Plan.model_validate_json(text)
@@ -192,13 +190,13 @@ def cdp_pipeline(rank: int, world: int, name: str, plan_json: str, rule: str, nu
     """CDP with model parallelism: N = 4 workers, L stages on L*ceil(N/L) = 4 ranks, 5 steps;
     rank 0 also runs the serial reference of the rule."""
     import torch.distributed as dist
+
+    from planner.mesh import Mesh
     from planner.models import build_model
+    from planner.plan import Plan
     from planner.runtime.cdp import CDPPipeline
     from planner.runtime.compile import compile_plan
     from planner.runtime.groups import MeshGroups
-
-    from planner.mesh import Mesh
-    from planner.plan import Plan
 
     plan = Plan.model_validate_json(plan_json)
     mesh = Mesh.from_dict(plan.mesh)

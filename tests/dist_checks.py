@@ -128,9 +128,8 @@ def train_and_compare(rank: int, world: int, plans_json: list[tuple[str, ...]]) 
     however many plans compare with it. ``start`` "meta": the sharded run compiles the model built
     on the meta device (:func:`build_native`; the plan made on its graph), each rank materialising
     its shards, against the same model built on one CPU."""
-    from planner.runtime.compile import compile_plan
-
     from planner.plan import Plan
+    from planner.runtime.compile import compile_plan
     from planner.trace import micro_batch_inputs, trace
 
     reports = []
@@ -246,9 +245,8 @@ def measure_cdp_peak_memory(rank: int, world: int, cases: list[tuple[str, str]])
     at a step's start are every tensor the trainer holds then, found by walking its attributes.
     The two measured steps and the trainer's last messages run in one profiling session
     (tests.memory_probe.peaks_over_steps says why); the smaller peak, as measure_peak_memory."""
-    from planner.runtime.cdp import CDPTrainer
-
     from planner.plan import Plan
+    from planner.runtime.cdp import CDPTrainer
     from tests.memory_probe import peaks_over_steps
 
     out = []
@@ -271,7 +269,6 @@ def measure_cdp_peak_memory(rank: int, world: int, cases: list[tuple[str, str]])
 def _compiled_float32(name: str, plan: Any, batch: tuple[tuple[Any, ...], dict[str, Any]], graphs: dict[str, Any], **kwargs: Any) -> Any:
     """A fresh float32 ``name`` compiled under ``plan`` (its traced graph cached in ``graphs``)."""
     from planner.runtime.compile import compile_plan
-
     from planner.trace import trace
 
     model = build(name, torch.float32)

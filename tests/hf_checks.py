@@ -59,10 +59,10 @@ def failing_kernel_message(rank: int, world: int, name: str, plan_json: str, mod
     """The error a sharded forward raises when the kernel of the first op traced in ``module``
     fails (its forward replaced by one that raises): ``str`` of the :class:`runtime.module.KernelError`."""
     import torch
-    from planner.runtime.compile import compile_plan
-    from planner.runtime.module import KernelError
 
     from planner.plan import Plan
+    from planner.runtime.compile import compile_plan
+    from planner.runtime.module import KernelError
     from tests.dist_checks import BATCH, build, inputs
 
     model = build(name, torch.float32)

@@ -12,9 +12,8 @@ from tests.test_multi_node import _launch, _wait
 
 
 def plan_and_run(rank: int, world: int) -> dict[str, Any]:
-    from planner.models import build_model, example_inputs
-
     from planner import auto_parallelize
+    from planner.models import build_model, example_inputs
 
     model = build_model("gpt-tiny", dtype=torch.float64)
     args, kwargs = example_inputs("gpt-tiny", batch=4, dtype=torch.float64)

@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 import torch
-from planner.models.gpt import GPT, GPTConfig
 
+from planner.models.gpt import GPT, GPTConfig
 from tests.harness import run_world
 
 CONFIG = GPTConfig(n_layer=32, n_head=4, n_embd=128, block_size=16, vocab_size=512, tie_embeddings=False)
@@ -51,9 +51,8 @@ def _step(pm: Any, opt: Any, k: int) -> float:
 
 def _run(rank: int, world: int, plan_a: str, plan_b: str, path: str, cap: int) -> dict[str, Any]:
     import planner.runtime.checkpoint as ckpt
-    from planner.runtime.compile import compile_plan
-
     from planner.plan import Plan
+    from planner.runtime.compile import compile_plan
     from tests.memory_probe import allocator_count, counting_every_thread, peak_count
 
     out: dict[str, Any] = {}

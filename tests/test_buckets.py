@@ -14,12 +14,12 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from planner.models import build_model, example_inputs
 
 from planner.buckets import Gradient, pack
 from planner.cost import comm_time
 from planner.hardware import A100_80G
 from planner.mesh import Mesh
+from planner.models import build_model, example_inputs
 from planner.search import SearchSpace, search
 from planner.strategy import Comm
 from planner.trace import trace

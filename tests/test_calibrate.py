@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from planner.runtime.calibrate import fit_alpha_beta
-from planner.runtime.memory import LiveMemory
 
 from planner.hardware import PRESETS, load_profile
+from planner.runtime.calibrate import fit_alpha_beta
+from planner.runtime.memory import LiveMemory
 
 
 def test_the_alpha_beta_fit_recovers_latency_and_bandwidth() -> None:
@@ -43,10 +43,9 @@ def test_live_memory_counts_parameters_and_adamw_states() -> None:
 
 
 def test_every_preset_cites_its_sources_and_small_ops_pay_the_launch_overhead() -> None:
-    from planner.models import build_model, example_inputs
-
     from planner.cost import compute_time
     from planner.mesh import Mesh
+    from planner.models import build_model, example_inputs
     from planner.problem import build_problem
     from planner.trace import trace
 
@@ -82,9 +81,8 @@ def test_planner_calibrate_quick_writes_a_profile_the_report_uses(tmp_path: Path
 
 
 def test_calibrated_efficiency_curve_slows_small_shards_and_holds_flat_past_its_ends() -> None:
-    from planner.runtime.calibrate import matmul_efficiency
-
     from planner.hardware import CPU_GLOO
+    from planner.runtime.calibrate import matmul_efficiency
 
     # 10 us launch cost: a 64^3 matmul measured at 20 GFLOP/s ran 26.2 us, 16.2 us of it compute
     points = matmul_efficiency([(64, 20e9), (512, 50e9)], peak=50e9, overhead=10e-6)
@@ -103,11 +101,10 @@ def test_a_collective_kinds_fit_prices_its_measured_times_and_groups_across_node
     """Timings that no one alpha-beta fits (a 64 MiB message at a third of the bandwidth): the
     kind's fit and its measured / fitted ratios price every measured size at its measured time,
     sizes between on the interpolated ratio; a group spanning nodes pays the inter-node tier."""
-    from planner.runtime.calibrate import fit_collective
-
     from planner.cost import comm_time
     from planner.hardware import CPU_GLOO
     from planner.mesh import Mesh
+    from planner.runtime.calibrate import fit_collective
     from planner.strategy import Comm
 
     n, alpha, b = 4, 700e-6, 1e9
@@ -128,10 +125,9 @@ def test_a_collective_kinds_fit_prices_its_measured_times_and_groups_across_node
 
 
 def test_a_measured_optimizer_step_replaces_the_bandwidth_estimate() -> None:
-    from planner.runtime.calibrate import measure_optimizer_steps
-
     from planner.cost import optimizer_step_time
     from planner.hardware import CPU_GLOO
+    from planner.runtime.calibrate import measure_optimizer_steps
 
     hw = CPU_GLOO.model_copy(update={"optimizer_steps": {"adamw": (30e-6, 2e-9)}})
     assert optimizer_step_time("adamw", 1e6, hw) == pytest.approx(30e-6 + 2e-3)
@@ -144,11 +140,10 @@ def test_a_measured_optimizer_step_replaces_the_bandwidth_estimate() -> None:
 def test_a_thin_matmul_is_priced_below_a_square_one_of_the_same_flops() -> None:
     """With measured thin-matmul factors, a [16, 1024] x [1024, 1024] linear's compute is priced
     at the factor for d = 16; ops that are not matmuls, and profiles without factors, are not."""
-    from planner.models.mlp import MLP, MLPConfig
-
     from planner.cost import _thinnest_dim, compute_time
     from planner.hardware import CPU_GLOO
     from planner.mesh import Mesh
+    from planner.models.mlp import MLP, MLPConfig
     from planner.problem import build_problem
     from planner.trace import trace
 

@@ -19,10 +19,10 @@ from typing import Any
 
 import pytest
 import torch
-from planner.models import build_model, example_inputs
 
 from planner.cdp import cdp_filter
 from planner.hardware import A100_80G
+from planner.models import build_model, example_inputs
 from planner.search import SearchSpace, search
 from planner.trace import trace
 from tests.cdp_checks import BATCH, cdp_memory, cdp_pipeline, cdp_train

@@ -14,12 +14,12 @@ import re
 from pathlib import Path
 from typing import Any
 
-import planner.runtime.checkpoint as ckpt
 import pytest
 import torch
-from planner.models import build_model, example_inputs
 
+import planner.runtime.checkpoint as ckpt
 from planner.hardware import A100_80G
+from planner.models import build_model, example_inputs
 from planner.search import SearchSpace, search
 from planner.trace import trace
 from tests.harness import run_world
@@ -162,9 +162,8 @@ def test_what_json_cannot_hold_is_refused_before_writing(tmp_path: Path) -> None
 
 def _mlp_module(layers: int, hidden: int = 32) -> Any:
     from planner.models.mlp import MLP, MLPConfig, mlp_example_inputs
-    from planner.runtime.compile import compile_plan
-
     from planner.plan import Plan
+    from planner.runtime.compile import compile_plan
 
     config = MLPConfig(in_features=16, hidden=hidden, out_features=8, n_layers=layers)
     torch.manual_seed(0)
@@ -250,9 +249,8 @@ def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
 
 
 def save_then_move(rank: int, world: int, plan_a: str, plan_b: str, path: str, dtype: torch.dtype = torch.float64) -> dict[str, Any]:
-    from planner.runtime.compile import compile_plan
-
     from planner.plan import Plan
+    from planner.runtime.compile import compile_plan
 
     batches = _batches()
     pm_a = compile_plan(Plan.model_validate_json(plan_a), build_model(MODEL, dtype=dtype, seed=0), *batches[0])
@@ -300,9 +298,8 @@ def _held(pm: Any, opt: Any) -> dict[str, int]:
 
 
 def load_elsewhere(rank: int, world: int, plan_c: str, path: str) -> dict[str, Any]:
-    from planner.runtime.compile import compile_plan
-
     from planner.plan import Plan
+    from planner.runtime.compile import compile_plan
 
     batches = _batches()
     pm = compile_plan(Plan.model_validate_json(plan_c), build_model(MODEL, dtype=torch.float64, seed=2), *batches[0])

@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 import torch
-from planner.models import build_model, example_inputs
 
 from planner.hardware import A100_80G
+from planner.models import build_model, example_inputs
 from planner.search import SearchSpace, search
 from planner.trace import trace
 from tests.harness import run_world
@@ -29,10 +29,10 @@ WORLD = 3
 VICTIM = 2
 
 
-def _dp_plan() -> str:
+def _dp_plan(cdp: str = "off") -> str:
     args, kwargs = example_inputs("mlp-tiny", batch=6, dtype=torch.float64)
-    result = search(trace(build_model("mlp-tiny", dtype=torch.float64), args, kwargs), SearchSpace(devices=WORLD, dp=WORLD, tp=("none",)),
-                    A100_80G, model_name="mlp-tiny", front=False)
+    space = SearchSpace(devices=WORLD, dp=WORLD, tp=("none",), cdp=(cdp,), cdp_stages=2)
+    result = search(trace(build_model("mlp-tiny", dtype=torch.float64), args, kwargs), space, A100_80G, model_name="mlp-tiny", front=False)
     assert result.best is not None
     return result.best.model_dump_json()
 
@@ -41,9 +41,9 @@ def _fault(rank: int, world: int, plan: str, mode: str) -> dict[str, Any]:
     """One healthy step on every rank; then the victim stalls (sleeps past the timeout) or leaves
     (its connections close, as a killed process's do) while the others take the next step."""
     import torch.distributed as dist
-    from planner.runtime.compile import compile_plan
 
     from planner.plan import Plan
+    from planner.runtime.compile import compile_plan
 
     args, kwargs = example_inputs("mlp-tiny", batch=6, dtype=torch.float64)
     pm = compile_plan(Plan.model_validate_json(plan), build_model("mlp-tiny", dtype=torch.float64), args, kwargs)
@@ -67,6 +67,42 @@ def _fault(rank: int, world: int, plan: str, mode: str) -> dict[str, Any]:
         return {"error": None}
     except Exception as exc:
         return {"type": type(exc).__name__, "error": str(exc), "seconds": time.monotonic() - start}
+
+
+def _cdp_fault(rank: int, world: int, plan: str) -> dict[str, Any]:
+    """CDP v1 over dp=3 of mlp-tiny (2 stages): one step on every rank, then rank 2 leaves and
+    the others step again: the gradient chain's point-to-point messages fail, named."""
+    import torch.distributed as dist
+
+    from planner.plan import Plan
+    from planner.runtime.cdp import CDPTrainer
+    from planner.runtime.compile import compile_plan
+
+    args, kwargs = example_inputs("mlp-tiny", batch=6, dtype=torch.float64)
+    pm = compile_plan(Plan.model_validate_json(plan), build_model("mlp-tiny", dtype=torch.float64), args, kwargs,
+                      loss_partial_over=frozenset({"dp"}))
+    trainer = CDPTrainer(pm, torch.optim.SGD, lr=0.1)  # the plan's CDP v1, 2 stages
+    local_args, local_kwargs = pm.shard_batch(*args, **kwargs)
+    trainer.step(*local_args, **local_kwargs)
+    if rank == VICTIM:
+        dist.destroy_process_group()
+        return {"left": True}
+    try:
+        trainer.step(*local_args, **local_kwargs)
+        trainer.finish()
+        return {"error": None}
+    except Exception as exc:
+        return {"type": type(exc).__name__, "error": str(exc)}
+
+
+def test_a_dead_rank_in_cdps_chain_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PLANNER_FAULT_GRACE_S", str(GRACE))
+    results = run_world(WORLD, _cdp_fault, _dp_plan("v1"), timeout=120, pg_timeout=PG_TIMEOUT, settle=False)
+    named = [r for rank, r in enumerate(results) if rank != VICTIM and r.get("type") == "CollectiveError"]
+    assert len(named) == WORLD - 1, results
+    for got in named:  # each names the CDP message and, itself or through the rank it waited for, rank 2
+        assert got["error"].startswith(f"rank {results.index(got)}: CDP ") and "rank 2" in got["error"], got
+    assert any("Rank 2 did not report" in got["error"] for got in named), named
 
 
 @pytest.fixture(scope="module")

@@ -13,11 +13,11 @@ import itertools
 
 import numpy as np
 import pytest
-from planner.models import build_model, example_inputs
 
 from planner.front import conversion_time_bound, covered_below, knee, memory_lower_bound, merge, reprices_overlap, time_lower_bound
 from planner.hardware import A100_80G
 from planner.mesh import Mesh
+from planner.models import build_model, example_inputs
 from planner.problem import build_problem, evaluate
 from planner.search import SearchSpace, candidate_meshes, search
 from planner.solve import BudgetILP, solve, sweep

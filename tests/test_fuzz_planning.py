@@ -9,10 +9,10 @@ import time
 
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
-from planner.models import build_model, example_inputs
 
 from planner.hardware import A100_80G
 from planner.ir import IRGraph
+from planner.models import build_model, example_inputs
 from planner.search import ALL_TP, SearchSpace, search
 from planner.solve import SolverSettings
 from planner.trace import trace

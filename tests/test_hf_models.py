@@ -151,7 +151,6 @@ def test_untraceable_model_names_file_line_and_advice() -> None:
 # ------------------------------------------------------------- the hf-* presets (models/hf.py)
 
 from planner.models.hf import HF_PRESETS, build_hf_model, hf_example_inputs, keep_loss_dtype  # noqa: E402
-
 from planner.plan import Plan  # noqa: E402
 from planner.report import format_plan  # noqa: E402
 

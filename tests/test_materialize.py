@@ -10,11 +10,11 @@ import dataclasses
 
 import pytest
 import torch
+from torch import nn
+
 from planner.models import build_model
 from planner.models.gpt import GPT, GPTConfig
 from planner.runtime.materialize import MaterializeError, materialize
-from torch import nn
-
 from tests.memory_probe import allocator_count, counting_every_thread, peak_count
 
 

@@ -14,11 +14,11 @@ from collections import Counter
 
 import pytest
 import torch
-from planner.models import build_model, example_inputs
 
 from planner.cost import comm_time, optimizer_step_time
 from planner.hardware import A100_80G
 from planner.mesh import Mesh
+from planner.models import build_model, example_inputs
 from planner.problem import build_problem, evaluate
 from planner.search import SearchSpace, candidate_meshes, search
 from planner.trace import micro_batch_inputs, trace

@@ -18,9 +18,9 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from planner.models import build_model, example_inputs
 
 from planner.hardware import A100_80G
+from planner.models import build_model, example_inputs
 from planner.search import SearchSpace, search
 from planner.trace import trace
 from tests.dist_checks import BATCH, PRECISIONS, train_and_compare

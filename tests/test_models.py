@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+
 from planner.models import (
     GPT,
     GPT_PRESETS,

@@ -6,10 +6,10 @@ from __future__ import annotations
 import random
 
 import pytest
-from planner.models import build_model, example_inputs
 
 from planner.hardware import A100_80G
 from planner.mesh import Mesh
+from planner.models import build_model, example_inputs
 from planner.overlap import sync_rows
 from planner.problem import build_problem, evaluate
 from planner.solve import solve

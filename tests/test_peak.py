@@ -14,11 +14,11 @@ import random
 
 import pytest
 import torch
-from planner.models import GPT, GPTConfig
 from torch import nn
 
 from planner.hardware import A100_80G
 from planner.mesh import Mesh
+from planner.models import GPT, GPTConfig
 from planner.problem import build_problem, evaluate
 from planner.trace import trace
 from tests.test_solver import CASES, case

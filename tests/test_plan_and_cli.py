@@ -6,12 +6,12 @@ import json
 from pathlib import Path
 
 import pytest
-from planner.models import build_model, example_inputs
 from pydantic import ValidationError
 
 from planner import auto_parallelize
 from planner.cli import main
 from planner.hardware import A100_80G
+from planner.models import build_model, example_inputs
 from planner.plan import Plan
 from planner.search import SearchSpace, search
 from planner.trace import trace

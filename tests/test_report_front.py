@@ -8,11 +8,11 @@ import json
 from pathlib import Path
 
 import pytest
-from planner.models import build_model, example_inputs
 
 from planner.cli import main
 from planner.explain import collective_seconds, explain, peak_phase
 from planner.hardware import A100_80G
+from planner.models import build_model, example_inputs
 from planner.search import SearchResult, SearchSpace, search
 from planner.trace import trace
 

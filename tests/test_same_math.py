@@ -16,10 +16,10 @@ from typing import Any
 
 import pytest
 import torch
-from planner.models import build_model, example_inputs
 
 from planner.hardware import A100_80G
 from planner.ir import Node
+from planner.models import build_model, example_inputs
 from planner.search import SearchSpace, search
 from planner.strategy import Strategy
 from planner.trace import trace

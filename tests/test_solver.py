@@ -31,12 +31,12 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from planner.models import build_model, example_inputs
 from torch import nn
 
 import planner.solve as solve_module
 from planner.hardware import A100_80G
 from planner.mesh import Mesh
+from planner.models import build_model, example_inputs
 from planner.problem import Problem, build_problem, evaluate
 from planner.solve import TIE_BREAK, InfeasibleBudget, SolverSettings, solve
 from planner.trace import trace

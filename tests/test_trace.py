@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import torch
-from planner.models import build_model, example_inputs
 
+from planner.models import build_model, example_inputs
 from planner.trace import trace
 
 

@@ -22,11 +22,11 @@ elements:
 from __future__ import annotations
 
 import torch
-from planner.models.gpt import GPT, GPTConfig
 
 from planner.cost import ring_volume
 from planner.hardware import A100_80G
 from planner.ir import Node
+from planner.models.gpt import GPT, GPTConfig
 from planner.plan import Plan
 from planner.search import SearchSpace, search
 from planner.strategy import Comm, Strategy

@@ -13,12 +13,12 @@ from typing import Any
 
 import pytest
 import torch
-from planner.runtime.collectives import relayout
-from planner.runtime.groups import MeshGroups
-from planner.runtime.weights import local_box, read_box, zero_box
 
 from planner.layout import Layout
 from planner.mesh import Mesh
+from planner.runtime.collectives import relayout
+from planner.runtime.groups import MeshGroups
+from planner.runtime.weights import local_box, read_box, zero_box
 from tests.harness import run_world
 
 pytest.importorskip("transformers")
@@ -59,10 +59,10 @@ CASES = [  # (preset, tp family, dp, ZeRO stage, files)
 def _losses(rank: int, world: int, cases: list[tuple[str, str, str]]) -> list[dict[str, Any]]:
     import torch.distributed as dist
     import transformers
-    from planner.models import build_model, example_inputs
-    from planner.runtime.compile import compile_plan
 
+    from planner.models import build_model, example_inputs
     from planner.plan import Plan
+    from planner.runtime.compile import compile_plan
 
     out = []
     for name, text, folder in cases:
@@ -106,9 +106,8 @@ def _losses(rank: int, world: int, cases: list[tuple[str, str, str]]) -> list[di
 
 @pytest.fixture(scope="module")
 def hf_runs(tmp_path_factory: pytest.TempPathFactory) -> list[tuple[tuple[str, str, int, int, str], dict[str, Any], list[dict[str, Any]]]]:
-    from planner.models import build_model, example_inputs
-
     from planner.hardware import A100_80G
+    from planner.models import build_model, example_inputs
     from planner.search import SearchSpace, search
     from planner.trace import trace
 
@@ -181,8 +180,9 @@ def test_each_rank_holds_its_shards_not_the_model(hf_runs) -> None:  # type: ign
 
 
 def test_a_box_of_a_safetensors_file_reads_that_box(tmp_path: Path) -> None:
-    from planner.runtime.weights import SafetensorsSource
     from safetensors.torch import save_file
+
+    from planner.runtime.weights import SafetensorsSource
 
     full = torch.arange(12.0).reshape(3, 4)
     save_file({"a.weight": full}, str(tmp_path / "model.safetensors"))
@@ -210,8 +210,9 @@ class _OneRank:
 
 
 def test_a_parameter_the_file_lacks_is_named_and_strict_false_keeps_it(tmp_path: Path) -> None:
-    from planner.runtime.weights import load_weights
     from safetensors.torch import save_file
+
+    from planner.runtime.weights import load_weights
 
     save_file({"a.weight": torch.ones(2, 2), "extra": torch.zeros(1)}, str(tmp_path / "w.safetensors"))
     pm = _OneRank({"a.weight": torch.nn.Parameter(torch.zeros(2, 2)), "b.weight": torch.nn.Parameter(torch.full((3,), 7.0))})
@@ -223,8 +224,9 @@ def test_a_parameter_the_file_lacks_is_named_and_strict_false_keeps_it(tmp_path:
 
 
 def test_weights_of_another_shape_are_refused_with_both_shapes(tmp_path: Path) -> None:
-    from planner.runtime.weights import load_weights
     from safetensors.torch import save_file
+
+    from planner.runtime.weights import load_weights
 
     save_file({"a.weight": torch.ones(2, 3)}, str(tmp_path / "w.safetensors"))
     pm = _OneRank({"a.weight": torch.nn.Parameter(torch.zeros(2, 2))})

@@ -13,11 +13,11 @@ from typing import Any
 
 import pytest
 import torch
-from planner.models import build_model, example_inputs
 
 from planner.hardware import A100_80G, CollectiveFit, HardwareProfile
 from planner.ir import Node
 from planner.mesh import Mesh
+from planner.models import build_model, example_inputs
 from planner.plan import Plan
 from planner.problem import zero1_reduce
 from planner.search import SearchSpace, search
