@@ -7,8 +7,10 @@ train, checkpoint shard by shard, resume.
     # again: it resumes from run/ckpt where it stopped (any plan, any world size):
     torchrun --nproc-per-node 2 examples/train_large.py --out run
     # survive a crash: torchrun restarts every process, which resume from the newest checkpoint
-    # (--crash-at 7 kills rank 1 in the middle of step 7 on the first attempt, to try it):
-    torchrun --standalone --nproc-per-node 4 --max-restarts 3 examples/train_large.py --out run --crash-at 7
+    # (--crash-at 7 kills rank 1 in the middle of step 7 on the first attempt, to try it; the variable gives
+    # each attempt a fresh store: a shared one can hand restarted gloo ranks old addresses, pytorch#135712):
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc-per-node 4 --max-restarts 3 \\
+        examples/train_large.py --out run --crash-at 7
     # start from a Hugging Face checkpoint (save_pretrained's folder: safetensors, sharded or not):
     torchrun --nproc-per-node 4 examples/train_large.py --model hf-llama --weights path/to/folder --out run
     # 2 nodes x 8 GPUs (NCCL): the same command on every node, K = 0 and 1
