@@ -451,8 +451,7 @@ def save_checkpoint(pm: ParallelModule, optimizer: Any, path: str | os.PathLike[
     """Write (DCP, atomically) this rank's shards of the parameters and optimizer states: a
     checkpoint every plan can load (module docstring). ``step`` and ``extra`` (JSON values: a data
     loader's position, say) come back from :func:`load_checkpoint`. Every rank calls it."""
-    progress = _json_objects({"progress": {"step": step, "extra": extra or {}}})["progress"]  # raises on what JSON cannot hold, before anything is written
-    state: dict[str, Any] = {"plan": pm.plan.model_dump_json(), "progress": progress}
+    state: dict[str, Any] = {"plan": pm.plan.model_dump_json(), "progress": {"step": step, "extra": extra or {}}}  # write_state checks it is JSON first
     boxes: dict[str, Box] = {}
     states = _inner(optimizer).state
     with_master = find_master_weights(optimizer) is not None
@@ -482,7 +481,7 @@ def _check_same_model(pm: ParallelModule, stored: Stored, strict: bool) -> dict[
         name = pick_name(names, set(held))
         if name is None:
             raise CheckpointError(f"checkpoint {stored.path} has no parameter {names[0]!r}: it was saved from another model")
-        full = full_shape(pm.param_specs[attr].layout, tuple(pm.graph_module.get_parameter(attr).shape), pm.mesh_groups)
+        full = _boxes(pm, attr)[2]
         if held[name] != full:
             raise CheckpointError(f"checkpoint {stored.path} holds {name} as {list(held[name])}, the model as {list(full)}: "
                                   "it was saved from another model (or another configuration of it)")
