@@ -366,7 +366,7 @@ def price_edges(problem: Problem) -> Problem:
     before it is solved or evaluated)."""
     if not problem.edges_priced:
         t0 = time.perf_counter()
-        _price_edges(problem)
+        _shared_edges(problem)
         if problem.cdp != "off":
             from planner.cdp import stage_buffers
 
@@ -375,6 +375,29 @@ def price_edges(problem: Problem) -> Problem:
         problem.edges_priced = True
         problem.build_seconds += time.perf_counter() - t0
     return problem
+
+
+_PRICED_KEPT = 4  # the priced terms of the last few problems a graph's searches priced
+
+
+def _shared_edges(problem: Problem) -> None:
+    """:func:`_price_edges`, or the terms an earlier problem priced from the same inputs (the
+    graph, mesh, hardware, strategies, micro-batch count and ZeRO-3's units): ZeRO 0, 1 and 2 of
+    one mesh have the same strategies, so a search prices their edges once (measured, gpt2-small
+    on 64 devices, one plan: ...). The terms are not changed after pricing, so the problems share
+    them. The last :data:`_PRICED_KEPT` are kept on the graph, so what a search drops is freed."""
+    key = (problem.mesh, id(problem.hardware), problem.micro_batches, problem.in_units and problem.unit_share_bytes,
+           tuple((g, tuple(grp.strategies)) for g, grp in problem.groups.items()))
+    kept = cast(dict[object, tuple[object, ...]], problem.graph.memo("priced_edges", dict))
+    entry = kept.pop(key, None)
+    if entry is None or entry[0] is not problem.hardware:
+        _price_edges(problem)
+        entry = (problem.hardware, problem.conversions, problem.holds, problem.edges, problem.conversion_work)
+    else:
+        problem.conversions, problem.holds, problem.edges, problem.conversion_work = entry[1:]  # type: ignore[assignment]
+    kept[key] = entry  # the newest last
+    while len(kept) > _PRICED_KEPT:
+        del kept[next(iter(kept))]
 
 
 def _param_strategies(node: Node, mesh: Mesh, consumers: list[tuple[list[Strategy] | None, int]], *, zero3: bool = False) -> list[Strategy]:

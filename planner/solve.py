@@ -66,42 +66,25 @@ import contextlib
 import dataclasses
 import itertools
 import logging
+import math
 import os
 import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
+from types import ModuleType
 from typing import Literal, NamedTuple, cast
 
 import highspy
 import numpy as np
-import pulp
 
 from planner.peak import Form
 from planner.problem import EdgeTerm, Evaluation, Group, Problem, evaluate, price_edges
 from planner.units import format_bytes
 
-EQ, GE = pulp.LpConstraintEQ, pulp.LpConstraintGE
-
 log = logging.getLogger(__name__)
 
-
-def _release_import_frames() -> None:
-    """PuLP keeps the error of each solver it cannot import (a class attribute ``err``); its
-    traceback holds every frame up that import, so the code that first imported the planner
-    kept its locals alive for good (measured: a function that compiled a plan kept its
-    ParallelModule after it returned). The tracebacks go; the messages stay."""
-    for name, module in list(sys.modules.items()):
-        if name == "pulp" or name.startswith("pulp."):
-            for value in list(vars(module).values()):
-                err = getattr(value, "err", None) if isinstance(value, type) else None
-                while isinstance(err, BaseException):
-                    err.__traceback__ = None
-                    err = err.__context__ or err.__cause__
-
-
-_release_import_frames()
 
 TIE_BREAK = 1e-9  # weight of the secondary objective, both objectives normalised (see docstring)
 FEASIBILITY_TOL = 1e-9  # HiGHS' defaults (1e-6, 1e-7) let memory rows slip by ~1 KiB on small models
@@ -120,6 +103,13 @@ class SolverSettings:
     time_limit_s: float = 120.0
     relative_gap: float = 1e-6
     threads: int = 1
+    # a front of resolution r > 0 (sweep) stops its budgeted MIPs at a relative gap of
+    # front_gap * r: each such point is within that of the fastest plan within its budget
+    front_gap: float = 0.2
+
+    def sweep_gap(self, resolution: float) -> float:
+        """The relative gap of a front's budgeted MIPs at ``resolution`` (see :func:`sweep`)."""
+        return max(self.relative_gap, self.front_gap * resolution)
 
 
 @dataclass(frozen=True)
@@ -149,26 +139,106 @@ class SolveStopped(RuntimeError):
     every other has a plan to fall back on); the message names the mesh and the limit."""
 
 
+EQ, GE, LE = "==", ">=", "<="
+Expr = dict[int, float]  # a linear form over the model's columns: column -> coefficient
+
+
+class _Arrays:
+    """A MIP as plain arrays: columns (bounds, which are binary), rows (bounds, coefficients row by
+    row), handed to HiGHS in one call. Building the model as PuLP objects and handing it over a
+    column and a row at a time was about a third of a one-plan search (measured, gpt2-small on 64
+    devices: 11 of 32 s, HiGHS itself 3 s)."""
+
+    def __init__(self) -> None:
+        self.lower: list[float] = []
+        self.upper: list[float] = []
+        self.binary: list[int] = []
+        self.names: list[str] = []
+        self.row_lower: list[float] = []
+        self.row_upper: list[float] = []
+        self.row_names: list[str] = []
+        self.starts: list[int] = [0]
+        self.index: list[int] = []
+        self.value: list[float] = []
+
+    @property
+    def num_cols(self) -> int:
+        return len(self.lower)
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.row_lower)
+
+    def var(self, name: str, lower: float = 0.0, upper: float = math.inf, *, binary: bool = False) -> int:
+        self.lower.append(lower)
+        self.upper.append(upper)
+        self.names.append(name)
+        if binary:
+            self.binary.append(len(self.names) - 1)
+        return len(self.names) - 1
+
+    def row(self, name: str, terms: Expr, lower: float, upper: float) -> int:
+        for col, coef in terms.items():
+            if coef:
+                self.index.append(col)
+                self.value.append(coef)
+        self.starts.append(len(self.index))
+        self.row_lower.append(lower)
+        self.row_upper.append(upper)
+        self.row_names.append(name)
+        return len(self.row_names) - 1
+
+    def row_terms(self, r: int) -> Expr:
+        lo, hi = self.starts[r], self.starts[r + 1]
+        return dict(zip(self.index[lo:hi], self.value[lo:hi], strict=True))
+
+    def highs(self, costs: np.ndarray) -> highspy.Highs:
+        """A HiGHS instance holding this model with objective ``costs`` (minimised)."""
+        lp = highspy.HighsLp()
+        lp.num_col_, lp.num_row_ = self.num_cols, self.num_rows
+        lp.col_cost_ = np.asarray(costs, dtype=np.float64)
+        lp.col_lower_ = np.asarray(self.lower, dtype=np.float64)
+        lp.col_upper_ = np.asarray(self.upper, dtype=np.float64)
+        lp.row_lower_ = np.asarray(self.row_lower, dtype=np.float64)
+        lp.row_upper_ = np.asarray(self.row_upper, dtype=np.float64)
+        lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
+        lp.a_matrix_.num_col_, lp.a_matrix_.num_row_ = self.num_cols, self.num_rows
+        lp.a_matrix_.start_ = np.asarray(self.starts, dtype=np.int32)
+        lp.a_matrix_.index_ = np.asarray(self.index, dtype=np.int32)
+        lp.a_matrix_.value_ = np.asarray(self.value, dtype=np.float64)
+        integrality = [highspy.HighsVarType.kContinuous] * self.num_cols
+        for col in self.binary:
+            integrality[col] = highspy.HighsVarType.kInteger
+        lp.integrality_ = integrality
+        highs = highspy.Highs()
+        highs.setOptionValue("output_flag", False)
+        status = highs.passModel(lp)
+        assert status != highspy.HighsStatus.kError, "HiGHS refused the model"
+        return highs
+
+
 class _Model:
     def __init__(self, problem: Problem, name: str) -> None:
         self.problem = price_edges(problem)
-        self.lp = pulp.LpProblem(name, pulp.LpMinimize)
+        self.name = name
+        self.lp = _Arrays()
         self.gid = {g: k for k, g in enumerate(problem.groups)}
         lp = self.lp
         self.x = {
-            g: [lp.add_variable(f"x_{self.gid[g]}_{i}", 0, 1, cat="Binary") for i in range(len(grp.strategies))]
+            g: [lp.var(f"x_{self.gid[g]}_{i}", 0.0, 1.0, binary=True) for i in range(len(grp.strategies))]
             for g, grp in problem.groups.items()
         }
-        self.y: dict[tuple[object, ...], pulp.LpVariable] = {}  # conversion executed (conversion() makes them)
+        self.y: dict[tuple[object, ...], int] = {}  # conversion executed (conversion() makes them)
         # the transportation variables of the edges between two groups (conversion() makes them)
-        self.e: dict[tuple[str, str], list[tuple[EdgeTerm, dict[tuple[int, int], pulp.LpVariable]]]] = {}
-        self.e_of: list[dict[tuple[int, int], pulp.LpVariable]] = []  # by EdgeTerm.index
-        self.pair_rows: list[pulp.LpConstraint] = []  # relaxation-only hold rows (hold() makes them)
-        self.z = {key: lp.add_variable(f"z_{k}", 0, 1) for k, key in enumerate(problem.holds)}
-        self.step_transient = lp.add_variable("step_transient", 0)
-        self.budget_row: pulp.LpConstraint | None = None
-        self.peak = lp.add_variable("peak", 0)
-        self.exposed = lp.add_variable("sync_exposed", 0) if problem.sync_rows else None
+        self.e: dict[tuple[str, str], list[tuple[EdgeTerm, dict[tuple[int, int], int]]]] = {}
+        self.e_of: list[dict[tuple[int, int], int]] = []  # by EdgeTerm.index
+        self.pair_rows: list[int] = []  # relaxation-only hold rows (hold() makes them)
+        self.z = {key: lp.var(f"z_{k}", 0.0, 1.0) for k, key in enumerate(problem.holds)}
+        self.step_transient = lp.var("step_transient")
+        self.budget_row: int | None = None
+        self.budget_bound = NO_BUDGET  # the budget row's bound (memory_budget), in m_unit
+        self.peak = lp.var("peak")
+        self.exposed = lp.var("sync_exposed") if problem.sync_rows else None
         mem = [m for g in problem.groups.values() for m in (*g.memory, *g.transient, *g.step_transient)] + [h.nbytes for h in problem.holds.values()]
         mem += [v for _, form in problem.conversion_work for v in form.values()]
         mem += [v for form in problem.stage_sums for v in form.values()]
@@ -182,7 +252,7 @@ class _Model:
         self.peak_bound()
         self.sync_bound()
 
-    def time_expr(self, credited: bool = False) -> pulp.LpAffineExpression:
+    def time_expr(self, credited: bool = False) -> Expr:
         """Seconds per step (in ``t_unit``); ``credited``: less each strategy's credit, the most the
         evaluation may hide behind compute, so its minimum bounds the evaluated step time from below."""
         p = self.problem
@@ -198,17 +268,17 @@ class _Model:
         terms += [(self.y[key], term.cost / u) for key, term in p.conversions.items() if term.cost and key in self.y]
         if self.exposed is not None and eff:
             terms.append((self.exposed, eff))
-        return pulp.LpAffineExpression(terms)
+        return _summed(terms)
 
     def sync_bound(self) -> None:
         """E >= each row of the gradient sync's exposure (planner.overlap.sync_rows), in ``t_unit``."""
         if self.exposed is None:
             return
         for k, row in enumerate(self.problem.sync_rows):
-            expr = pulp.LpAffineExpression([(self.x[cast(str, var[1])][cast(int, var[2])], v / self.t_unit) for var, v in row.items() if v])
-            self.lp += self.exposed >= expr, f"sync_exposed_{k}"
+            terms = [(self.x[cast(str, var[1])][cast(int, var[2])], -v / self.t_unit) for var, v in row.items() if v]
+            self._row(f"sync_exposed_{k}", GE, 0.0, [(self.exposed, 1.0)], terms)
 
-    def _terms(self, part: str) -> pulp.LpAffineExpression:
+    def _terms(self, part: str) -> Expr:
         """PO (params + optimizer), G (grads) or A (activations, with the held tensors)."""
         p, u = self.problem, self.m_unit
         terms = []
@@ -220,18 +290,14 @@ class _Model:
                     terms.append((v, value / u))
         if part == "A":
             terms += [(self.z[key], h.nbytes / u) for key, h in p.holds.items() if h.nbytes]
-        return pulp.LpAffineExpression(terms)
+        return _summed(terms)
 
-    def memory_expr(self) -> pulp.LpAffineExpression:
-        return self._terms("PO") + self.peak
+    def memory_expr(self) -> Expr:
+        return _summed([*self._terms("PO").items(), (self.peak, 1.0)])
 
-    def _form(self, form: Form) -> pulp.LpAffineExpression:
-        """A linear form of planner.peak over the indicators x, z, e (in ``m_unit``)."""
-        return pulp.LpAffineExpression(self._form_terms(form))
-
-    def _form_terms(self, form: Form, sign: float = 1.0) -> list[tuple[pulp.LpVariable, float]]:
-        """:meth:`_form`'s (variable, coefficient) terms, times ``sign`` (each variable once: a
-        form is a dict over them)."""
+    def _form_terms(self, form: Form, sign: float = 1.0) -> list[tuple[int, float]]:
+        """A linear form of planner.peak over the indicators x, z, e (in ``m_unit``), as
+        (column, coefficient) terms times ``sign`` (each variable once: a form is a dict over them)."""
         terms = []
         scale = sign / self.m_unit
         for var, v in form.items():
@@ -249,8 +315,8 @@ class _Model:
         gradients made, as chains of one variable each per instant; Z >= P_k + Q_k + F_k + w for
         what may run there; every activation, every gradient, and the optimizer step after them."""
         points = self.problem.instants or []
-        alive = [self.lp.add_variable(f"alive_{k}", 0) for k in range(len(points))]
-        made = [self.lp.add_variable(f"made_{k}", 0) for k in range(len(points))]
+        alive = [self.lp.var(f"alive_{k}") for k in range(len(points))]
+        made = [self.lp.var(f"made_{k}") for k in range(len(points))]
         for k, point in enumerate(points):
             before = [(alive[k - 1], -1.0)] if k else []
             self._row(f"peak_alive_{k}", EQ, 0.0, [(alive[k], 1.0)], before, self._form_terms(point.saved, -1.0))
@@ -259,30 +325,28 @@ class _Model:
         for k, point in enumerate(points):
             base = [(alive[k], 1.0), (made[k], 1.0), *self._form_terms(point.in_flight)]
             if len(point.work) > 1:  # one variable for what is alive, so each row is short
-                held = self.lp.add_variable(f"held_{k}", 0)
+                held = self.lp.var(f"held_{k}")
                 self._row(f"peak_held_{k}", EQ, 0.0, [(held, 1.0)], [(v, -c) for v, c in base])
                 base = [(held, 1.0)]
             for m, work in enumerate(point.work):
                 self._row(f"peak_{k}_{m}", GE, 0.0, [(self.peak, 1.0)], [(v, -c) for v, c in base], self._form_terms(work, -1.0))
         grads = self._terms("G")
-        self.lp += self.peak >= self._terms("A"), "peak_activations"
-        self.lp += self.peak >= grads, "peak_gradients"
-        self.lp += self.peak >= grads + self.step_transient, "peak_step"
+        self._row("peak_activations", GE, 0.0, [(self.peak, 1.0)], _negated(self._terms("A")))
+        self._row("peak_gradients", GE, 0.0, [(self.peak, 1.0)], _negated(grads))
+        self._row("peak_step", GE, 0.0, [(self.peak, 1.0), (self.step_transient, -1.0)], _negated(grads))
 
-    def _ones(self, g: str, idx: frozenset[int], coef: float = 1.0) -> list[tuple[pulp.LpVariable, float]]:
+    def _ones(self, g: str, idx: frozenset[int], coef: float = 1.0) -> list[tuple[int, float]]:
         return [(self.x[g][i], coef) for i in idx]
 
-    def _row(self, name: str, sense: int, rhs: float, *parts: Iterable[tuple[pulp.LpVariable, float]]) -> pulp.LpConstraint:
-        """sum(parts) <sense> rhs, added to the model: the terms summed into one dict, one
-        constraint object (PuLP's operators copy an expression per +, -, ==, >=: most of the
-        model's build time on small problems, measured)."""
-        terms: dict[pulp.LpVariable, float] = {}
+    def _row(self, name: str, sense: str, rhs: float, *parts: Iterable[tuple[int, float]]) -> int:
+        """sum(parts) <sense> rhs, added to the model (the terms summed: a column appears once)."""
+        terms: Expr = {}
         for part in parts:
             for var, coef in part:
                 terms[var] = terms.get(var, 0.0) + coef
-        row = pulp.LpConstraint(pulp.LpAffineExpression(terms), sense, name, rhs)
-        self.lp.addConstraint(row)
-        return row
+        lower = -math.inf if sense == LE else rhs
+        upper = math.inf if sense == GE else rhs
+        return self.lp.row(name, terms, lower, upper)
 
     def one_strategy(self) -> None:
         for g, xs in self.x.items():
@@ -305,15 +369,12 @@ class _Model:
                     uses[key] += 1
         for k, (key, term) in enumerate(p.conversions.items()):
             if term.cost and (uses[key] > 1 or any(gu == gv for gu, _, gv, _ in term.conditions)):
-                self.y[key] = self.lp.add_variable(f"y_{k}", 0, 1)
+                self.y[key] = self.lp.var(f"y_{k}", 0.0, 1.0)
             for m, (gu, iu, gv, iv) in enumerate(term.conditions):
                 if gu == gv and key in self.y:
                     self._row(f"conversion_{k}_{m}", GE, 0.0, [(self.y[key], 1.0)], self._ones(gu, iu & iv, -1.0))
         for k, edge in enumerate(p.edges.values()):
-            e = {
-                (a, b): self.lp.add_variable(f"e_{k}_{m}", 0)
-                for m, (a, b) in enumerate((a, b) for a in edge.src_sets for b in edge.dst_sets)
-            }
+            e = {(a, b): self.lp.var(f"e_{k}_{m}") for m, (a, b) in enumerate((a, b) for a in edge.src_sets for b in edge.dst_sets)}
             self.e.setdefault((edge.group_u, edge.group_v), []).append((edge, e))
             self.e_of.append(e)
             for a, iu in edge.src_sets.items():
@@ -323,7 +384,7 @@ class _Model:
             for pair, keys in edge.conversions.items():
                 for key in keys:
                     if key in self.y:
-                        self._row(f"edge_{k}_conv_{id(key) % 10**9}_{id(pair) % 10**9}", GE, 0.0, [(self.y[key], 1.0), (e[pair], -1.0)])
+                        self._row(f"edge_{k}_conv", GE, 0.0, [(self.y[key], 1.0), (e[pair], -1.0)])
                     elif p.conversions[key].cost:
                         self.y[key] = e[pair]
 
@@ -345,65 +406,73 @@ class _Model:
                 self._row(f"hold_{k}_{m}", GE, -1.0, [(self.z[key], 1.0)], self._ones(gu, iu, -1.0), self._ones(gv, iv, -1.0))
                 pair = self._pair(gu, iu, gv, iv)
                 if pair is not None:
-                    row = self.z[key] >= pair
-                    self.lp.addConstraint(row, f"hold_{k}_{m}_pair")
-                    self.pair_rows.append(row)
+                    self.pair_rows.append(self._row(f"hold_{k}_{m}_pair", GE, 0.0, [(self.z[key], 1.0)], ((v, -1.0) for v in pair)))
 
-    def _pair(self, gu: str, iu: frozenset[int], gv: str, iv: frozenset[int]) -> pulp.LpAffineExpression | None:
-        """An expression equal to [x_gu in iu] * [x_gv in iv] for one-hot x, from the transportation
+    def _pair(self, gu: str, iu: frozenset[int], gv: str, iv: frozenset[int]) -> list[int] | None:
+        """The columns whose sum equals [x_gu in iu] * [x_gv in iv] for one-hot x: transportation
         variables of an edge between the groups (see :meth:`hold`); None where no edge has sets
         that make up ``iu`` and ``iv``."""
         for edge, e in self.e.get((gu, gv), ()):
             srcs = [a for a, idx in edge.src_sets.items() if idx <= iu]
             dsts = [b for b, idx in edge.dst_sets.items() if idx <= iv]
             if sum(len(edge.src_sets[a]) for a in srcs) == len(iu) and sum(len(edge.dst_sets[b]) for b in dsts) == len(iv):
-                return pulp.lpSum(e[(a, b)] for a in srcs for b in dsts)
+                return [e[(a, b)] for a in srcs for b in dsts]
         return None
 
     def step_bound(self) -> None:
+        st = [(self.step_transient, 1.0)]
         if self.problem.stage_sums:  # CDP: stage 0's partial sum arrives at the end of backward
-            self.lp += self.step_transient >= self._form(self.problem.stage_sums[0]), "step_transient_cdp"
+            self._row("step_transient_cdp", GE, 0.0, st, self._form_terms(self.problem.stage_sums[0], -1.0))
         for g, grp in self.problem.groups.items():
             if any(grp.step_transient):
-                expr = pulp.lpSum(t / self.m_unit * v for t, v in zip(grp.step_transient, self.x[g], strict=True))
-                self.lp += self.step_transient >= expr, f"step_transient_{self.gid[g]}"
+                terms = [(v, -t / self.m_unit) for t, v in zip(grp.step_transient, self.x[g], strict=True) if t]
+                self._row(f"step_transient_{self.gid[g]}", GE, 0.0, st, terms)
         packed = [(b, v) for g, grp in self.problem.groups.items() for b, v in zip(grp.bucketed, self.x[g], strict=False) if b]
         if packed and self.problem.packed_whole:
-            self.lp += self.step_transient >= pulp.lpSum(b / self.m_unit * v for b, v in packed), "step_transient_buckets"
+            self._row("step_transient_buckets", GE, 0.0, st, [(v, -b / self.m_unit) for b, v in packed])
         elif packed:
-            self.lp += self.step_transient >= self.problem.bucket_transient(0.0) / self.m_unit, "step_transient_buckets"
+            self._row("step_transient_buckets", GE, self.problem.bucket_transient(0.0) / self.m_unit, st)
 
-    def memory_budget(self, budget: float) -> pulp.LpConstraint:
-        """The row M <= budget (bytes; inf: no budget), added on the first call, its bound moved after."""
-        bound = min(budget / self.m_unit, NO_BUDGET)
+    def memory_budget(self, budget: float) -> int:
+        """The row M <= budget (bytes; inf: no budget), added on the first call (before the model
+        goes to the solver), its bound (:attr:`budget_bound`) moved after; returns the row."""
+        self.budget_bound = min(budget / self.m_unit, NO_BUDGET)
         if self.budget_row is None:
-            self.budget_row = self.memory_expr() <= bound
-            self.lp.addConstraint(self.budget_row, "memory_budget")
-        else:
-            self.budget_row.constant = -bound  # PuLP keeps a row as expr + constant <= 0
+            self.budget_row = self._row("memory_budget", LE, self.budget_bound, self.memory_expr().items())
         return self.budget_row
 
-    def assignment(self) -> dict[str, int]:
-        out = {}
-        for g, xs in self.x.items():
-            vals = [v.value() or 0.0 for v in xs]
-            out[g] = max(range(len(vals)), key=vals.__getitem__)
-        return out
+    def assignment(self, values: np.ndarray) -> dict[str, int]:
+        """Each group's strategy in column ``values`` (the largest of its x)."""
+        return {g: max(range(len(xs)), key=lambda i, xs=xs: values[xs[i]]) for g, xs in self.x.items()}  # type: ignore[misc]
 
 
-def _solver(settings: SolverSettings) -> pulp.LpSolver:
-    if settings.backend == "highs":
-        solver = pulp.HiGHS(
-            msg=False, timeLimit=settings.time_limit_s, gapRel=settings.relative_gap, gapAbs=0.0, threads=settings.threads,
-            mip_feasibility_tolerance=FEASIBILITY_TOL, primal_feasibility_tolerance=FEASIBILITY_TOL,
-        )
-        if solver.available():
-            return solver
-        log.warning("HiGHS (highspy) is not installed; falling back to CBC")
-    return pulp.PULP_CBC_CMD(
-        msg=False, timeLimit=settings.time_limit_s, gapRel=settings.relative_gap, gapAbs=0.0, threads=settings.threads,
-        options=[f"primalTolerance {FEASIBILITY_TOL}", f"integerTolerance {FEASIBILITY_TOL}"],
-    )
+def _summed(terms: Iterable[tuple[int, float]]) -> Expr:
+    out: Expr = {}
+    for var, coef in terms:
+        out[var] = out.get(var, 0.0) + coef
+    return out
+
+
+def _negated(expr: Expr) -> list[tuple[int, float]]:
+    return [(v, -c) for v, c in expr.items()]
+
+
+def _pulp() -> ModuleType:
+    """PuLP, imported on first use (only the CBC backend needs it). PuLP keeps the error of each
+    solver it cannot import (a class attribute ``err``); its traceback holds every frame up that
+    import, so the code that first imported it kept its locals alive for good (measured: a function
+    that compiled a plan kept its ParallelModule after it returned). The tracebacks go; the
+    messages stay."""
+    import pulp
+
+    for name, module in list(sys.modules.items()):
+        if name == "pulp" or name.startswith("pulp."):
+            for value in list(vars(module).values()):
+                err = getattr(value, "err", None) if isinstance(value, type) else None
+                while isinstance(err, BaseException):
+                    err.__traceback__ = None
+                    err = err.__context__ or err.__cause__
+    return pulp
 
 
 @contextlib.contextmanager
@@ -478,13 +547,14 @@ def solve_within(ilp: BudgetILP, memory_budget: float, fastest: Solution | None 
     raise InfeasibleBudget(infeasible_message(problem, memory_budget, least.evaluation), budget=memory_budget, least=least.evaluation)
 
 
-def _within(ilp: BudgetILP, memory_budget: float) -> Solution | None:
-    """The fastest plan within ``memory_budget``, or None. An answer whose exact memory exceeds the
-    budget (a tolerance slip, or a term the ILP does not price) is re-solved with the budget lowered
-    by twice the last overrun each time, :data:`MAX_RESOLVES` times at most."""
+def _within(ilp: BudgetILP, memory_budget: float, gap: float | None = None) -> Solution | None:
+    """The fastest plan within ``memory_budget`` (``gap``: to within that relative gap instead of
+    the settings'), or None. An answer whose exact memory exceeds the budget (a tolerance slip, or
+    a term the ILP does not price) is re-solved with the budget lowered by twice the last overrun
+    each time, :data:`MAX_RESOLVES` times at most."""
     budget = memory_budget
     for attempt in range(MAX_RESOLVES):
-        solution = ilp.run(budget)
+        solution = ilp.run(budget, gap=gap)
         if solution is None:
             return None
         overrun = solution.evaluation.peak_memory - memory_budget
@@ -503,53 +573,58 @@ class Relaxation(NamedTuple):
 
 class BudgetILP:
     """One problem's ILP, built once and handed to the solver once, then solved for any number of
-    budgets (HiGHS: only the memory row's bound moves between solves; CBC rebuilds its file).
-    ``objective="memory"`` has no budget row. ``credited``: the time objective less each strategy's
-    credit (:attr:`planner.problem.Group.credit`), so its optimum (``Solution.objective``) bounds the
-    evaluated step time of every plan from below where the evaluation hides communication."""
+    budgets (HiGHS: only the memory row's bound moves between solves; CBC, through PuLP, gets the
+    model anew each solve). ``objective="memory"`` has no budget row. ``credited``: the time
+    objective less each strategy's credit (:attr:`planner.problem.Group.credit`), so its optimum
+    (``Solution.objective``) bounds the evaluated step time of every plan from below where the
+    evaluation hides communication."""
 
     def __init__(self, problem: Problem, objective: Literal["time", "memory"], settings: SolverSettings, *, credited: bool = False) -> None:
         t0 = time.perf_counter()
         self.problem, self.objective, self.settings = problem, objective, settings
         self.model = _Model(problem, f"plan_{problem.mesh}".replace(" ", "").replace("=", "").replace("x", "_"))
         self.time_e, self.mem_e = self.model.time_expr(credited), self.model.memory_expr()
-        self.model.lp += (self.time_e + TIE_BREAK * self.mem_e) if objective == "time" else (self.mem_e + TIE_BREAK * self.time_e)
         if objective == "time":
             self.model.memory_budget(float("inf"))
-        self.solver = _solver(settings)
+        first, second = (self.time_e, self.mem_e) if objective == "time" else (self.mem_e, self.time_e)
+        self.costs = self._costs((first, 1.0), (second, TIE_BREAK))
+        self.backend = settings.backend
+        self._solver: highspy.Highs | None = None
         self.build_seconds = time.perf_counter() - t0
         self.solves = 0
 
     def _highs(self) -> highspy.Highs | None:
-        """The HiGHS model, built on first use (None for CBC, which pulp runs from a file)."""
-        lp = self.model.lp
-        if not isinstance(self.solver, pulp.HiGHS):
+        """The HiGHS model, built on first use (None for CBC)."""
+        if self.backend != "highs":
             return None
-        if getattr(lp, "solverModel", None) is None:
+        if self._solver is None:
             with _quiet_stdout():  # HiGHS prints a banner when its first instance is made
-                self.solver.createAndConfigureSolver(lp)
-                self.solver.buildSolverModel(lp)
-            self._pair_rows(lp.solverModel, on=False)
-        return lp.solverModel
+                highs = self.model.lp.highs(self.costs)
+            s = self.settings
+            for key, value in {"time_limit": s.time_limit_s, "mip_rel_gap": s.relative_gap, "mip_abs_gap": 0.0, "threads": s.threads,
+                               "mip_feasibility_tolerance": FEASIBILITY_TOL, "primal_feasibility_tolerance": FEASIBILITY_TOL}.items():
+                highs.setOptionValue(key, value)
+            self._solver = highs
+            self._pair_rows(highs, on=False)
+        return self._solver
 
     def _pair_rows(self, highs: highspy.Highs, *, on: bool) -> None:
         """The gathered weights' pair rows (:meth:`_Model.hold`): on for a relaxation, off (free
         rows, which presolve drops) for the MIPs."""
         rows = self.model.pair_rows
         if rows:
-            index = np.array([r.index for r in rows], dtype=np.int32)
+            index = np.array(rows, dtype=np.int32)
             lower = np.full(len(rows), 0.0 if on else -np.inf)
             highs.changeRowsBounds(len(rows), index, lower, np.full(len(rows), np.inf))  # type: ignore[attr-defined]
 
-    def _run(self, budget: float) -> None:
-        lp = self.model.lp
+    def _run(self, budget: float, costs: np.ndarray, gap: float) -> _Outcome:
         row = self.model.memory_budget(budget) if self.objective == "time" else None
         highs = self._highs()
         if highs is None:
-            lp.solve(self.solver)
-            return
+            return self._run_cbc(costs, gap)
         if row is not None:
-            highs.changeRowBounds(row.index, -NO_BUDGET, -row.constant)
+            highs.changeRowBounds(row, -NO_BUDGET, self.model.budget_bound)
+        highs.setOptionValue("mip_rel_gap", gap)
         # without a budget (or with a budget that cannot bind) the MIP is easy, its root LP often
         # integral, and HiGHS' presolve was most of its time: measured, GPT-3 175B on 4 x 4 x 4,
         # a weighted solve 1.2 s with presolve (0.84 s of it presolving), 0.2 s without; with a
@@ -560,31 +635,63 @@ class BudgetILP:
             highs.run()
         else:
             self._run_without_presolve(highs)
-        lp.assignStatus(*self.solver.findSolutionValues(lp))
+        return _outcome(highs)
+
+    def _run_cbc(self, costs: np.ndarray, gap: float) -> _Outcome:
+        """The model through PuLP's CBC, from the arrays (the relaxation-only pair rows left out)."""
+        pulp = _pulp()
+        lp, s = self.model.lp, self.settings
+        model = pulp.LpProblem(self.model.name, pulp.LpMinimize)
+        binary = set(lp.binary)
+        cols = [model.add_variable(name, lo, None if hi == math.inf else hi, cat="Binary" if k in binary else "Continuous")
+                for k, (name, lo, hi) in enumerate(zip(lp.names, lp.lower, lp.upper, strict=True))]
+        model.setObjective(pulp.LpAffineExpression([(cols[k], c) for k, c in enumerate(costs) if c]))
+        skip = set(self.model.pair_rows)
+        for r in range(lp.num_rows):
+            if r in skip:
+                continue
+            lo, hi = lp.row_lower[r], lp.row_upper[r]
+            if r == self.model.budget_row:
+                lo, hi = -math.inf, self.model.budget_bound
+            expr = pulp.LpAffineExpression([(cols[k], c) for k, c in lp.row_terms(r).items()])
+            sense, rhs = (pulp.LpConstraintEQ, lo) if lo == hi else (pulp.LpConstraintGE, lo) if hi == math.inf else (pulp.LpConstraintLE, hi)
+            model.addConstraint(pulp.LpConstraint(expr, sense, lp.row_names[r], rhs))
+        solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=s.time_limit_s, gapRel=gap, gapAbs=0.0, threads=s.threads,
+                                   options=[f"primalTolerance {FEASIBILITY_TOL}", f"integerTolerance {FEASIBILITY_TOL}"])
+        model.solve(solver)
+        if pulp.LpStatus[model.status] in ("Infeasible", "Not Solved") or model.sol_status in (pulp.LpSolutionInfeasible, pulp.LpSolutionNoSolutionFound):
+            return _Outcome(None, None, pulp.LpStatus[model.status])
+        values = np.array([v.value() or 0.0 for v in cols])
+        return _Outcome("optimal" if model.sol_status == pulp.LpSolutionOptimal else "time_limit", values, pulp.LpStatus[model.status])
 
     def _run_without_presolve(self, highs: highspy.Highs) -> None:
-        """An easy MIP without presolve, in two attempts: the first capped in proportion to the
-        model's size; when the cap stops it with an incumbent it goes on without presolve from that
-        incumbent for the rest of the limit, and only without one (measured: the least-memory MIP
-        of a 2-layer Llama on 2 x 2 x 2, 58k columns, none in 60 s without presolve, optimal in
-        15 s with) does the rest run with presolve. Measured, GPT-3 1.3B on 2 x 2 x 2, a weighted
-        MIP: 7.8 s without presolve, 33.7 s with (its presolve alone 25 s): going on with presolve
-        after a 5 s cap, as this did, took 30-60 s per weighted solve."""
+        """An easy MIP without presolve; if it has no plan yet after a time in proportion to the
+        model's size, it is interrupted and the rest of the limit runs with presolve (measured:
+        the least-memory MIP of a 2-layer Llama on 2 x 2 x 2, 58k columns, none in 60 s without
+        presolve, optimal in 15 s with). Once it has a plan it runs on undisturbed: the weighted
+        MIPs of GPT-3 1.3B on 2 x 2 x 2 took 7.8 s without presolve, 33.7 s with (its presolve
+        alone 25 s), and gpt-tiny's on 2 x 2 x 2 3.8 s in one run where stopping at a 2.6 s cap
+        and going on from the incumbent took 7.1 s (the root's cuts and search were lost)."""
         limit = self.settings.time_limit_s
+        cap = min(limit, max(2.0, 1e-4 * highs.getNumCol()))
+
+        def interrupt(kind: highspy.cb.HighsCallbackType, message: str, out: highspy.cb.HighsCallbackOutput, into: highspy.cb.HighsCallbackInput, data: object) -> None:
+            if out.running_time > cap and out.mip_primal_bound == math.inf:
+                into.user_interrupt = True
+
         highs.setOptionValue("presolve", "off")
-        highs.setOptionValue("time_limit", min(limit, max(2.0, 1e-4 * highs.getNumCol())))
+        highs.setCallback(interrupt, None)
+        highs.startCallback(highspy.cb.HighsCallbackType.kCallbackMipInterrupt)
         t0 = time.perf_counter()
         try:
             highs.run()
-            if highs.getModelStatus() != highspy.HighsModelStatus.kTimeLimit:
-                if highs.getInfo().primal_solution_status == 2 or highs.getModelStatus() == highspy.HighsModelStatus.kInfeasible:
-                    return  # 2: feasible
-            incumbent = highs.getSolution() if highs.getInfo().primal_solution_status == 2 else None
-            highs.setOptionValue("time_limit", max(limit - (time.perf_counter() - t0), 1.0))
-            if incumbent is not None:
-                highs.setSolution(incumbent)
-            else:
-                highs.setOptionValue("presolve", "choose")
+        finally:
+            highs.stopCallback(highspy.cb.HighsCallbackType.kCallbackMipInterrupt)
+        if highs.getModelStatus() != highspy.HighsModelStatus.kInterrupt or highs.getInfo().primal_solution_status == 2:
+            return  # done, or stopped with a plan (2: feasible)
+        highs.setOptionValue("presolve", "choose")
+        highs.setOptionValue("time_limit", max(limit - (time.perf_counter() - t0), 1.0))
+        try:
             highs.run()
         finally:
             highs.setOptionValue("time_limit", limit)
@@ -610,7 +717,7 @@ class BudgetILP:
         if highs is None or self.objective != "time":
             return Relaxation(None, None)
         row = self.model.memory_budget(budget)
-        highs.changeRowBounds(row.index, -NO_BUDGET, -row.constant)
+        highs.changeRowBounds(row, -NO_BUDGET, self.model.budget_bound)
         attempts: list[dict[str, bool | str | float]] = [{"solve_relaxation": True, "presolve": "off", "solver": "ipm"}]
         if simplex_first:
             cap = max(0.5, 2e-5 * highs.getNumCol())
@@ -627,7 +734,7 @@ class BudgetILP:
                 if status in (highspy.HighsModelStatus.kOptimal, highspy.HighsModelStatus.kInfeasible):
                     break
             value = highs.getInfo().objective_function_value - TIE_BREAK * min(budget, NO_BUDGET) / self.model.m_unit
-            values = highs.getSolution().col_value
+            values = np.asarray(highs.getSolution().col_value)
         finally:  # after reading the answer: changing the model clears it
             self._pair_rows(highs, on=False)
             for k, v in saved.items():
@@ -635,8 +742,7 @@ class BudgetILP:
         log.debug("mesh %s: LP relaxation within %s took %.2f s", self.problem.mesh, format_bytes(budget), time.perf_counter() - t0)
         if status != highspy.HighsModelStatus.kOptimal:
             return Relaxation(None, None, infeasible=status == highspy.HighsModelStatus.kInfeasible)
-        assignment = {g: max(range(len(xs)), key=lambda i, xs=xs: values[xs[i].index]) for g, xs in self.model.x.items()}  # type: ignore[misc]
-        rounded = evaluate(self.problem, assignment)
+        rounded = evaluate(self.problem, self.model.assignment(values))
         return Relaxation(max(value, 0.0) * self.model.t_unit, rounded if rounded.peak_memory <= budget else None)
 
     def weighted(self, weight: float) -> Solution:
@@ -645,62 +751,80 @@ class BudgetILP:
         budget row whose knapsack makes the epsilon-constraint MIPs hard (measured, GPT-3 13B on
         4x4x4: about 1 s each, where a budgeted solve took up to 19 s)."""
         assert self.objective == "time"
-        lp = self.model.lp
-        objective = self.time_e + (weight + TIE_BREAK) * self.mem_e
+        costs = self._costs((self.time_e, 1.0), (self.mem_e, weight + TIE_BREAK))
         highs = self._highs()
-        if highs is None:  # CBC: a new objective, a new file
-            lp.setObjective(objective)
-            try:
-                solution = self.run(float("inf"))
-            finally:
-                lp.setObjective(self.time_e + TIE_BREAK * self.mem_e)
+        if highs is None:
+            solution = self.run(float("inf"), costs)
         else:
-            base = self._costs(self.time_e + TIE_BREAK * self.mem_e)
-            highs.changeColsCost(len(base), np.arange(len(base), dtype=np.int32), self._costs(objective))
+            cols = np.arange(len(costs), dtype=np.int32)
+            highs.changeColsCost(len(costs), cols, costs)
             try:
-                solution = self.run(float("inf"))
+                solution = self.run(float("inf"), costs)
             finally:
-                highs.changeColsCost(len(base), np.arange(len(base), dtype=np.int32), base)
+                highs.changeColsCost(len(costs), cols, self.costs)
         assert solution is not None  # no budget binds
         return solution
 
-    def _costs(self, expr: pulp.LpAffineExpression) -> np.ndarray:
-        costs = np.zeros(len(self.model.lp.variables()))
-        for var, coef in expr.items():
-            costs[var.index] += coef
+    def _costs(self, *parts: tuple[Expr, float]) -> np.ndarray:
+        """The objective's column costs: the sum of each form times its weight."""
+        costs = np.zeros(self.model.lp.num_cols)
+        for expr, weight in parts:
+            for col, coef in expr.items():
+                costs[col] += weight * coef
         return costs
 
-    def run(self, budget: float) -> Solution | None:
+    def run(self, budget: float, costs: np.ndarray | None = None, *, gap: float | None = None) -> Solution | None:
         """The fastest plan within ``budget`` bytes per device (the smallest, for the memory
-        objective), or None when none fits."""
+        objective), or None when none fits. ``costs``: another objective (:meth:`weighted`);
+        ``gap``: the relative MIP gap of this solve (the settings' otherwise)."""
         t0 = time.perf_counter()
+        gap = self.settings.relative_gap if gap is None else gap
         with _quiet_stdout():
-            self._run(budget)
+            outcome = self._run(budget, self.costs if costs is None else costs, gap)
         elapsed = time.perf_counter() - t0
         log.debug("mesh %s: %s solve within %s took %.2f s", self.problem.mesh, self.objective, format_bytes(budget), elapsed)
         build = self.build_seconds if not self.solves else 0.0
         self.solves += 1
-        lp = self.model.lp
-        if pulp.LpStatus[lp.status] in ("Infeasible", "Not Solved") or lp.sol_status in (pulp.LpSolutionInfeasible, pulp.LpSolutionNoSolutionFound):
+        if outcome.values is None or outcome.status is None:
             if self.objective == "memory":
                 raise SolveStopped(f"the least-memory ILP of mesh {self.problem.mesh} found no plan within the time limit of "
-                                   f"{self.settings.time_limit_s:g} s ({pulp.LpStatus[lp.status]}): raise it (--time-limit, SolverSettings.time_limit_s)")
+                                   f"{self.settings.time_limit_s:g} s ({outcome.reason}): raise it (--time-limit, SolverSettings.time_limit_s)")
             return None
-        status: Status = "optimal" if lp.sol_status == pulp.LpSolutionOptimal else "time_limit"
-        assignment = self.model.assignment()
-        evaluation = evaluate(self.problem, assignment)
-        primary = pulp.value(self.time_e) * self.model.t_unit if self.objective == "time" else pulp.value(self.mem_e) * self.model.m_unit
+        values = outcome.values
+        evaluation = evaluate(self.problem, self.model.assignment(values))
+        primary = _dot(self.time_e, values) * self.model.t_unit if self.objective == "time" else _dot(self.mem_e, values) * self.model.m_unit
         return Solution(
-            assignment=assignment,
-            status=status,
+            assignment=self.model.assignment(values),
+            status=outcome.status,
             evaluation=evaluation,
-            objective=float(primary or 0.0),
+            objective=float(primary),
             build_seconds=build,
             solve_seconds=elapsed,
-            num_variables=lp.numVariables(),
-            num_constraints=lp.numConstraints(),
-            backend=type(self.solver).__name__,
+            num_variables=self.model.lp.num_cols,
+            num_constraints=self.model.lp.num_rows,
+            backend="HiGHS" if self.backend == "highs" else "CBC",
         )
+
+
+class _Outcome(NamedTuple):
+    status: Status | None  # None: no plan (infeasible, or stopped without one)
+    values: np.ndarray | None  # the columns' values
+    reason: str  # the solver's word for how it ended
+
+
+def _outcome(highs: highspy.Highs) -> _Outcome:
+    """How a HiGHS run ended: optimal (within the gap), stopped with a plan, or no plan."""
+    status = highs.getModelStatus()
+    word = highs.modelStatusToString(status)
+    if status == highspy.HighsModelStatus.kOptimal:
+        return _Outcome("optimal", np.asarray(highs.getSolution().col_value), word)
+    if highs.getInfo().primal_solution_status == 2 and status not in (highspy.HighsModelStatus.kInfeasible, highspy.HighsModelStatus.kUnboundedOrInfeasible):
+        return _Outcome("time_limit", np.asarray(highs.getSolution().col_value), word)  # 2: feasible
+    return _Outcome(None, None, word)
+
+
+def _dot(expr: Expr, values: np.ndarray) -> float:
+    return float(sum(coef * values[col] for col, coef in expr.items()))
 
 
 def _solve_once(problem: Problem, budget: float, objective: Literal["time", "memory"], settings: SolverSettings) -> Solution:
@@ -739,7 +863,14 @@ def sweep(
 
     ``step = max(resolution * m, 1e-6 * m)``: ``resolution = 0`` finds every front point more than
     a millionth apart in memory (the exact front; the tests compare it with brute force), 0.05
-    leaves out points within 5 % of memory of a neighbour. ``max_points`` caps the points: the ends
+    leaves out points within 5 % of memory of a neighbour. With r > 0 the budgeted MIPs of steps 1
+    and 3 stop at a relative gap of ``settings.front_gap * r`` (1 % at 5 %: they are the hard ones,
+    and most of their time is spent proving the last percent; measured, gpt-tiny on 2 x 2 x 2, the
+    least-memory end: 91 s exact, 45 s at 1 %): each such point is within that of the fastest plan
+    within its budget, so every point of the exact front has a point at most that much slower
+    within 1 / (1 - r) of its memory (tests/test_front.py checks it against brute force). The two
+    ends' own solves and the weighted MIPs keep ``settings.relative_gap``; r = 0 is exact.
+    ``max_points`` caps the points: the ends
     first, then the supported points, then the gaps, largest first. ``covered(t)``, when given, is
     the memory below which a plan slower than ``t`` seconds beats every point found elsewhere
     (:func:`planner.front.covered_below`): a gap's next budget jumps below it, and further while
@@ -772,7 +903,8 @@ def sweep(
     # spaced front keeps there (planner.front.merge); unless a bound shows it covered by points
     # found elsewhere. Near the least memory these budgeted MIPs are hard either way (measured,
     # GPT-3 1.3B on 2 x 2 x 2: both budgets stopped at the 120 s limit)
-    end = _fill(ilp, max(floor * (1 + FLOOR_SLACK), floor / (1 - resolution)), covered, floor * (1 - 1e-6), bounding)
+    gap = settings.sweep_gap(resolution)
+    end = _fill(ilp, max(floor * (1 + FLOOR_SLACK), floor / (1 - resolution)), covered, floor * (1 - 1e-6), bounding, gap)
     least = end or least  # when covered: the memory objective's plan, to end the hull, not to report
     if covered is not None and top.evaluation.peak_memory > memory_budget:
         covered_at_budget = covered(bounding.relaxation(memory_budget) or 0.0)
@@ -815,7 +947,7 @@ def sweep(
     gaps.sort(key=lambda g: g[0] - memory(g[1]), reverse=True)
     for budget, lower in gaps:
         while budget > memory(lower) and len(points) < cap:
-            sol = _fill(ilp, budget, covered, memory(lower), bounding)
+            sol = _fill(ilp, budget, covered, memory(lower), bounding, gap)
             if sol is None or memory(sol) <= memory(lower) or sol.evaluation.step_time >= lower.evaluation.step_time:
                 break
             points.append(sol)
@@ -830,7 +962,8 @@ def sweep(
     return front
 
 
-def _fill(ilp: BudgetILP, budget: float, covered: Callable[[float], float] | None, floor: float, bounding: BudgetILP | None = None) -> Solution | None:
+def _fill(ilp: BudgetILP, budget: float, covered: Callable[[float], float] | None, floor: float, bounding: BudgetILP | None = None,
+          gap: float | None = None) -> Solution | None:
     """The fastest plan within ``budget``, or None when a bound shows every plan between
     ``floor`` and the budget covered (``covered``: see :func:`sweep`). An answer whose exact memory
     exceeds the budget (solver tolerance, or a term the ILP does not price) is re-solved below."""
@@ -844,7 +977,7 @@ def _fill(ilp: BudgetILP, budget: float, covered: Callable[[float], float] | Non
         if below <= floor:
             return None
         budget = below
-    return _within(ilp, budget)
+    return _within(ilp, budget, gap)
 
 
 def infeasible_message(problem: Problem, budget: float, least: Evaluation) -> str:
