@@ -1,4 +1,5 @@
-r"""The ILP that picks one strategy per group (PuLP; HiGHS by default, CBC as the fallback).
+r"""The ILP that picks one strategy per group (HiGHS through highspy, the model handed over as
+arrays; CBC through PuLP as the second backend, ``SolverSettings(backend="cbc")``).
 
 Sets: groups ``g`` (anchors, shared across repeated layers) with strategies ``i``; conversion
 terms ``c`` (a producer Spec turned into a consumer Spec, see :mod:`planner.problem`); hold terms
@@ -617,14 +618,15 @@ class BudgetILP:
             lower = np.full(len(rows), 0.0 if on else -np.inf)
             highs.changeRowsBounds(len(rows), index, lower, np.full(len(rows), np.inf))  # type: ignore[attr-defined]
 
-    def _run(self, budget: float, costs: np.ndarray, gap: float) -> _Outcome:
+    def _run(self, budget: float, costs: np.ndarray, gap: float, absolute_gap: float) -> _Outcome:
         row = self.model.memory_budget(budget) if self.objective == "time" else None
         highs = self._highs()
         if highs is None:
-            return self._run_cbc(costs, gap)
+            return self._run_cbc(costs, gap, absolute_gap)
         if row is not None:
             highs.changeRowBounds(row, -NO_BUDGET, self.model.budget_bound)
         highs.setOptionValue("mip_rel_gap", gap)
+        highs.setOptionValue("mip_abs_gap", absolute_gap)
         # without a budget (or with a budget that cannot bind) the MIP is easy, its root LP often
         # integral, and HiGHS' presolve was most of its time: measured, GPT-3 175B on 4 x 4 x 4,
         # a weighted solve 1.2 s with presolve (0.84 s of it presolving), 0.2 s without; with a
@@ -637,7 +639,7 @@ class BudgetILP:
             self._run_without_presolve(highs)
         return _outcome(highs)
 
-    def _run_cbc(self, costs: np.ndarray, gap: float) -> _Outcome:
+    def _run_cbc(self, costs: np.ndarray, gap: float, absolute_gap: float) -> _Outcome:
         """The model through PuLP's CBC, from the arrays (the relaxation-only pair rows left out)."""
         pulp = _pulp()
         lp, s = self.model.lp, self.settings
@@ -656,7 +658,7 @@ class BudgetILP:
             expr = pulp.LpAffineExpression([(cols[k], c) for k, c in lp.row_terms(r).items()])
             sense, rhs = (pulp.LpConstraintEQ, lo) if lo == hi else (pulp.LpConstraintGE, lo) if hi == math.inf else (pulp.LpConstraintLE, hi)
             model.addConstraint(pulp.LpConstraint(expr, sense, lp.row_names[r], rhs))
-        solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=s.time_limit_s, gapRel=gap, gapAbs=0.0, threads=s.threads,
+        solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=s.time_limit_s, gapRel=gap, gapAbs=absolute_gap, threads=s.threads,
                                    options=[f"primalTolerance {FEASIBILITY_TOL}", f"integerTolerance {FEASIBILITY_TOL}"])
         model.solve(solver)
         if pulp.LpStatus[model.status] in ("Infeasible", "Not Solved") or model.sol_status in (pulp.LpSolutionInfeasible, pulp.LpSolutionNoSolutionFound):
@@ -745,21 +747,22 @@ class BudgetILP:
         rounded = evaluate(self.problem, self.model.assignment(values))
         return Relaxation(max(value, 0.0) * self.model.t_unit, rounded if rounded.peak_memory <= budget else None)
 
-    def weighted(self, weight: float) -> Solution:
+    def weighted(self, weight: float, *, gap: float | None = None, absolute_gap: float = 0.0) -> Solution:
         """The plan minimising time + ``weight`` x memory (both in the model's normalised units),
         without a budget: a supported point of the front (on its convex hull), solved without the
         budget row whose knapsack makes the epsilon-constraint MIPs hard (measured, GPT-3 13B on
-        4x4x4: about 1 s each, where a budgeted solve took up to 19 s)."""
+        4x4x4: about 1 s each, where a budgeted solve took up to 19 s). ``gap``, ``absolute_gap``:
+        stop once within that fraction, or that much (in the objective's units), of the optimum."""
         assert self.objective == "time"
         costs = self._costs((self.time_e, 1.0), (self.mem_e, weight + TIE_BREAK))
         highs = self._highs()
         if highs is None:
-            solution = self.run(float("inf"), costs)
+            solution = self.run(float("inf"), costs, gap=gap, absolute_gap=absolute_gap)
         else:
             cols = np.arange(len(costs), dtype=np.int32)
             highs.changeColsCost(len(costs), cols, costs)
             try:
-                solution = self.run(float("inf"), costs)
+                solution = self.run(float("inf"), costs, gap=gap, absolute_gap=absolute_gap)
             finally:
                 highs.changeColsCost(len(costs), cols, self.costs)
         assert solution is not None  # no budget binds
@@ -773,14 +776,15 @@ class BudgetILP:
                 costs[col] += weight * coef
         return costs
 
-    def run(self, budget: float, costs: np.ndarray | None = None, *, gap: float | None = None) -> Solution | None:
+    def run(self, budget: float, costs: np.ndarray | None = None, *, gap: float | None = None, absolute_gap: float = 0.0) -> Solution | None:
         """The fastest plan within ``budget`` bytes per device (the smallest, for the memory
         objective), or None when none fits. ``costs``: another objective (:meth:`weighted`);
-        ``gap``: the relative MIP gap of this solve (the settings' otherwise)."""
+        ``gap``: the relative MIP gap of this solve (the settings' otherwise); ``absolute_gap``:
+        the absolute one (in the objective's units)."""
         t0 = time.perf_counter()
         gap = self.settings.relative_gap if gap is None else gap
         with _quiet_stdout():
-            outcome = self._run(budget, self.costs if costs is None else costs, gap)
+            outcome = self._run(budget, self.costs if costs is None else costs, gap, absolute_gap)
         elapsed = time.perf_counter() - t0
         log.debug("mesh %s: %s solve within %s took %.2f s", self.problem.mesh, self.objective, format_bytes(budget), elapsed)
         build = self.build_seconds if not self.solves else 0.0
@@ -850,8 +854,9 @@ def sweep(
     """The configuration's time/memory Pareto front within ``memory_budget``, fastest first.
 
     1. The two ends: the fastest plan (no budget) and the least memory any plan needs (``m_min``),
-       ended by the fastest plan of that memory (``resolution`` r > 0: the fastest within
-       ``m_min / (1 - r)``, the point the spaced front keeps there, see :func:`planner.front.merge`).
+       ended by the fastest plan of that memory (``resolution`` r > 0: a plan within
+       ``m_min / (1 - r)`` at least as fast as that, the point the spaced front keeps there, see
+       :func:`planner.front.merge` and :func:`_end`).
     2. The supported points (on the front's convex hull) by weighted sums (the dichotomic scheme
        of Aneja & Nair 1979): between two points A and B, minimise time + w x memory with w the
        slope of AB; a plan strictly below the segment is a new point, and both halves are
@@ -863,13 +868,14 @@ def sweep(
 
     ``step = max(resolution * m, 1e-6 * m)``: ``resolution = 0`` finds every front point more than
     a millionth apart in memory (the exact front; the tests compare it with brute force), 0.05
-    leaves out points within 5 % of memory of a neighbour. With r > 0 the budgeted MIPs of steps 1
-    and 3 stop at a relative gap of ``settings.front_gap * r`` (1 % at 5 %: they are the hard ones,
-    and most of their time is spent proving the last percent; measured, gpt-tiny on 2 x 2 x 2, the
-    least-memory end: 91 s exact, 45 s at 1 %): each such point is within that of the fastest plan
-    within its budget, so every point of the exact front has a point at most that much slower
-    within 1 / (1 - r) of its memory (tests/test_front.py checks it against brute force). The two
-    ends' own solves and the weighted MIPs keep ``settings.relative_gap``; r = 0 is exact.
+    leaves out points within 5 % of memory of a neighbour. With r > 0 the MIPs of steps 2 and 3
+    stop at a relative gap of ``g = settings.front_gap * r`` (1 % at 5 %; most of their time was
+    spent proving the last percent: measured, gpt-tiny on dp=2 x 2 x 2, a weighted MIP 4.2 s exact,
+    2.3 s at 1 %, the same plan): each point of step 3 is within g of the fastest plan within its
+    budget, so every point of the exact front has a point at most g slower within 1 / (1 - r) of
+    its memory, but near the least memory, where the end is within r (:func:`_end`);
+    tests/test_front.py and tests/test_solver.py check both against brute force. The fastest plan
+    is solved to ``settings.relative_gap``; r = 0 is exact throughout.
     ``max_points`` caps the points: the ends
     first, then the supported points, then the gaps, largest first. ``covered(t)``, when given, is
     the memory below which a plan slower than ``t`` seconds beats every point found elsewhere
@@ -898,13 +904,9 @@ def sweep(
     cap = max_points if max_points is not None else float("inf")
     top = fastest or ilp.run(float("inf"))
     assert top is not None
-    # the least-memory end: the fastest plan of that memory (the memory objective only breaks ties),
-    # or, with a resolution r, the fastest plan within 1 / (1 - r) of it, which is the point the
-    # spaced front keeps there (planner.front.merge); unless a bound shows it covered by points
-    # found elsewhere. Near the least memory these budgeted MIPs are hard either way (measured,
-    # GPT-3 1.3B on 2 x 2 x 2: both budgets stopped at the 120 s limit)
+    # the least-memory end (see _end), unless a bound shows it covered by points found elsewhere
     gap = settings.sweep_gap(resolution)
-    end = _fill(ilp, max(floor * (1 + FLOOR_SLACK), floor / (1 - resolution)), covered, floor * (1 - 1e-6), bounding, gap)
+    end = _end(ilp, least, resolution, covered, bounding, gap)
     least = end or least  # when covered: the memory objective's plan, to end the hull, not to report
     if covered is not None and top.evaluation.peak_memory > memory_budget:
         covered_at_budget = covered(bounding.relaxation(memory_budget) or 0.0)
@@ -930,7 +932,7 @@ def sweep(
         if dt <= 0:
             continue  # b is as fast as a with less memory: a is not on the front (tolerances)
         w = dt / dm
-        r = ilp.weighted(w)
+        r = ilp.weighted(w, gap=gap)
         line = seconds(a) / ilp.model.t_unit + w * memory(a) / ilp.model.m_unit
         value = seconds(r) / ilp.model.t_unit + w * memory(r) / ilp.model.m_unit
         if memory(b) < memory(r) < memory(a) and value < line - 1e-9 * max(abs(line), 1.0):
@@ -960,6 +962,40 @@ def sweep(
         if memory(p) < memory(front[-1]):
             front.append(p)
     return front
+
+
+def _end(ilp: BudgetILP, least: Solution, resolution: float, covered: Callable[[float], float] | None, bounding: BudgetILP | None,
+         gap: float) -> Solution | None:
+    """The front's least-memory end, from the least-memory plan ``least`` (memory ``m_min``, step
+    time ``T_L``), or None when a bound shows it covered (see :func:`_fill`).
+
+    ``resolution`` 0: the fastest plan of exactly ``m_min`` (a budgeted MIP there). With r > 0: the
+    plan P minimising ``M + lam T`` without a budget, ``lam = r m_min / ((1 - r)(1 + r) T_L)``,
+    solved to an absolute gap of ``lam r T_L``. For the fastest plan F of ``m_min`` (``T_F <= T_L``):
+    ``M_P + lam T_P <= m_min + lam T_F + lam r T_L``, so ``T_P <= T_F + r T_L`` (as ``M_P >= m_min``)
+    and ``M_P - m_min <= lam (1 + r) T_L = r m_min / (1 - r)``: P is within the resolution of the
+    least memory in memory, and of the fastest plan there in time (times as the ILP prices them:
+    where the evaluation hides communication, ZeRO-3 prefetch or CDP, P may land a little past the
+    window). The sweep's gap between P and the next point up then looks for faster plans above it.
+
+    Why not the fastest plan within ``m_min / (1 - r)``, a budgeted MIP: near the least memory its
+    bound is weak (the peak is a max over instants, which fractional strategies undercut) and it
+    was most of a front's time (measured, gpt-tiny on 8 devices, every family and ZeRO stage: the
+    ends took 145 of the 167 s of budgeted MIPs at a 1 % gap; on 2 x 2 x 2 alone 69 s, where this
+    takes 2.7 s; on dp=2 x 2 x 2 ZeRO-1 22.7 s, this 3.1 s). Solved to the front's 1 % gap instead of
+    r, this MIP took 60 s on the latter: its memory bound is as weak, and r is the accuracy the
+    spaced front promises."""
+    floor = least.evaluation.peak_memory
+    window = max(floor * (1 + FLOOR_SLACK), floor / (1 - resolution))
+    if resolution <= 0:
+        return _fill(ilp, window, covered, floor * (1 - 1e-6), bounding, gap)
+    if covered is not None:
+        bound = (bounding or ilp).relaxation(window)
+        if bound is not None and covered(bound * (1 - ilp.settings.relative_gap)) * (1 - 1e-6) <= floor * (1 - 1e-6):
+            return None
+    t_least = max(least.evaluation.step_time, 1e-30) / ilp.model.t_unit
+    weight = t_least * (1 - resolution) * (1 + resolution) / (resolution * floor / ilp.model.m_unit)
+    return ilp.weighted(weight, absolute_gap=resolution * t_least)
 
 
 def _fill(ilp: BudgetILP, budget: float, covered: Callable[[float], float] | None, floor: float, bounding: BudgetILP | None = None,

@@ -219,6 +219,27 @@ def test_binding_budgets_give_the_bruteforce_fastest_plan_that_fits(name: str) -
         _assert_fastest_within(c, budget)
 
 
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("resolution", [0.05, 0.2, 0.5])
+def test_the_fronts_least_memory_end_keeps_its_bound(name: str, resolution: float) -> None:
+    """solve._end with a resolution r: a plan within m_min / (1 - r) at most r T_L slower than the
+    fastest plan of exactly the least memory m_min (T_L: the least-memory plan's time), checked
+    against brute force; r = 0 is the fastest plan of m_min itself."""
+    c = case(name)
+    least = solve(c.problem, memory_budget=float("inf"), objective="memory", settings=EXACT)
+    m_min, t_least = least.evaluation.peak_memory, least.evaluation.step_time
+    assert m_min == pytest.approx(c.least_memory, rel=1e-9)
+    fastest_at_least = c.fastest_within(m_min * (1 + 1e-9))
+    ilp = solve_module.BudgetILP(c.problem, "time", EXACT)
+    end = solve_module._end(ilp, least, resolution, None, None, EXACT.sweep_gap(resolution))
+    assert end is not None
+    assert m_min <= end.evaluation.peak_memory <= m_min / (1 - resolution) * (1 + 1e-9)
+    assert end.evaluation.step_time <= fastest_at_least + resolution * t_least * (1 + 1e-9)
+    exact = solve_module._end(ilp, least, 0.0, None, None, 0.0)
+    assert exact is not None and exact.evaluation.peak_memory <= m_min * (1 + 1e-9)
+    assert exact.evaluation.step_time == pytest.approx(fastest_at_least, rel=1e-6, abs=_time_slack(c))
+
+
 @pytest.mark.parametrize("name", TINY)
 def test_cbc_through_pulp_gives_the_same_plans_as_highs(name: str) -> None:
     """The CBC backend (PuLP, given the same arrays) is a second solver for the same model: the
