@@ -159,7 +159,7 @@ def _add_search_options(r: argparse.ArgumentParser) -> None:
     r.add_argument("--hardware", default="a100-80g", help=f"preset ({', '.join(PRESETS)}) or a JSON profile file")
     r.add_argument("--memory", type=_bytes_arg, default=None, help="memory budget per device (default: the device's memory), e.g. 40GiB")
     r.add_argument("--tp", type=_list(str, ALL_TP), default=ALL_TP, help="tensor-parallel families to search (comma list of none,1d,2d,3d)")
-    r.add_argument("--zero", type=_list(int, (0, 1, 2, 3)), default=(0,), help="ZeRO stages to search (comma list, e.g. 0,1,2,3; default 0)")
+    r.add_argument("--zero", type=_list(int, (0, 1, 2, 3)), default=(0, 1, 2, 3), help="ZeRO stages to search (comma list, e.g. 0 or 1,2; default all: 0,1,2,3)")
     r.add_argument("--cdp", type=_list(str, ("off", "v1", "v2")), default=("off",), help="CDP modes to search (comma list)")
     r.add_argument("--cdp-stages", type=int, default=4, help="CDP: stages the model is cut into (default 4)")
     r.add_argument("--micro-batches", type=_list(int), default=(1,),
@@ -175,7 +175,7 @@ def _add_search_options(r: argparse.ArgumentParser) -> None:
                    help="fp32, or mixed: compute in bf16/fp16 with float32 master weights and optimizer states (default fp32)")
     r.add_argument("--no-prefetch", action="store_true", help="ZeRO-3: gather each parameter when used, not one ahead")
     r.add_argument("--optimizer", choices=("adamw", "sgd-momentum"), default="adamw", help="optimizer whose states are priced (default adamw)")
-    r.add_argument("--gap", type=_fraction("--gap", "the relative MIP gap"), default=1e-6, help="relative MIP gap at which a solve stops as optimal (default 1e-6)")
+    r.add_argument("--gap", type=_fraction("--gap", "the relative MIP gap"), default=1e-6, help="relative MIP gap at which a solve stops as optimal (default 1e-6; a front of resolution r stops its weighted and budgeted MIPs at r/5 if larger: --resolution 0 for the exact front)")
     r.add_argument("--time-limit", type=_seconds("--time-limit"), default=120.0, help="time limit of each ILP solve, seconds (a solve stopped by it is reported as time_limit, not optimal)")
     r.add_argument("--workers", type=_at_least(1, "--workers"), default=1,
                    help="processes solving configurations of a front at once (default 1; 2 on 2 cores: GPT-3 175B's front on 64 devices 20 s -> 14 s; "
