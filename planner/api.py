@@ -86,7 +86,7 @@ def plan_model(
     hardware: str | HardwareProfile = "a100-80g",
     memory_budget: float | str | None = None,
     tp: tuple[str, ...] | str = ALL_TP,
-    zero: tuple[int, ...] | int = (0, 1, 2, 3),
+    zero: tuple[int, ...] | int = (0,),
     cdp: tuple[str, ...] | str = ("off",),
     cdp_stages: int = 4,
     dp: int | None = None,

@@ -159,7 +159,7 @@ def _add_search_options(r: argparse.ArgumentParser) -> None:
     r.add_argument("--hardware", default="a100-80g", help=f"preset ({', '.join(PRESETS)}) or a JSON profile file")
     r.add_argument("--memory", type=_bytes_arg, default=None, help="memory budget per device (default: the device's memory), e.g. 40GiB")
     r.add_argument("--tp", type=_list(str, ALL_TP), default=ALL_TP, help="tensor-parallel families to search (comma list of none,1d,2d,3d)")
-    r.add_argument("--zero", type=_list(int, (0, 1, 2, 3)), default=(0, 1, 2, 3), help="ZeRO stages to search (comma list, e.g. 0 or 1,2; default all: 0,1,2,3)")
+    r.add_argument("--zero", type=_list(int, (0, 1, 2, 3)), default=(0,), help="ZeRO stages to search (comma list, e.g. 0,1,2,3; default 0)")
     r.add_argument("--cdp", type=_list(str, ("off", "v1", "v2")), default=("off",), help="CDP modes to search (comma list)")
     r.add_argument("--cdp-stages", type=int, default=4, help="CDP: stages the model is cut into (default 4)")
     r.add_argument("--micro-batches", type=_list(int), default=(1,),

@@ -73,7 +73,7 @@ Objective = Literal["time", "memory", "knee"]
 class SearchSpace:
     devices: int
     tp: tuple[str, ...] = ALL_TP
-    zero: tuple[int, ...] = (0, 1, 2, 3)
+    zero: tuple[int, ...] = (0,)
     cdp: tuple[str, ...] = ("off",)
     cdp_stages: int = 4
     dp: int | None = None
