@@ -384,8 +384,9 @@ def _shared_edges(problem: Problem) -> None:
     """:func:`_price_edges`, or the terms an earlier problem priced from the same inputs (the
     graph, mesh, hardware, strategies, micro-batch count and ZeRO-3's units): ZeRO 0, 1 and 2 of
     one mesh have the same strategies, so a search prices their edges once (measured, gpt2-small
-    on 64 devices, one plan: 21 of the 35 problems it prices are priced, the rest share). The terms are not changed after pricing, so the problems share
-    them. The last :data:`_PRICED_KEPT` are kept on the graph, so what a search drops is freed."""
+    on 64 devices, one plan: 21 of the 35 problems it prices are priced, the rest share). The
+    terms are not changed after pricing, so the problems share them. The last
+    :data:`_PRICED_KEPT` are kept on the graph, so what a search drops is freed."""
     key = (problem.mesh, id(problem.hardware), problem.micro_batches, problem.in_units and problem.unit_share_bytes,
            tuple((g, tuple(grp.strategies)) for g, grp in problem.groups.items()))
     kept = cast(dict[object, tuple[object, ...]], problem.graph.memo("priced_edges", dict))

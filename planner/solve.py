@@ -104,12 +104,12 @@ class SolverSettings:
     time_limit_s: float = 120.0
     relative_gap: float = 1e-6
     threads: int = 1
-    # a front of resolution r > 0 (sweep) stops its budgeted MIPs at a relative gap of
-    # front_gap * r: each such point is within that of the fastest plan within its budget
+    # a front of resolution r > 0 (sweep) stops its weighted and budgeted MIPs at a relative gap of
+    # front_gap * r: each budgeted point is within that of the fastest plan within its budget
     front_gap: float = 0.2
 
     def sweep_gap(self, resolution: float) -> float:
-        """The relative gap of a front's budgeted MIPs at ``resolution`` (see :func:`sweep`)."""
+        """The relative gap of a front's weighted and budgeted MIPs at ``resolution`` (see :func:`sweep`)."""
         return max(self.relative_gap, self.front_gap * resolution)
 
 
@@ -341,10 +341,7 @@ class _Model:
 
     def _row(self, name: str, sense: str, rhs: float, *parts: Iterable[tuple[int, float]]) -> int:
         """sum(parts) <sense> rhs, added to the model (the terms summed: a column appears once)."""
-        terms: Expr = {}
-        for part in parts:
-            for var, coef in part:
-                terms[var] = terms.get(var, 0.0) + coef
+        terms = _summed(itertools.chain.from_iterable(parts))
         lower = -math.inf if sense == LE else rhs
         upper = math.inf if sense == GE else rhs
         return self.lp.row(name, terms, lower, upper)
@@ -807,10 +804,11 @@ class BudgetILP:
                                    f"{self.settings.time_limit_s:g} s ({outcome.reason}): raise it (--time-limit, SolverSettings.time_limit_s)")
             return None
         values = outcome.values
-        evaluation = evaluate(self.problem, self.model.assignment(values))
+        assignment = self.model.assignment(values)
+        evaluation = evaluate(self.problem, assignment)
         primary = _dot(self.time_e, values) * self.model.t_unit if self.objective == "time" else _dot(self.mem_e, values) * self.model.m_unit
         return Solution(
-            assignment=self.model.assignment(values),
+            assignment=assignment,
             status=outcome.status,
             evaluation=evaluation,
             objective=float(primary),
@@ -1002,8 +1000,8 @@ def _end(ilp: BudgetILP, least: Solution, resolution: float, covered: Callable[[
     if resolution <= 0:
         return _fill(ilp, window, covered, floor * (1 - 1e-6), bounding, gap)
     if covered is not None:
-        bound = (bounding or ilp).relaxation(window)
-        if bound is not None and covered(bound * (1 - ilp.settings.relative_gap)) * (1 - 1e-6) <= floor * (1 - 1e-6):
+        below = _covered_within(ilp, window, covered, bounding)
+        if below is not None and below <= floor * (1 - 1e-6):
             return None
     t_least = max(least.evaluation.step_time, 1e-30) / ilp.model.t_unit
     weight = t_least * (1 - resolution) * (1 + resolution) / (resolution * floor / ilp.model.m_unit)
@@ -1016,16 +1014,23 @@ def _fill(ilp: BudgetILP, budget: float, covered: Callable[[float], float] | Non
     ``floor`` and the budget covered (``covered``: see :func:`sweep`). An answer whose exact memory
     exceeds the budget (solver tolerance, or a term the ILP does not price) is re-solved below."""
     while covered is not None:
-        bound = (bounding or ilp).relaxation(budget)
-        if bound is None:
-            break
-        below = covered(bound * (1 - ilp.settings.relative_gap)) * (1 - 1e-6)
-        if below >= budget:
+        below = _covered_within(ilp, budget, covered, bounding)
+        if below is None or below >= budget:
             break
         if below <= floor:
             return None
         budget = below
     return _within(ilp, budget, gap)
+
+
+def _covered_within(ilp: BudgetILP, budget: float, covered: Callable[[float], float], bounding: BudgetILP | None) -> float | None:
+    """The memory below which a plan within ``budget`` can beat the points ``covered`` knows: it is
+    at least as slow as the LP relaxation within the budget; None without a bound (the relaxation
+    is infeasible, or the backend is CBC)."""
+    bound = (bounding or ilp).relaxation(budget)
+    if bound is None:
+        return None
+    return covered(bound * (1 - ilp.settings.relative_gap)) * (1 - 1e-6)
 
 
 def infeasible_message(problem: Problem, budget: float, least: Evaluation) -> str:
