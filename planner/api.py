@@ -91,6 +91,7 @@ def plan_model(
     cdp_stages: int = 4,
     dp: int | None = None,
     micro_batches: tuple[int, ...] | int = (1,),
+    recompute: tuple[str, ...] | str = ("none",),
     objective: Objective = "time",
     optimizer: str = "adamw",
     master_dtype: str | None = None,
@@ -115,6 +116,9 @@ def plan_model(
     ``m`` runs ``m`` micro-batches of the batch / ``m`` one after another and syncs gradients once
     (``ParallelModule.forward_backward`` runs one such step).
 
+    ``recompute``: activation recomputation to search, ``("none", "full")`` to let the search
+    trade a repeated layer's forward compute for its saved activations (:mod:`planner.schemes.recompute`).
+
     ``bucket_bytes``: the gradient sync's bucket size (DDP's 25 MiB by default; :mod:`planner.buckets`).
 
     Mixed precision: hand the model in its compute dtype (``model.to(torch.bfloat16)``) and set
@@ -133,7 +137,8 @@ def plan_model(
     if workers is not None and workers < 1:
         raise ValueError(f"workers {workers!r} must be >= 1 or None")
     space = SearchSpace(devices=devices, tp=_choices("tp", tp, str), zero=_choices("zero", zero, int), cdp=_choices("cdp", cdp, str),
-                        cdp_stages=cdp_stages, dp=dp, micro_batches=_choices("micro_batches", micro_batches, int))
+                        cdp_stages=cdp_stages, dp=dp, micro_batches=_choices("micro_batches", micro_batches, int),
+                        recompute=_choices("recompute", recompute, str))
     t0 = time.perf_counter()
     graph = trace(model, tuple(example_inputs or ()), dict(example_kwargs or {}))
     trace_s = time.perf_counter() - t0

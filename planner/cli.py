@@ -6,7 +6,7 @@
     planner models
 
 SEARCH OPTIONS: [--batch B] [--hardware NAME|FILE] [--memory BYTES] [--tp none,1d,2d,3d] [--zero 0,1,2,3]
-[--cdp off,v1,v2] [--cdp-stages L] [--micro-batches 1,2,4] [--dp N] [--objective time|memory|knee] [--best-only] [--resolution 0.02]
+[--cdp off,v1,v2] [--cdp-stages L] [--micro-batches 1,2,4] [--recompute none,full] [--dp N] [--objective time|memory|knee] [--best-only] [--resolution 0.02]
 [--max-points 12] [--precision fp32|bf16-mixed|fp16-mixed] [--optimizer adamw|sgd-momentum] [--no-prefetch]
 [--time-limit S] [--progress] [-v]
 
@@ -40,6 +40,7 @@ import torch
 
 from planner.hardware import PRESETS, HardwareProfile, load_profile
 from planner.ir import IRGraph
+from planner.schemes.recompute import MODES
 from planner.search import ALL_TP, SearchProgress, SearchResult
 from planner.units import parse_bytes
 
@@ -164,6 +165,9 @@ def _add_search_options(r: argparse.ArgumentParser) -> None:
     r.add_argument("--cdp-stages", type=int, default=4, help="CDP: stages the model is cut into (default 4)")
     r.add_argument("--micro-batches", type=_list(int), default=(1,),
                    help="gradient accumulation: micro-batch counts to search (comma list, e.g. 1,2,4; default 1)")
+    r.add_argument("--recompute", type=_list(str, MODES), default=("none",),
+                   help="activation recomputation to search (comma list of none,full; full re-runs each repeated layer's forward in "
+                        "backward and keeps only its input; default none)")
     r.add_argument("--dp", type=int, default=None, help="fix the data-parallel degree")
     r.add_argument("--objective", choices=("time", "memory", "knee"), default="time",
                    help="which front point is chosen: the fastest, the smallest, or the knee (best balance); default time")
@@ -291,7 +295,7 @@ def run_search(args: argparse.Namespace) -> Searched:
 
     dtype, master_dtype = PRECISIONS[args.precision]
     space = SearchSpace(devices=args.devices, tp=args.tp, zero=args.zero, cdp=args.cdp, cdp_stages=args.cdp_stages, dp=args.dp,
-                        micro_batches=args.micro_batches)
+                        micro_batches=args.micro_batches, recompute=args.recompute)
     model, m_args, m_kwargs, name = load_model(args.model, args.batch, dtype)
     hw = load_profile(args.hardware)
     progress = _progress(args)

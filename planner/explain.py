@@ -214,6 +214,7 @@ def alternatives_section(result: SearchResult, index: int, plan: Plan) -> str:
         ("ZeRO", lambda p: str(p.zero_stage), lambda c: str(c.zero)),
         ("CDP", lambda p: p.cdp, lambda c: c.cdp),
         ("micro-batches", lambda p: str(p.micro_batches), lambda c: str(c.micro_batches)),
+        ("recompute", lambda p: p.recompute, lambda c: c.recompute),
     ]
     feasible = result.feasible
     others = 0

@@ -10,7 +10,10 @@ repeated layer, its first and its last instance) the bytes alive beside what run
     F_v = the gradients in flight: one per tensor made before v and read after it (its consumers'
           backward has run, its producer's not yet), in its producer's layout
 
-and the peak is the largest, over the ops, of B_v plus one of what runs at v: its own working set
+and, where ``v`` runs in a recomputed segment (:mod:`planner.schemes.recompute`: the segment's
+saves are not in P), R_v = the saves of the segment's ops up to v, recomputed before its backward
+and freed by the backward of the ops after v, counted in F_v. The peak is the largest, over the
+ops, of B_v plus one of what runs at v: its own working set
 (:func:`planner.problem.op_working_set`), a conversion into it (the larger of its halves' buffers,
 :func:`planner.cost.steps_working_set`; a conversion several consumers share is placed at each),
 or a tied weight's gradient contributions being summed (at its first consumer), or under CDP a
@@ -43,6 +46,8 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from planner.schemes.recompute import segments
 
 if TYPE_CHECKING:
     from planner.problem import Problem
@@ -95,10 +100,17 @@ def instants(problem: Problem) -> list[Instant]:
         terms = problem.node_terms[order[p].template]
         work[at[p]].append(x(order[p].template, terms.work))
         floor.append(min(terms.work))
+    # recomputed segments (planner.schemes.recompute): what their ops save is alive only while the
+    # segment's backward runs; at its op v, the saves of its ops up to v: (position, form) per segment
+    rerun: dict[object, list[tuple[int, Form]]] = defaultdict(list)
+    segment = segments(graph).get
     for n in order:
         terms = problem.node_terms[n.template]
         if any(terms.saved):
-            add(saved[upto(pos[n.name])], x(n.template, terms.saved))
+            if problem.recomputes(n):
+                rerun[segment(n.name)].append((pos[n.name], x(n.template, terms.saved)))
+            else:
+                add(saved[upto(pos[n.name])], x(n.template, terms.saved))
         uses = [pos[c] for c, _ in consumers[n.name] if graph.nodes[c].kind == "op"]
         if not uses:
             continue
@@ -127,7 +139,14 @@ def instants(problem: Problem) -> list[Instant]:
     for key, hold in problem.holds.items():
         places = by_template[hold.saver]
         for p in places:
-            add(saved[upto(p)], {("z", key): hold.nbytes / len(places)})
+            if hold.recomputed:
+                rerun[segment(order[p].name)].append((p, {("z", key): hold.nbytes / len(places)}))
+            else:
+                add(saved[upto(p)], {("z", key): hold.nbytes / len(places)})
+    for k, p in enumerate(keep):
+        for q, form in rerun.get(segment(order[p].name), ()) if rerun else ():
+            if q <= p:
+                add(flight[k], form)
     for vt, form in problem.conversion_work:
         for p in {by_template[vt][0], by_template[vt][-1]}:
             work[upto(p)].append(form)

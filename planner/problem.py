@@ -51,6 +51,7 @@ from planner.peak import Form, Instant, instants, peak
 from planner.plan import peak_of
 from planner.rules import RuleContext, anchor_strategies, follow, is_follower
 from planner.rules.variants import regather_variants
+from planner.schemes import recompute as recompute_scheme
 from planner.strategy import Comm, Strategy, dedupe
 from planner.trace import match_layer
 
@@ -124,6 +125,9 @@ class HoldTerm:
     saver: str = ""  # the template of the first node that saves it (it is alive from there)
     # h >= [group_u in idx_u] (+ [group_v in idx_v] - 1 when group_v is given)
     conditions: list[tuple[str, frozenset[int], str | None, frozenset[int]]] = field(default_factory=list)
+    # saved inside a recomputed segment (planner.schemes.recompute): not held through the step,
+    # alive again while its segment's backward runs (an in-flight term of planner.peak)
+    recomputed: bool = False
 
 
 @dataclass
@@ -150,6 +154,8 @@ class Problem:
     # gradient accumulation: the graph is one micro-batch; a step runs this many of them one after
     # another and syncs gradients once (forward/backward terms repeat, the step phase does not)
     micro_batches: int = 1
+    # activation recomputation of repeated layers (planner.schemes.recompute): none or full
+    recompute: str = "none"
     # the gradient sync's collectives packed into buckets of this many bytes (planner.buckets)
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     packed_whole: bool = True  # every packed gradient fits one bucket, whatever the choices
@@ -185,6 +191,10 @@ class Problem:
         sync = group.sync or [0.0] * len(group.time)
         credit = group.credit or [0.0] * len(group.time)
         return [c + eff * t for c, t in zip(credit, sync, strict=True)]
+
+    def recomputes(self, node: Node) -> bool:
+        """Whether ``node`` runs in a recomputed segment (its forward runs again in backward)."""
+        return self.recompute != "none" and node.name in recompute_scheme.segments(self.graph)
 
     @property
     def in_units(self) -> bool:
@@ -228,6 +238,7 @@ def build_problem(
     edges: bool = True,
     micro_batches: int = 1,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    recompute: str = "none",
 ) -> Problem:
     """``micro_batches`` (gradient accumulation): ``graph`` is traced on one micro-batch (the
     global batch / ``micro_batches``); a step runs the forward and backward that many times,
@@ -255,8 +266,16 @@ def build_problem(
 
     ``master_dtype`` (e.g. ``"float32"``, mixed precision): parameters and gradients stay in the
     traced dtype, the optimizer adds a master copy and keeps its states in ``master_dtype``
-    (:func:`planner.cost.optimizer_bytes_per_value`); everything else is priced in the traced dtype."""
+    (:func:`planner.cost.optimizer_bytes_per_value`); everything else is priced in the traced dtype.
+
+    ``recompute="full"``: each instance of a repeated layer is recomputed in backward
+    (:mod:`planner.schemes.recompute`: its forward priced again, its saved tensors held only while
+    its backward runs)."""
     t0 = time.perf_counter()
+    recompute_scheme.check((recompute,))
+    why = recompute_scheme.unsupported(recompute, zero_stage, cdp)
+    if why:
+        raise ValueError(f"recompute={recompute!r} with ZeRO-{zero_stage}, CDP {cdp}: {why}")
     if micro_batches < 1:
         raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
     if micro_batches > 1 and cdp != "off":
@@ -342,6 +361,7 @@ def build_problem(
     problem = Problem(mesh, hardware, graph, groups, node_group, choices, conversions={}, holds={}, instances=dict(instances))
     problem.zero_stage = zero_stage
     problem.micro_batches = micro_batches
+    problem.recompute = recompute
     problem.bucket_bytes = bucket_bytes
     problem.master_dtype = master_dtype
     problem.prefetch = prefetch and zero_stage == 3 and bool(dp_axes)
@@ -387,7 +407,7 @@ def _shared_edges(problem: Problem) -> None:
     on 64 devices, one plan: 21 of the 35 problems it prices are priced, the rest share). The
     terms are not changed after pricing, so the problems share them. The last
     :data:`_PRICED_KEPT` are kept on the graph, so what a search drops is freed."""
-    key = (problem.mesh, id(problem.hardware), problem.micro_batches, problem.in_units and problem.unit_share_bytes,
+    key = (problem.mesh, id(problem.hardware), problem.micro_batches, problem.in_units and problem.unit_share_bytes, problem.recompute,
            tuple((g, tuple(grp.strategies)) for g, grp in problem.groups.items()))
     kept = cast(dict[object, tuple[object, ...]], problem.graph.memo("priced_edges", dict))
     entry = kept.pop(key, None)
@@ -621,6 +641,11 @@ def _price_nodes(problem: Problem, optimizer: str, master_itemsize: int | None) 
                     # a weight read twice (tied): backward holds both gradient contributions while summing
                     group.transient[i] = max(group.transient[i], local)
                     terms.work[i] = local
+            recomputed = problem.recomputes(node)
+            if recomputed:  # the forward runs again in backward: its compute and its forward collectives
+                flops = node.flops_fwd + node.flops_bwd
+                t += compute * (node.flops_fwd / flops if flops else 1 / 3)
+                comms += recompute_scheme.rerun_comms(node, strategy, mesh, node.name in recompute_scheme.last_savers(graph))
             if problem.cdp != "off" and node.target in LOSS_TARGETS:  # CDP: local count x N, no all-reduce
                 comms = [c for c in comms if not (c.kind == "all_reduce" and set(c.axes) & set(mesh.dp_axes))]
             if node.name == consumers_of_output:
@@ -646,7 +671,8 @@ def _price_nodes(problem: Problem, optimizer: str, master_itemsize: int | None) 
                 terms.work[i] = float(op_working_set(graph, node, strategy, mesh, internal))
                 group.transient[i] = max(group.transient[i], terms.work[i])
             terms.saved[i] = internal
-            group.memory[i] += internal * count
+            if not recomputed:  # a recomputed op's intermediates live only while its segment's backward runs (planner.peak)
+                group.memory[i] += internal * count
     return sync_one, backward_one
 
 
@@ -866,12 +892,18 @@ def _price_edges(problem: Problem) -> None:
             works_seen.add((vt, frozenset(work.items())))
             problem.conversion_work.append((vt, work))
         sig = sig_ids.setdefault(signature, len(sig_ids))
+        # a conversion runs where the first consumer that needs it runs (runtime.compile): priced as
+        # inside a recomputed segment when the tensor's first consumer is (exact unless an earlier
+        # consumer outside keeps the tensor as it is and a later one inside converts it)
+        rerun = problem.recompute != "none" and _first_consumer_recomputed(problem, next(iter(producers)), index)
         for (a, b), (iu, iv) in pairs.items():
             key = ("conv", ut, index, a, b, sig)
             term = problem.conversions.get(key)
             if term is None:
                 in_unit = problem.in_units and u.kind == "param" and is_unit_gather(cache.conversion(a, b), mesh)
                 comms = cache.conversion_comms(a, b, meta.nbytes, with_grad, problem.unit_share_bytes if in_unit else 0)
+                if rerun:  # its forward steps run again when the segment is recomputed
+                    comms += tuple(c for c in comms if c.phase == "fwd")
                 term = problem.conversions[key] = ConversionTerm(key, 0.0, comms)
             term.producers |= producers
             cond = (gu, iu, gv, iv)
@@ -885,6 +917,13 @@ def _price_edges(problem: Problem) -> None:
         if t is None:
             t = seconds[id(term.comms)] = sum(comm_time(c, mesh, hw) * problem.repeats(c) for c in term.comms)
         term.cost = t * term.count
+
+
+def _first_consumer_recomputed(problem: Problem, producer: str, index: int) -> bool:
+    """Whether the first op (graph order) reading output ``index`` of ``producer`` runs in a recomputed segment."""
+    graph = problem.graph
+    first = next((c for c, q in graph.consumers()[producer] if graph.nodes[c].inputs[q].index == index and graph.nodes[c].kind == "op"), None)
+    return first is not None and problem.recomputes(graph.nodes[first])
 
 
 def _price_holds(problem: Problem, v: Node, p: int, ref: InputRef) -> None:
@@ -911,12 +950,17 @@ def _add_hold(problem: Problem, root: InputRef, gv: str, specs: list[tuple[int, 
     for j, spec in specs:
         by_axes[spec.layout.shard_axes].add(j)
     instances = problem.instances[v.template]
+    # made inside the saver's recomputed segment (a parameter's converted copy, an op of the same
+    # instance): recomputed; a segment's input (made outside the instance) is kept by the checkpoint
+    inside = problem.recomputes(v) and (root_node.kind == "param" or recompute_scheme.segments(graph).get(root_node.name) == recompute_scheme.segments(graph)[v.name])
     for axes, idx in by_axes.items():
         key = ("hold", root_node.template, root.index, axes)
         term = problem.holds.get(key)
         if term is None:
-            term = HoldTerm(key, meta.nbytes / mesh.group_size(axes) * instances, saver=v.template)
+            term = HoldTerm(key, meta.nbytes / mesh.group_size(axes) * instances, saver=v.template, recomputed=inside)
             problem.holds[key] = term
+        elif not inside:  # another saver keeps it through the step
+            term.recomputed = False
         if root_node.kind == "param":
             gp = problem.node_group[root_node.name]
             stored = frozenset(
@@ -998,7 +1042,7 @@ def evaluate(problem: Problem, assignment: dict[str, int]) -> Evaluation:
     for hold_key, hold in problem.holds.items():
         if any(assignment[gu] in iu and (gv is None or assignment[gv] in iv) for gu, iu, gv, iv in hold.conditions):
             held.add(hold_key)
-            act += hold.nbytes
+            act += 0.0 if hold.recomputed else hold.nbytes
 
     edges = list(problem.edges.values())
 

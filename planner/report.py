@@ -27,6 +27,7 @@ from planner.ir import IRGraph
 from planner.mesh import Mesh, mesh_text
 from planner.plan import Plan
 from planner.search import TP_AXES, Candidate, SearchResult
+from planner.trace import match_layer
 from planner.units import format_bytes, format_seconds
 
 if TYPE_CHECKING:
@@ -63,20 +64,28 @@ def cdp_text(plan: Plan) -> str:
     return plan.cdp if plan.cdp == "off" else f"{plan.cdp}, {plan.cdp_stages} stages"
 
 
+def recompute_text(plan: Plan) -> str:
+    """Which layers a plan recomputes and what it costs (planner.schemes.recompute)."""
+    stacks = sorted({m[0] for n in plan.nodes if (m := match_layer(n.module)) is not None})
+    where = ", ".join(f"{s}.*" for s in stacks) or "the repeated layers"
+    return (f"each instance of {where} keeps only its inputs in forward and runs its forward again in backward (the step time "
+            "counts that compute and its forward collectives; the memory, its saved tensors only while its backward runs)")
+
+
 def point_marks(result: SearchResult, plan: Plan) -> str:
     """``best`` for the objective's choice, ``knee`` for the front's knee (both may hold)."""
     marks = [name for name, p in (("best", result.best), ("knee", result.knee)) if p is plan]
     return ", ".join(marks)
 
 
-FRONT_HEADER = ["#", "step time", "memory/device", "mesh", "tp", "zero", "cdp", "micro-batches", ""]
+FRONT_HEADER = ["#", "step time", "memory/device", "mesh", "tp", "zero", "cdp", "micro-batches", "recompute", ""]
 
 
 def front_rows(result: SearchResult) -> list[list[str]]:
     """One row per merged-front point, fastest first, numbered from 1 (``planner explain --point``)."""
     return [
         [str(i), format_seconds(p.step_time_s), format_bytes(p.peak_memory_bytes), mesh_text(p.mesh), p.tp, str(p.zero_stage), cdp_text(p),
-         str(p.micro_batches), point_marks(result, p)]
+         str(p.micro_batches), p.recompute, point_marks(result, p)]
         for i, p in enumerate(result.front, start=1)
     ]
 
@@ -89,7 +98,7 @@ def mesh_family(mesh: Mesh) -> str:
     return next((family for family, axes in TP_AXES.items() if set(axes) == set(mesh.tp_axes)), "mixed")
 
 
-CONFIG_HEADER = ["mesh", "tp", "zero", "cdp", "micro-batches", "points", "on front", "fastest", "its memory", "least memory", "status"]
+CONFIG_HEADER = ["mesh", "tp", "zero", "cdp", "micro-batches", "recompute", "points", "on front", "fastest", "its memory", "least memory", "status"]
 
 
 def candidate_status(c: Candidate, budget: float) -> str:
@@ -114,7 +123,7 @@ def _config_row(c: Candidate, on_front: set[int], budget: float) -> list[str]:
     """What happened to one configuration: its front's two ends, or why it has none."""
     cdp = c.cdp if c.cdp == "off" or c.plan is None else cdp_text(c.plan)
     status = candidate_status(c, budget)
-    head = [str(c.mesh), mesh_family(c.mesh), str(c.zero), cdp, str(c.micro_batches)]
+    head = [str(c.mesh), mesh_family(c.mesh), str(c.zero), cdp, str(c.micro_batches), c.recompute]
     if c.plan is None:
         return [*head, "0", "0", "-", "-", needs_text(c) if status == "infeasible" else "-", status]
     points = c.front or (c.plan,)
@@ -148,7 +157,8 @@ def format_configurations(result: SearchResult, *, markdown: bool = False) -> st
         out.append("")
         bullet = "- " if markdown else "  "
         out += [f"{bullet}{c.mesh}" + (f" ZeRO-{c.zero}" if c.zero else "") + (f" CDP {c.cdp}" if c.cdp != "off" else "")
-                + (f" x{c.micro_batches} micro-batches" if c.micro_batches > 1 else "") + f": {c.reason}"
+                + (f" x{c.micro_batches} micro-batches" if c.micro_batches > 1 else "")
+                + (f" recompute {c.recompute}" if c.recompute != "none" else "") + f": {c.reason}"
                 for c in failed]
     return "\n".join(out)
 
@@ -215,6 +225,7 @@ def plan_summary(plan: Plan, *, objective: str) -> list[str]:
     """The chosen plan in two or three lines: what it is, its time and memory, and a note where it shards nothing."""
     extra = [f"CDP {plan.cdp} ({plan.cdp_stages} stages)"] if plan.cdp != "off" else []
     extra += [f"{plan.micro_batches} micro-batches"] if plan.micro_batches > 1 else []
+    extra += [f"recompute {plan.recompute}"] if plan.recompute != "none" else []
     extra += [f"master weights {plan.master_dtype}"] if plan.master_dtype else []
     hidden = f", {format_seconds(plan.overlap_time_s)} of it hidden" if plan.overlap_time_s else ""
     return [
@@ -249,6 +260,7 @@ def format_plan(plan: Plan, *, graph: IRGraph | None = None) -> str:
         f"  memory per device {format_bytes(plan.peak_memory_bytes)} of {format_bytes(plan.memory_budget_bytes) if plan.memory_budget_bytes else 'no budget'}: "
         f"params {format_bytes(m.params)}, grads {format_bytes(m.grads)}, optimizer {format_bytes(m.optimizer)}, activations {format_bytes(m.activations)}, transient {format_bytes(m.transient)}",
         *cdp,
+        *([f"  recompute {plan.recompute}: {recompute_text(plan)}"] if plan.recompute != "none" else []),
         *([f"  {plan.shards_nothing_note()}"] if plan.shards_nothing else []),
         *([f"  gradient accumulation: {plan.micro_batches} micro-batches of {plan.input_shapes[0][0] if plan.input_shapes else '?'} rows per step, "
            "one after another, gradients synced and the optimizer stepped once (run a step with ParallelModule.forward_backward)"]
@@ -318,6 +330,7 @@ def search_json(result: SearchResult, *, model_name: str, devices: int, hardware
             "cdp": p.cdp,
             "cdp_stages": p.cdp_stages,
             "micro_batches": p.micro_batches,
+            "recompute": p.recompute,
             "compute_time_s": p.compute_time_s,
             "comm_time_s": p.comm_time_s,
             "overlap_time_s": p.overlap_time_s,
@@ -329,7 +342,7 @@ def search_json(result: SearchResult, *, model_name: str, devices: int, hardware
 
     def candidate(c: Candidate) -> dict[str, Any]:
         points = c.front or ((c.plan,) if c.plan is not None else ())
-        return {"mesh": c.mesh.as_dict(), "tp": mesh_family(c.mesh), "zero_stage": c.zero, "cdp": c.cdp, "micro_batches": c.micro_batches, "feasible": c.plan is not None,
+        return {"mesh": c.mesh.as_dict(), "tp": mesh_family(c.mesh), "zero_stage": c.zero, "cdp": c.cdp, "micro_batches": c.micro_batches, "recompute": c.recompute, "feasible": c.plan is not None,
                 "status": candidate_status(c, result.memory_budget), "reason": c.reason,
                 "least_memory_bytes": c.least_memory, "least_is_bound": c.least_is_bound, "front_points": len(points),
                 "front": [point(p) for p in points], "seconds": c.seconds}

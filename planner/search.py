@@ -48,6 +48,7 @@ from planner.overlap import param_units
 from planner.plan import CommRecord, GradBucket, MemoryBreakdown, NodePlan, ParamUnit, Plan, SolverInfo, TPFamily, UnitGather, fingerprint
 from planner.problem import Evaluation, Problem, StrategyFilter, build_problem, zero_param_terms
 from planner.rules import FALLBACK
+from planner.schemes import recompute as recompute_scheme
 from planner.solve import (
     BudgetILP,
     InfeasibleBudget,
@@ -78,8 +79,10 @@ class SearchSpace:
     cdp_stages: int = 4
     dp: int | None = None
     micro_batches: tuple[int, ...] = (1,)  # gradient accumulation: micro-batches per step
+    recompute: tuple[str, ...] = ("none",)  # activation recomputation of repeated layers (planner.schemes.recompute)
 
     def __post_init__(self) -> None:
+        recompute_scheme.check(self.recompute)
         if self.devices < 1:
             raise ValueError(f"devices must be >= 1, got {self.devices}")
         unknown = [t for t in self.tp if t not in ALL_TP]
@@ -123,6 +126,7 @@ class Candidate:
     zero: int = 0
     cdp: str = "off"
     micro_batches: int = 1
+    recompute: str = "none"
     plan: Plan | None = None  # the configuration's fastest plan within the budget
     reason: str = ""  # why pruned or infeasible
     least_memory: float | None = None
@@ -213,17 +217,16 @@ def candidate_meshes(space: SearchSpace, batch: int) -> list[Candidate]:
                 stages = [z for z in space.zero if z == 0 or dp > 1]
                 if not stages:  # ZeRO shards over data-parallel axes: with dp = 1 every stage is stage 0
                     stages = [0]
-                for cdp in space.cdp:
-                    for zero in stages:
-                        if cdp != "off" and dp == 1:
-                            reason = "CDP runs over the data-parallel axis: needs dp > 1"
-                        elif cdp != "off" and zero > 1:
-                            reason = f"CDP with ZeRO-{zero} is not built in the runtime; CDP runs with ZeRO 0 or 1"
-                        elif cdp != "off" and m > 1:
-                            reason = "CDP staggers its own micro-batches; gradient accumulation runs with CDP off"
-                        else:
-                            reason = ""
-                        out.append(Candidate(mesh, family, zero, cdp, micro_batches=m, reason=reason))
+                for cdp, zero, recompute in itertools.product(space.cdp, stages, space.recompute):
+                    if cdp != "off" and dp == 1:
+                        reason = "CDP runs over the data-parallel axis: needs dp > 1"
+                    elif cdp != "off" and zero > 1:
+                        reason = f"CDP with ZeRO-{zero} is not built in the runtime; CDP runs with ZeRO 0 or 1"
+                    elif cdp != "off" and m > 1:
+                        reason = "CDP staggers its own micro-batches; gradient accumulation runs with CDP off"
+                    else:
+                        reason = recompute_scheme.unsupported(recompute, zero, cdp)
+                    out.append(Candidate(mesh, family, zero, cdp, micro_batches=m, recompute=recompute, reason=reason))
     return out
 
 
@@ -318,7 +321,7 @@ def search(
             # conversions and holds are priced when a configuration is solved, not for its bounds
             problems[k] = build_problem(graphs[cand.micro_batches], cand.mesh, hardware, optimizer=optimizer, zero_stage=cand.zero,
                                         master_dtype=master_dtype, prefetch=prefetch, cdp=cand.cdp, cdp_stages=space.cdp_stages, allow=allow,
-                                        edges=False, micro_batches=cand.micro_batches, bucket_bytes=bucket_bytes)
+                                        edges=False, micro_batches=cand.micro_batches, bucket_bytes=bucket_bytes, recompute=cand.recompute)
     bounds = {k: (time_lower_bound(pb), memory_lower_bound(pb)) for k, pb in problems.items()}
     outcome: dict[int, Candidate] = {k: c for k, c in enumerate(configs) if c.reason}
     found: list[Plan] = []  # the front so far, across configurations
@@ -489,7 +492,7 @@ def _plan_configuration(
     ``defer`` (one plan, the time objective): only bounds now, the MIP in :meth:`Deferred.finish`;
     a rounded LP answer that fits goes to ``incumbents``."""
     t0 = time.perf_counter()
-    done = Candidate(cand.mesh, cand.family, cand.zero, cand.cdp, cand.micro_batches)
+    done = Candidate(cand.mesh, cand.family, cand.zero, cand.cdp, cand.micro_batches, cand.recompute)
     if m_lb > budget:
         return replace(done, reason=f"no plan on mesh {cand.mesh} fits {format_bytes(budget)} per device: every plan needs at least "
                          f"{format_bytes(m_lb)} (a bound without an ILP), {format_bytes(m_lb - budget)} over",
@@ -674,15 +677,16 @@ def _dismissed(done: Candidate, t_lb: float, m_lb: float, now: Sequence[Point], 
 def _describe(plan: Plan | Point) -> str:
     if not isinstance(plan, Plan):
         return getattr(plan, "label", "another configuration's")
-    return _label(mesh_text(plan.mesh), plan.zero_stage, plan.cdp, plan.micro_batches)
+    return _label(mesh_text(plan.mesh), plan.zero_stage, plan.cdp, plan.micro_batches, plan.recompute)
 
 
 def _configuration_text(c: Candidate) -> str:
-    return _label(str(c.mesh), c.zero, c.cdp, c.micro_batches)
+    return _label(str(c.mesh), c.zero, c.cdp, c.micro_batches, c.recompute)
 
 
-def _label(mesh: str, zero: int, cdp: str, micro_batches: int = 1) -> str:
-    return f"{mesh} ZeRO-{zero}" + (f" CDP {cdp}" if cdp != "off" else "") + (f" x{micro_batches} micro-batches" if micro_batches > 1 else "")
+def _label(mesh: str, zero: int, cdp: str, micro_batches: int = 1, recompute: str = "none") -> str:
+    return (f"{mesh} ZeRO-{zero}" + (f" CDP {cdp}" if cdp != "off" else "") + (f" x{micro_batches} micro-batches" if micro_batches > 1 else "")
+            + (f" recompute {recompute}" if recompute != "none" else ""))
 
 
 def _outcome_line(c: Candidate) -> str:
@@ -724,7 +728,7 @@ def least_memory_message(
             break
         problem = build_problem(graphs[c.micro_batches], c.mesh, hardware, optimizer=optimizer, zero_stage=c.zero, master_dtype=master_dtype,
                                 prefetch=prefetch, cdp=c.cdp, cdp_stages=space.cdp_stages, allow=allow, micro_batches=c.micro_batches,
-                                bucket_bytes=bucket_bytes)
+                                bucket_bytes=bucket_bytes, recompute=c.recompute)
         ev = solve(problem, memory_budget=float("inf"), objective="memory", settings=settings).evaluation
         if best is None or ev.peak_memory < best[0]:
             best = (ev.peak_memory, c, ev.memory)
@@ -742,6 +746,9 @@ def least_memory_message(
         more = max(space.micro_batches) * 2
         if batch_rows(graphs[1]) % more == 0:
             advice.append(f"gradient accumulation (--micro-batches {more}: each micro-batch holds a share of the activations)")
+        if space.recompute == ("none",) and graphs[1].repeated:
+            advice.append("activation recomputation (--recompute none,full: each repeated layer keeps only its input and runs "
+                          "its forward again in backward)")
         if all(m == "off" for m in space.cdp):
             advice.append("CDP (--cdp v1: staggered micro-batches hold about half the activations)")
     advice.append(f"more devices (at least {least / budget:.1f}x the memory in all: more tensor or data parallelism spreads the "
@@ -749,7 +756,8 @@ def least_memory_message(
     return (f"No plan on {space.devices} devices fits {format_bytes(budget)} per device. The least memory any plan needs is "
             f"{format_bytes(least)} ({format_bytes(least - budget)} over), on mesh {cand.mesh} with ZeRO-{cand.zero}"
             + (f" and CDP {cand.cdp}" if cand.cdp != "off" else "")
-            + (f" in {cand.micro_batches} micro-batches" if cand.micro_batches > 1 else "") + f": {parts}. To fit, try " + "; or ".join(advice) + ".")
+            + (f" in {cand.micro_batches} micro-batches" if cand.micro_batches > 1 else "")
+            + (f", recomputing {cand.recompute}" if cand.recompute != "none" else "") + f": {parts}. To fit, try " + "; or ".join(advice) + ".")
 
 
 def tp_family(problem: Problem, assignment: dict[str, int]) -> TPFamily:
@@ -808,6 +816,7 @@ def make_plan(
         tp=tp_family(problem, solution.assignment),
         zero_stage=problem.zero_stage,
         micro_batches=problem.micro_batches,
+        recompute=problem.recompute,  # type: ignore[arg-type]
         optimizer=optimizer,
         master_dtype=problem.master_dtype,
         zero_prefetch=problem.prefetch,

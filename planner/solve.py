@@ -290,7 +290,7 @@ class _Model:
                 if value:
                     terms.append((v, value / u))
         if part == "A":
-            terms += [(self.z[key], h.nbytes / u) for key, h in p.holds.items() if h.nbytes]
+            terms += [(self.z[key], h.nbytes / u) for key, h in p.holds.items() if h.nbytes and not h.recomputed]
         return _summed(terms)
 
     def memory_expr(self) -> Expr:

@@ -48,6 +48,7 @@ from planner.runtime.kernels import (
 )
 from planner.runtime.materialize import is_meta_module, materialize
 from planner.runtime.module import ParallelModule, attr_name
+from planner.runtime.recompute import checkpoint_segments
 from planner.runtime.weights import Wanted, WeightSource, box_requests, open_weights
 from planner.runtime.zero3 import Member, ParamUnits
 from planner.trace import micro_batch_inputs, trace
@@ -110,6 +111,8 @@ def compile_plan(
     if is_meta_module(model):
         builder.materialize(init, prune=source is not None)
     gm = builder.build()
+    if plan.recompute != "none":  # each repeated layer's instance under torch.utils.checkpoint
+        checkpoint_segments(gm, builder.origin, graph)
     units = _param_units(plan, gm, builder.sites, mg, recorder)
     if plan.zero_prefetch:
         prefetch_parameter_gathers(gm)  # the gathers outside units, one ahead

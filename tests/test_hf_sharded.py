@@ -4,8 +4,8 @@ The matrix the runtime must get right on models nobody here wrote: GPT-2, Llama 
 attention, Qwen2, Mistral, BERT (masked LM, ignored labels), ViT, BART (encoder-decoder) and
 Mixtral (top-k mixture of experts; its float64 runs use transformers' batched-matmul experts,
 models/hf.py says why), plus a model of ours made of every multi-output op (tests/ops_models.py,
-on 4 ranks), each under data parallelism, ZeRO-3, Megatron 1-D over 4,
-dp=2 x tp=2, 2-D 2x2 and CDP v1 on 4 ranks and 3-D 2x2x2 on 8. For every plan: it shards (the
+on 4 ranks), each under data parallelism, ZeRO-3, Megatron 1-D over 4 (also with every repeated layer
+recomputed in backward), dp=2 x tp=2, 2-D 2x2 and CDP v1 on 4 ranks and 3-D 2x2x2 on 8. For every plan: it shards (the
 tensor-parallel plans use their family on every op that multiplies by a weight, where shapes
 allow) and nothing falls back to replication; three optimizer steps in float64 give the single
 device's losses, gradients and parameters to 1e-9; the collectives executed equal the plan's
@@ -56,7 +56,9 @@ KINDS = {
     "dp2tp2": (4, 2, "1d", "time"),
     "2d": (4, 1, "2d", "time"),
     "3d": (8, 1, "3d", "time"),
+    "1d-recompute": (4, 1, "1d", "memory"),  # the least-memory 1-D plan, every repeated layer recomputed
 }
+RECOMPUTING = {"1d-recompute"}
 CDP_STAGES = 2
 FAILING_MODULE = "model.layers.1.mlp.down_proj"  # whose kernel the error check breaks (Llama, 1-D)
 
@@ -70,7 +72,8 @@ def _plan(name: str, kind: str, dtype: torch.dtype) -> Plan:
     devices, dp, family, objective = KINDS[kind]
     graph = _graph(name, dtype)
     allow = require_family(graph, family_mesh(family, devices, dp)) if family != "none" and objective == "time" else None
-    space = SearchSpace(devices=devices, dp=dp, tp=(family,), zero=(3 if kind == "zero3" else 0,))
+    space = SearchSpace(devices=devices, dp=dp, tp=(family,), zero=(3 if kind == "zero3" else 0,),
+                        recompute=("full",) if kind in RECOMPUTING else ("none",))
     result = search(graph, space, A100_80G, model_name=name, objective=objective, allow=allow, front=False)  # type: ignore[arg-type]
     assert result.best is not None, (name, kind, [c.reason for c in result.candidates])
     return result.best
@@ -152,6 +155,10 @@ def test_every_plan_shards_and_nothing_falls_back(world: dict[str, Any]) -> None
             assert plan.fallbacks == (), (name, kind, plan.fallbacks)
             if family != "none":
                 assert plan.tp == family, (name, kind, plan.tp)
+            if kind in RECOMPUTING:  # recomputed layers keep only their inputs: fewer activations held than without
+                assert plan.recompute == "full", (name, kind)
+                without = table[(name, "1d")].memory_breakdown.activations
+                assert plan.memory_breakdown.activations < without, (name, plan.memory_breakdown.activations, without)
             if kind == "zero3":  # parameters stored split over the 4 data-parallel ranks, beside plain DP's
                 whole = table[(name, "dp")].memory_breakdown.params
                 assert plan.zero_stage == 3 and plan.memory_breakdown.params <= 0.3 * whole, (name, plan.memory_breakdown.params, whole)

@@ -56,7 +56,7 @@ def megatron(node: Node, s: Strategy) -> bool:
 
 def _plan(
     devices: int, dp: int, *, model: str = "gpt-tiny", allow: Any = None, objective: str = "time", family: str = "1d", bucket_bytes: int | None = None,
-    zero: int = 0, start: str = "cpu",
+    zero: int = 0, start: str = "cpu", recompute: str = "none",
 ) -> tuple[str, ...]:
     """(model, plan JSON[, optimizer, precision, start]) for tests.dist_checks.train_and_compare;
     ``start="meta"``: planned on the model built on the meta device, which the ranks materialise;
@@ -69,13 +69,14 @@ def _plan(
         module = build_model(model, dtype=torch.float64, device="meta" if start == "plan-on-meta" else "cpu")
     args, kwargs = example_inputs(model, batch=BATCH, dtype=torch.float64, device="meta" if start == "plan-on-meta" else "cpu")
     graph = trace(module, args, kwargs)
-    space = SearchSpace(devices=devices, dp=dp, tp=(family,) if devices > dp else ("none",), zero=(zero,))
+    space = SearchSpace(devices=devices, dp=dp, tp=(family,) if devices > dp else ("none",), zero=(zero,), recompute=(recompute,))
     buckets = {"bucket_bytes": bucket_bytes} if bucket_bytes else {}
     result = search(graph, space, A100_80G, model_name=model, objective=objective, allow=allow, front=False, **buckets)  # type: ignore[arg-type]
     assert result.best is not None
     if devices > dp:
         assert result.best.tp == family, (family, result.best.tp)
     assert result.best.zero_stage == zero
+    assert result.best.recompute == recompute
     if start in ("meta", "meta-from-cpu-plan"):
         return model, result.best.model_dump_json(), "sgd", "fp64", "meta"
     return model, result.best.model_dump_json()
@@ -120,6 +121,8 @@ CASES = {
         "mlp-tiny tp=2 megatron": dict(dp=1, model="mlp-tiny", allow=megatron),
         "tp=2 megatron planned on meta, run on the CPU model": dict(dp=1, allow=megatron, start="plan-on-meta"),
         "tp=2 megatron planned on the CPU model, run from meta": dict(dp=1, allow=megatron, start="meta-from-cpu-plan"),
+        "dp=2 recomputing every block": dict(dp=2, allow=data_parallel, recompute="full"),
+        "tp=2 megatron recomputing every block": dict(dp=1, allow=megatron, recompute="full"),
     },
     4: {
         "dp=2 x tp=2 megatron": dict(dp=2, allow=megatron_dp),
@@ -129,12 +132,14 @@ CASES = {
         "2-D 2x2 SUMMA stepped broadcasts": dict(dp=1, family="2d", allow=summa),
         "tp=4 megatron from meta": dict(dp=1, allow=megatron, start="meta"),
         "dp=4 ZeRO-3 least-memory from meta": dict(dp=4, zero=3, objective="memory", start="meta"),
+        "dp=2 x tp=2 ZeRO-1 least-memory recomputing every block": dict(dp=2, zero=1, objective="memory", recompute="full"),
     },
     8: {
         "3-D 2x2x2 least-memory": dict(dp=1, family="3d", objective="memory"),
         "3-D 2x2x2 re-gathering": dict(dp=1, family="3d", allow=regathering),
         "dp=2 x 2-D 2x2 least-memory": dict(dp=2, family="2d", objective="memory"),
         "dp=2 x 2-D 2x2 ZeRO-3, weights re-gathered over tp": dict(dp=2, family="2d", zero=3, allow=weight_regathering),
+        "3-D 2x2x2 least-memory recomputing every block": dict(dp=1, family="3d", objective="memory", recompute="full"),
     },
 }
 

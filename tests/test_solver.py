@@ -140,6 +140,8 @@ CASES = {
     "two-linear/dp2xtp2": ("two-linear", Mesh(("dp", "tp"), (2, 2))),
     "wide-two-linear/dp2xtp2": ("wide-two-linear", Mesh(("dp", "tp"), (2, 2))),
     "repeated/dp1xtp2": ("repeated", Mesh(("dp", "tp"), (1, 2))),
+    # every repeated layer recomputed in backward (planner.schemes.recompute)
+    "repeated/dp1xtp2 recompute": ("repeated", Mesh(("dp", "tp"), (1, 2)), {"recompute": "full"}),
 }
 TINY = ("mlp-tiny/dp1xtp2", "two-linear/dp2xtp2")
 LARGE = ("wide-two-linear/dp2xtp2", "repeated/dp1xtp2")
@@ -147,8 +149,8 @@ LARGE = ("wide-two-linear/dp2xtp2", "repeated/dp1xtp2")
 
 @functools.cache
 def case(name: str) -> Case:
-    model, mesh = CASES[name]
-    problem = build_problem(_graph(model), mesh, A100_80G)
+    model, mesh, *options = CASES[name]
+    problem = build_problem(_graph(model), mesh, A100_80G, **(options[0] if options else {}))
     keys = tuple(problem.groups)
     sizes = tuple(len(problem.groups[k].strategies) for k in keys)
     assert math.prod(sizes) <= 200_000, sizes
