@@ -158,7 +158,8 @@ def test_every_plan_shards_and_nothing_falls_back(world: dict[str, Any]) -> None
             if kind in RECOMPUTING:  # recomputed layers keep only their inputs: fewer activations held than without
                 assert plan.recompute == "full", (name, kind)
                 without = table[(name, "1d")].memory_breakdown.activations
-                assert plan.memory_breakdown.activations < without, (name, plan.memory_breakdown.activations, without)
+                if name in MODELS:  # (the ops model has no repeated layer)
+                    assert plan.memory_breakdown.activations < without, (name, plan.memory_breakdown.activations, without)
             if kind == "zero3":  # parameters stored split over the 4 data-parallel ranks, beside plain DP's
                 whole = table[(name, "dp")].memory_breakdown.params
                 assert plan.zero_stage == 3 and plan.memory_breakdown.params <= 0.3 * whole, (name, plan.memory_breakdown.params, whole)
