@@ -75,8 +75,8 @@ def test_the_report_answers_first(capsys: pytest.CaptureFixture[str]) -> None:
 def test_markdown_prints_github_tables(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run(capsys, "report", *TINY, "--markdown", "--verbose")
     assert code == 0
-    assert "| # | step time | memory/device | mesh | tp | zero | cdp | micro-batches |  |" in out
-    assert "| mesh | tp | zero | cdp | micro-batches | points | on front | fastest | its memory | least memory | status |" in out
+    assert "| # | step time | memory/device | mesh | tp | zero | cdp | micro-batches | recompute |  |" in out
+    assert "| mesh | tp | zero | cdp | micro-batches | recompute | points | on front | fastest | its memory | least memory | status |" in out
     assert out.count("| --- |") >= 2
     assert "| knee |" in out or ", knee |" in out
 
