@@ -1,6 +1,6 @@
 """The GPU-only checks of the runtime and cost model, in one run (figures, not a test).
 
-    python benchmarks/gpu_check.py [--out DIR] [--model gpt2-small] [--batch 8] [--steps 10] [--quick]
+    python benchmarks/gpu_check.py [--out DIR] [--model gpt2-small] [--batch 8] [--steps 10] [--quick | --profile gpu.json]
 
 Meant for one call on a lent GPU machine (well under 8 minutes on one H200); nothing else depends on
 it. On the first CUDA device it:
@@ -11,7 +11,8 @@ it. On the first CUDA device it:
    autocast with fp32 weights and fused AdamW, and prints its MFU: the traced graph's forward +
    backward FLOPs per step over the median step time and the profile's bf16 peak (the preset's
    datasheet peak, and the calibrated best matmul, both printed);
-3. for the single-device plan (float32, as planned) and the sharded plans that run on one GPU
+3. for the single-device plan (float32, as planned), the same with every block recomputed in
+   backward (activation checkpointing), and the sharded plans that run on one GPU
    (2 gloo ranks sharing it: data parallelism and Megatron 1-D, whose collectives gloo runs on
    CUDA tensors; a plan whose collectives gloo cannot run on CUDA is reported, not hidden),
    compares the plan's predicted step time and peak memory with the median measured step and
@@ -112,7 +113,8 @@ def _plans(model_name: str, batch: int, profile: Any, world: int) -> list[tuple[
     from planner.trace import trace
 
     graph = trace(build_model(model_name, seed=0), *example_inputs(model_name, batch=batch, seed=1))
-    spaces = {"1 device": SearchSpace(devices=1, tp=("none",))} if world == 1 else {
+    spaces = {"1 device": SearchSpace(devices=1, tp=("none",)),
+              "1 device, every block recomputed": SearchSpace(devices=1, tp=("none",), recompute=("full",))} if world == 1 else {
         f"dp={world}": SearchSpace(devices=world, dp=world, tp=("none",), zero=(0,)),
         f"dp={world} zero1": SearchSpace(devices=world, dp=world, tp=("none",), zero=(1,)),
         f"tp={world} (1-D)": SearchSpace(devices=world, dp=1, tp=("1d",), zero=(0,)),
@@ -171,7 +173,8 @@ def _run_plans(rank: int, world: int, port: int, model_name: str, batch: int, st
                 row["memory_error"] = round(plan.peak_memory_bytes / peak - 1, 3)
             del pm, opt, step
         except Exception as exc:  # a plan whose collectives gloo cannot run on CUDA tensors, say
-            row["failed"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+            cause = f" (from {type(exc.__cause__).__name__}: {str(exc.__cause__).splitlines()[0][:300]})" if exc.__cause__ is not None else ""
+            row["failed"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}{cause}"
         rows.append(row)
         dist.barrier()
     if rank == 0:
@@ -217,6 +220,7 @@ def main() -> None:
     p.add_argument("--plan-batch", type=int, default=4, help="global batch of the float32 plans (predicted vs measured)")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--quick", action="store_true", help="planner calibrate --quick")
+    p.add_argument("--profile", help="a profile calibrate wrote on this machine before (gpu.json): used instead of calibrating again")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     a = p.parse_args()
     out = Path(a.out)
@@ -228,11 +232,11 @@ def main() -> None:
     if use_cuda:
         say("device", f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, CUDA {torch.version.cuda}")
     t0 = time.perf_counter()
-    from planner.hardware import H200_141G
+    from planner.hardware import H200_141G, HardwareProfile
 
     profile: Any = None
     sections = [
-        ("calibrate", lambda: calibrate_profile(out, a.quick)),
+        ("calibrate", lambda: calibrate_profile(out, a.quick) if a.profile is None else HardwareProfile.model_validate_json(Path(a.profile).read_text())),
         ("mfu", lambda: mfu(a.model, a.batch, a.steps, device, profile)),
         ("one device", lambda: predicted_vs_measured(a.model, a.plan_batch, a.steps, profile or H200_141G, use_cuda, 1)),
         ("two ranks sharing the device", lambda: predicted_vs_measured(a.model, a.plan_batch, a.steps, profile or H200_141G, use_cuda, 2)),

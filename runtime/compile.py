@@ -118,6 +118,7 @@ def compile_plan(
         prefetch_parameter_gathers(gm)  # the gathers outside units, one ahead
     pm = ParallelModule(plan, graph, gm, mg, recorder, builder.param_specs, builder.param_names, builder.input_specs)
     pm.units = units
+    pm.device = dev
     pm.buffer_names = builder.buffer_names
     pm.persistent_buffers = frozenset(model.state_dict(keep_vars=True)) - {n for n, _ in model.named_parameters(remove_duplicate=False)}
     pm.node_origin = builder.origin

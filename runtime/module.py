@@ -123,6 +123,7 @@ class ParallelModule(torch.nn.Module):
         self.buffer_names: dict[str, tuple[str, ...]] = {}  # buffer attribute -> the model's names for it (set by compile)
         self.persistent_buffers: frozenset[str] = frozenset()  # the buffer names the model's state_dict holds (set by compile)
         self.input_specs = input_specs
+        self.device = torch.device("cpu")  # where the shards live; inputs are moved here (set by compile)
         self.zero: ZeroShards | None = None
         self.units: ParamUnits | None = None  # ZeRO-3's per-block gathers (set by compile)
         self._sync = True  # no_sync() turns the data-parallel sync at backward end off
@@ -171,7 +172,7 @@ class ParallelModule(torch.nn.Module):
         return self.mesh_groups.index(self.dp_axes) if self.dp_axes else 0
 
     def shard_batch(self, *args: Any, **kwargs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        """This rank's part of a full batch, as the plan's input Specs say."""
+        """This rank's part of a full batch, as the plan's input Specs say, on this rank's device."""
         flat, spec = tree_flatten((args, kwargs))
         tensors = [t for t in flat if isinstance(t, torch.Tensor)]
         if len(tensors) != len(self.input_specs):
@@ -181,7 +182,7 @@ class ParallelModule(torch.nn.Module):
         for a in flat:
             if isinstance(a, torch.Tensor):
                 s = next(it)
-                a = relayout(a, Layout.replicated(s.layout.ndim), s.layout, self.mesh_groups)
+                a = relayout(a.to(self.device), Layout.replicated(s.layout.ndim), s.layout, self.mesh_groups)
             out.append(a)
         return tree_unflatten(out, spec)  # type: ignore[no-any-return]
 
@@ -189,7 +190,7 @@ class ParallelModule(torch.nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         flat, _ = tree_flatten((args, kwargs))
-        tensors = [t for t in flat if isinstance(t, torch.Tensor)]
+        tensors = [t.to(self.device) for t in flat if isinstance(t, torch.Tensor)]  # (no copy when already there)
         if self.units is not None:
             self.units.begin()
         try:
