@@ -16,15 +16,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from planner.buckets import DEFAULT_BUCKET_BYTES
-from planner.hardware import HardwareProfile, load_profile
+from planner.config import SearchConfig
 from planner.ir import IRGraph
 from planner.plan import Plan
 from planner.report import format_search
-from planner.search import ALL_TP, Objective, SearchProgress, SearchResult, SearchSpace, search
-from planner.solve import SolverSettings
+from planner.search import SearchProgress, SearchResult, search_configured, search_space
 from planner.trace import micro_batch_inputs, trace
-from planner.units import parse_bytes
 
 if TYPE_CHECKING:
     from planner.runtime.module import ParallelModule
@@ -60,94 +57,60 @@ def _world_size() -> int | None:
     return None
 
 
-def _choices(name: str, value: Any, kind: type) -> tuple[Any, ...]:
-    """A search option's values as a tuple: one value alone (``zero=3``, ``tp="1d"``) or a comma
-    string (``tp="none,1d"``) is accepted as a user means it; anything else of the wrong type is
-    a ``TypeError`` naming the option."""
-    if isinstance(value, str):
-        items: list[Any] = [x.strip() for x in value.split(",") if x.strip()]
-        try:
-            return tuple(kind(x) for x in items)
-        except ValueError:
-            raise TypeError(f"{name}={value!r}: expected {kind.__name__} values") from None
-    if isinstance(value, kind) and not isinstance(value, bool):
-        return (value,)
-    if isinstance(value, (tuple, list)) and all(isinstance(x, kind) and not isinstance(x, bool) for x in value):
-        return tuple(value)
-    raise TypeError(f"{name}={value!r}: expected a {kind.__name__} or a tuple of them, e.g. {name}=({'0, 3' if kind is int else repr('1d')},)")
-
-
 def plan_model(
     model: torch.nn.Module,
     *,
-    devices: int,
+    devices: int | None = None,
     example_inputs: tuple[Any, ...] | None = None,
     example_kwargs: dict[str, Any] | None = None,
-    hardware: str | HardwareProfile = "a100-80g",
-    memory_budget: float | str | None = None,
-    tp: tuple[str, ...] | str = ALL_TP,
-    zero: tuple[int, ...] | int = (0,),
-    cdp: tuple[str, ...] | str = ("off",),
-    cdp_stages: int = 4,
-    dp: int | None = None,
-    micro_batches: tuple[int, ...] | int = (1,),
-    recompute: tuple[str, ...] | str = ("none",),
-    objective: Objective = "time",
-    optimizer: str = "adamw",
-    master_dtype: str | None = None,
-    prefetch: bool = True,
+    config: SearchConfig | str | None = None,
     model_name: str | None = None,
-    solver: SolverSettings | None = None,
-    front: bool = True,
-    resolution: float = 0.05,
-    max_points: int | None = 8,
     progress: Callable[[SearchProgress], None] | None = None,
     workers: int | None = None,
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    **search: Any,
 ) -> PlanningResult:
     """Trace ``model`` on the example inputs (a full global batch), search every configuration's
     time/memory front and pick a point by ``objective``: ``"time"`` the fastest plan that fits,
     ``"memory"`` the smallest, ``"knee"`` the best balance (:func:`planner.front.knee`).
-    ``front=False`` finds only each configuration's fastest plan (quicker; ``knee`` then picks
-    among those). ``resolution``, ``max_points``, ``workers``, ``progress``: see
+
+    What to search is one :class:`planner.config.SearchConfig`: ``config=`` (the value, or a TOML
+    or JSON file of its keys, or a saved plan's JSON, whose search it repeats), or its fields as
+    keywords (``devices=64, zero=(0, 1, 2, 3), memory_budget="40GiB", hardware="h100-80g"``); both
+    together: the keywords win. Among them: ``front=False`` finds only each configuration's fastest
+    plan (quicker; ``knee`` then picks among those); ``micro_batches``: gradient-accumulation
+    counts to search (e.g. ``(1, 2, 4)``: a plan with ``m`` runs ``m`` micro-batches of the batch
+    / ``m`` one after another and syncs gradients once, ``ParallelModule.forward_backward``);
+    ``recompute``: ``("none", "full")`` lets the search trade a repeated layer's forward compute
+    for its saved activations (:mod:`planner.schemes.recompute`); ``bucket_bytes``: the gradient
+    sync's bucket size (DDP's 25 MiB by default; :mod:`planner.buckets`). Every plan returned
+    carries the configuration (``plan.search_config``). ``workers``, ``progress``: see
     :func:`planner.search.search`.
-
-    ``micro_batches``: gradient-accumulation counts to search (e.g. ``(1, 2, 4)``): a plan with
-    ``m`` runs ``m`` micro-batches of the batch / ``m`` one after another and syncs gradients once
-    (``ParallelModule.forward_backward`` runs one such step).
-
-    ``recompute``: activation recomputation to search, ``("none", "full")`` to let the search
-    trade a repeated layer's forward compute for its saved activations (:mod:`planner.schemes.recompute`).
-
-    ``bucket_bytes``: the gradient sync's bucket size (DDP's 25 MiB by default; :mod:`planner.buckets`).
 
     Mixed precision: hand the model in its compute dtype (``model.to(torch.bfloat16)``) and set
     ``master_dtype="float32"``; the optimizer then keeps float32 master weights and states."""
     if example_inputs is None and not example_kwargs:
         raise ValueError("example_inputs is required: a full (global) batch such that model(*example_inputs) returns the loss")
-    hw = load_profile(hardware) if isinstance(hardware, str) else hardware
-    if isinstance(devices, bool) or not isinstance(devices, int):
+    if devices is not None and (isinstance(devices, bool) or not isinstance(devices, int)):
         raise TypeError(f"devices must be an int (the device count), got {devices!r}")
-    if isinstance(memory_budget, str):
-        memory_budget = parse_bytes(memory_budget)
-    if not 0 <= resolution < 1:
-        raise ValueError(f"resolution {resolution!r} must be in [0, 1): the relative memory step between front points (0.05: one per 5 %)")
-    if max_points is not None and max_points < 2:
-        raise ValueError(f"max_points {max_points!r} must be >= 2 (the fastest and the smallest plan) or None")
     if workers is not None and workers < 1:
         raise ValueError(f"workers {workers!r} must be >= 1 or None")
-    space = SearchSpace(devices=devices, tp=_choices("tp", tp, str), zero=_choices("zero", zero, int), cdp=_choices("cdp", cdp, str),
-                        cdp_stages=cdp_stages, dp=dp, micro_batches=_choices("micro_batches", micro_batches, int),
-                        recompute=_choices("recompute", recompute, str))
+    fields = search | ({"devices": devices} if devices is not None else {})
+    if isinstance(config, str):
+        config = SearchConfig.load(config, **fields)
+    elif config is not None:
+        config = SearchConfig.build("plan_model's config and keywords", **(config.model_dump() | fields)) if fields else config
+    else:
+        if devices is None:
+            raise ValueError("devices is required (e.g. plan_model(model, devices=64, example_inputs=batch)), or config=")
+        config = SearchConfig.build("plan_model's keywords", **fields)
+    search_space(config)  # the options checked before the model is traced
     t0 = time.perf_counter()
     graph = trace(model, tuple(example_inputs or ()), dict(example_kwargs or {}))
     trace_s = time.perf_counter() - t0
     name = model_name or type(model).__name__
-    result = search(graph, space, hw, model_name=name, memory_budget=memory_budget, objective=objective, optimizer=optimizer,
-                    master_dtype=master_dtype, prefetch=prefetch, settings=solver, front=front, resolution=resolution,
-                    max_points=max_points, progress=progress, workers=workers, bucket_bytes=bucket_bytes,
-                    micro_graph=lambda m: trace(model, *micro_batch_inputs(tuple(example_inputs or ()), example_kwargs, m)))
-    report = format_search(result, model_name=name, devices=devices, hardware=hw, trace_seconds=trace_s, graph=graph, verbose=True)
+    result = search_configured(graph, config, model_name=name, progress=progress, workers=workers,
+                               micro_graph=lambda m: trace(model, *micro_batch_inputs(tuple(example_inputs or ()), example_kwargs, m)))
+    report = format_search(result, model_name=name, devices=config.devices, hardware=config.hardware, trace_seconds=trace_s, graph=graph, verbose=True)
     return PlanningResult(result.best, result, report, graph)
 
 

@@ -5,7 +5,7 @@
     planner explain MODEL --devices N [SEARCH OPTIONS] [--point K]
     planner models
 
-SEARCH OPTIONS: [--batch B] [--hardware NAME|FILE] [--memory BYTES] [--tp none,1d,2d,3d] [--zero 0,1,2,3]
+SEARCH OPTIONS: [--batch B] [--config FILE] [--hardware NAME|FILE] [--memory BYTES] [--tp none,1d,2d,3d] [--zero 0,1,2,3]
 [--cdp off,v1,v2] [--cdp-stages L] [--micro-batches 1,2,4] [--recompute none,full] [--dp N] [--objective time|memory|knee] [--best-only] [--resolution 0.02]
 [--max-points 12] [--precision fp32|bf16-mixed|fp16-mixed] [--optimizer adamw|sgd-momentum] [--no-prefetch]
 [--time-limit S] [--progress] [-v]
@@ -38,7 +38,8 @@ from typing import Any, NoReturn
 
 import torch
 
-from planner.hardware import PRESETS, HardwareProfile, load_profile
+from planner.config import SearchConfig
+from planner.hardware import PRESETS, HardwareProfile
 from planner.ir import IRGraph
 from planner.schemes.recompute import MODES
 from planner.search import ALL_TP, SearchProgress, SearchResult
@@ -155,7 +156,9 @@ def load_model(spec: str, batch: int, dtype: torch.dtype = torch.float32) -> tup
 def _add_search_options(r: argparse.ArgumentParser) -> None:
     """The model, the device count and what to search: shared by ``report`` and ``explain``."""
     r.add_argument("model", help="preset name (see `planner models`) or package.module:factory")
-    r.add_argument("--devices", type=int, required=True)
+    r.add_argument("--devices", type=int, default=None, help="device count (required unless --config names it)")
+    r.add_argument("--config", metavar="FILE", default=None,
+                   help="a search configuration (TOML or JSON of planner.config.SearchConfig's keys, or a saved plan, whose search it repeats); flags given beside it win")
     r.add_argument("--batch", type=int, default=8, help="global batch size of one step (default 8; --micro-batches splits it for gradient accumulation)")
     r.add_argument("--hardware", default="a100-80g", help=f"preset ({', '.join(PRESETS)}) or a JSON profile file")
     r.add_argument("--memory", type=_bytes_arg, default=None, help="memory budget per device (default: the device's memory), e.g. 40GiB")
@@ -212,14 +215,15 @@ def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="planner", description="Automatic parallelization planner for PyTorch training.")
     p.add_argument("--version", action="version", version=f"planner {_version()}")
     sub = p.add_subparsers(dest="command", required=True)
-    r = sub.add_parser("report", help="plan a model: the time/memory front, every configuration, the chosen plan")
+    r = sub.add_parser("report", help="plan a model: the time/memory front, every configuration, the chosen plan",
+                       allow_abbrev=False)  # (--config: a flag given beside it wins, so each must be written whole)
     _add_search_options(r)
     out = r.add_mutually_exclusive_group()
     out.add_argument("--json", action="store_true", help="print one JSON document instead of the text report")
     out.add_argument("--markdown", action="store_true", help="print the report with GitHub markdown tables")
     r.add_argument("--plot", metavar="FILE.png", help="draw the front (every configuration's points, the knee, the choice) into FILE.png")
     r.add_argument("--save-plan", metavar="FILE", help="write the chosen plan as JSON (runtime.compile_plan loads it)")
-    e = sub.add_parser("explain", help="why one front point: where its time and memory go, why the alternatives lost")
+    e = sub.add_parser("explain", help="why one front point: where its time and memory go, why the alternatives lost", allow_abbrev=False)
     _add_search_options(e)
     e.add_argument("--point", type=_point, default=None, metavar="K",
                    help="the front point to explain, numbered from 1 as in `planner report` (default: the objective's choice)")
@@ -285,37 +289,61 @@ class Searched:
     hardware: HardwareProfile
     result: SearchResult
     trace_seconds: float
+    config: SearchConfig
+
+
+# SearchConfig's fields the CLI sets, and the flags that set each (given flags win over --config FILE)
+_FLAGS = {"devices": ("--devices",), "hardware": ("--hardware",), "memory_budget": ("--memory",), "tp": ("--tp",), "zero": ("--zero",),
+          "cdp": ("--cdp",), "cdp_stages": ("--cdp-stages",), "dp": ("--dp",), "micro_batches": ("--micro-batches",),
+          "recompute": ("--recompute",), "objective": ("--objective",), "optimizer": ("--optimizer",), "master_dtype": ("--precision",),
+          "prefetch": ("--no-prefetch",), "front": ("--best-only",), "resolution": ("--resolution",), "max_points": ("--max-points",),
+          "time_limit_s": ("--time-limit",), "relative_gap": ("--gap",)}
+
+
+def search_config(args: argparse.Namespace) -> SearchConfig:
+    """The flags as a :class:`SearchConfig`: over ``--config FILE`` when given (the flags written on
+    the command line win; the others come from the file)."""
+    values = {"devices": args.devices, "hardware": args.hardware, "memory_budget": args.memory, "tp": args.tp, "zero": args.zero,
+              "cdp": args.cdp, "cdp_stages": args.cdp_stages, "dp": args.dp, "micro_batches": args.micro_batches, "recompute": args.recompute,
+              "objective": args.objective, "optimizer": args.optimizer, "master_dtype": PRECISIONS[args.precision][1],
+              "prefetch": not args.no_prefetch, "front": not args.best_only, "resolution": args.resolution, "max_points": args.max_points,
+              "time_limit_s": args.time_limit, "relative_gap": args.gap}
+    if args.config is None:
+        if args.devices is None:
+            raise ValueError("--devices is required (or --config FILE that names devices)")
+        return SearchConfig.build("the options", **values)
+    words = getattr(args, "argv", [])
+    given = {key for key, flags in _FLAGS.items() if any(w == f or w.startswith(f + "=") for w in words for f in flags)}
+    config = SearchConfig.load(args.config, **{key: values[key] for key in given})
+    if config.master_dtype is not None and "master_dtype" not in given:
+        raise ValueError(f"{args.config} plans mixed precision (master_dtype = {config.master_dtype!r}): give --precision bf16-mixed or "
+                         "fp16-mixed for the dtype the model computes in")
+    return config
 
 
 def run_search(args: argparse.Namespace) -> Searched:
     """Load and trace the model, then search as the options say (``ValueError`` on bad input)."""
-    from planner.search import SearchSpace, search
-    from planner.solve import SolverSettings
+    from planner.search import search_configured
     from planner.trace import micro_batch_inputs, trace
 
-    dtype, master_dtype = PRECISIONS[args.precision]
-    space = SearchSpace(devices=args.devices, tp=args.tp, zero=args.zero, cdp=args.cdp, cdp_stages=args.cdp_stages, dp=args.dp,
-                        micro_batches=args.micro_batches, recompute=args.recompute)
+    config = search_config(args)
+    dtype, _ = PRECISIONS[args.precision]
     model, m_args, m_kwargs, name = load_model(args.model, args.batch, dtype)
-    hw = load_profile(args.hardware)
     progress = _progress(args)
     t0 = time.perf_counter()
     graph = trace(model, m_args, m_kwargs)
     trace_s = time.perf_counter() - t0
     if progress:
-        progress.note(f"traced {name} in {trace_s:.1f} s: {graph.summary()}; searching {args.devices} devices")
+        progress.note(f"traced {name} in {trace_s:.1f} s: {graph.summary()}; searching {config.devices} devices")
     try:
-        result = search(graph, space, hw, model_name=name, memory_budget=args.memory, objective=args.objective, optimizer=args.optimizer,
-                        master_dtype=master_dtype, prefetch=not args.no_prefetch,
-                        settings=SolverSettings(time_limit_s=args.time_limit, relative_gap=args.gap), front=not args.best_only,
-                        resolution=args.resolution, max_points=args.max_points, progress=progress, workers=args.workers,
-                        micro_graph=lambda m: trace(model, *micro_batch_inputs(m_args, m_kwargs, m)))
+        result = search_configured(graph, config, model_name=name, progress=progress, workers=args.workers,
+                                   micro_graph=lambda m: trace(model, *micro_batch_inputs(m_args, m_kwargs, m)))
     finally:
         if progress:
             progress.close()
     if progress:
         progress.note(f"searched {len(result.candidates)} configurations in {result.seconds:.1f} s: {len(result.front)} front points")
-    return Searched(name, graph, hw, result, trace_s)
+    return Searched(name, graph, config.hardware, result, trace_s, config)
 
 
 _NOT_REPEATED = {"--json": 0, "--markdown": 0, "-v": 0, "--verbose": 0, "--progress": 0, "--save-plan": 1, "--plot": 1}
@@ -337,8 +365,8 @@ def how_to_run(args: argparse.Namespace, s: Searched) -> list[str]:
     saved = args.save_plan or "plan.json"
     first = f"Run it: the plan is in {saved}" if args.save_plan else f"Run it: {shlex.join(['planner', *words, '--save-plan', saved])}"
     return [first,
-            f"  then in train.py under torchrun --nproc-per-node {args.devices}: pm = compile_plan(Plan.model_validate_json(open({saved!r}).read()), model, *batch)",
-            f"  (or pm = auto_parallelize(model, devices={args.devices}, example_inputs=batch): plans and compiles in one call)"]
+            f"  then in train.py under torchrun --nproc-per-node {s.config.devices}: pm = compile_plan(Plan.model_validate_json(open({saved!r}).read()), model, *batch)",
+            f"  (or pm = auto_parallelize(model, devices={s.config.devices}, example_inputs=batch): plans and compiles in one call)"]
 
 
 def report(args: argparse.Namespace, s: Searched) -> int:
@@ -351,7 +379,7 @@ def report(args: argparse.Namespace, s: Searched) -> int:
             _stderr_line(f"planner: no plan fits, so there is no front to plot; {args.plot} not written")
         else:
             try:
-                save_front_plot(result, args.plot, title=f"{s.name} on {args.devices} devices ({s.hardware.name})")
+                save_front_plot(result, args.plot, title=f"{s.name} on {s.config.devices} devices ({s.hardware.name})")
             except ImportError as exc:
                 _stderr_line(f"planner: error: --plot needs matplotlib ({exc}): pip install matplotlib, or the dev extra")
                 return 2
@@ -360,9 +388,9 @@ def report(args: argparse.Namespace, s: Searched) -> int:
         with open(args.save_plan, "w") as f:
             f.write(result.best.model_dump_json(indent=1))
     if args.json:
-        print(json.dumps(search_json(result, model_name=s.name, devices=args.devices, hardware=s.hardware), indent=1))
+        print(json.dumps(search_json(result, model_name=s.name, devices=s.config.devices, hardware=s.hardware), indent=1))
     else:
-        print(format_search(result, model_name=s.name, devices=args.devices, hardware=s.hardware, trace_seconds=s.trace_seconds,
+        print(format_search(result, model_name=s.name, devices=s.config.devices, hardware=s.hardware, trace_seconds=s.trace_seconds,
                             graph=s.graph, markdown=args.markdown, verbose=args.verbose,
                             how_to_run=how_to_run(args, s) if result.best is not None else ()))
     return 0 if result.best is not None else 1

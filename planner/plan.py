@@ -15,6 +15,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from planner.buckets import DEFAULT_BUCKET_BYTES
+from planner.config import SearchConfig
 from planner.ir import InputRef, IRGraph
 from planner.layout import Spec, parse_spec
 from planner.mesh import Mesh
@@ -160,6 +161,7 @@ class Plan(_Frozen):
     comms: tuple[CommRecord, ...]
     fallbacks: tuple[str, ...] = Field(default=(), description="nodes replicated because no rule covers their op")
     solver: SolverInfo
+    search_config: SearchConfig | None = Field(default=None, description="the search that made this plan, its hardware profile whole (planner.config): report --config PLAN.json repeats it")
 
     @field_validator("version")
     @classmethod

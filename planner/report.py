@@ -213,11 +213,16 @@ def format_search(
     else:
         statuses = Counter(candidate_status(c, result.memory_budget) for c in result.candidates)
         counts_text = ", ".join(f"{n} {status}" for status, n in sorted(statuses.items(), key=lambda kv: -kv[1]))
-        out.append(f"Configurations: {counts_text}. --verbose prints each one (its front, or why it has no plan) and the chosen plan's "
-                   "strategies and collectives.")
+        out.append(f"Configurations: {counts_text}. --verbose prints each one (its front, or why it has no plan), the chosen plan's "
+                   "strategies and collectives, and the search configuration (a --config file that repeats this search).")
     if verbose and result.best is not None:
         plan = format_plan(result.best, graph=graph)
         out += ["", f"## Chosen plan\n\n```text\n{plan}\n```" if markdown else plan]
+    if verbose and result.config is not None:
+        batch = f" --batch {graph.nodes[graph.input_names[0]].out.shape[0]}" if graph is not None and graph.input_names else ""
+        title = f"Search configuration (in search.toml, planner report {model_name}{batch} --config search.toml repeats this search):"
+        toml = result.config.to_toml()
+        out += ["", f"## {title}\n\n```toml\n{toml}\n```" if markdown else f"{title}\n{toml}"]
     return "\n".join(out)
 
 
@@ -357,6 +362,7 @@ def search_json(result: SearchResult, *, model_name: str, devices: int, hardware
         "pareto": [entry(i, p) for i, p in enumerate(result.front, start=1)],
         "candidates": [candidate(c) for c in result.candidates],
         "infeasible": result.infeasible,
+        "search_config": result.config.model_dump(mode="json") if result.config is not None else None,  # the hardware profile whole
     }
 
 

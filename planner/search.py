@@ -26,10 +26,11 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal, NamedTuple, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from planner.buckets import DEFAULT_BUCKET_BYTES, Bucket, Gather, Gradient, Unit, pack
 from planner.cdp import PipelineEstimate, pipeline_estimate
+from planner.config import ALL_TP, Objective, SearchConfig
 from planner.front import (
     Point,
     conversion_time_bound,
@@ -66,8 +67,6 @@ log = logging.getLogger(__name__)
 
 
 TP_AXES = {"1d": ("tp",), "2d": ("row", "col"), "3d": ("i", "j", "k")}
-ALL_TP = ("none", "1d", "2d", "3d")
-Objective = Literal["time", "memory", "knee"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -174,6 +173,7 @@ class SearchResult:
     objective: Objective = "time"
     memory_budget: float = 0.0
     infeasible: str = ""  # when nothing fits: the least memory any plan needs, its terms, what to change
+    config: SearchConfig | None = None  # what was searched (search_configured): every plan carries it too
 
     @property
     def feasible(self) -> list[Plan]:
@@ -384,6 +384,37 @@ def search(
             result.infeasible = (f"No plan found: {len(stopped)} configuration{'s' if len(stopped) > 1 else ''} stopped at the time limit "
                                  f"before finding any, e.g. {stopped[0].reason.removeprefix('stopped: ')}")
     result.seconds = time.perf_counter() - t0
+    return result
+
+
+def search_space(config: SearchConfig) -> SearchSpace:
+    """The configurations ``config`` asks for (``ValueError`` when no mesh of them tiles the devices)."""
+    return SearchSpace(devices=config.devices, tp=config.tp, zero=config.zero, cdp=config.cdp, cdp_stages=config.cdp_stages, dp=config.dp,
+                       micro_batches=config.micro_batches, recompute=config.recompute)
+
+
+def search_configured(graph: IRGraph, config: SearchConfig, *, model_name: str, progress: Callable[[SearchProgress], None] | None = None,
+                      workers: int | None = None, micro_graph: Callable[[int], IRGraph] | None = None,
+                      allow: StrategyFilter | None = None) -> SearchResult:
+    """:func:`search` as ``config`` says; the result and every plan in it carry ``config`` (so a
+    saved plan repeats its search: ``planner report MODEL --config PLAN.json``)."""
+    result = search(graph, search_space(config), config.hardware, model_name=model_name, memory_budget=config.memory_budget, objective=config.objective,
+                    optimizer=config.optimizer, master_dtype=config.master_dtype, prefetch=config.prefetch,
+                    settings=SolverSettings(time_limit_s=config.time_limit_s, relative_gap=config.relative_gap), front=config.front,
+                    resolution=config.resolution, max_points=config.max_points, progress=progress, workers=workers, micro_graph=micro_graph,
+                    bucket_bytes=config.bucket_bytes, allow=allow)
+    stamped: dict[int, Plan] = {}
+
+    def stamp(plan: Plan | None) -> Plan | None:
+        if plan is None:
+            return None
+        if id(plan) not in stamped:  # one copy per plan, so the same plan stays the same object everywhere
+            stamped[id(plan)] = plan.model_copy(update={"search_config": config})
+        return stamped[id(plan)]
+
+    result.candidates = [replace(c, plan=stamp(c.plan), front=tuple(stamp(p) for p in c.front)) for c in result.candidates]  # type: ignore[misc]
+    result.front = [stamp(p) for p in result.front]  # type: ignore[misc]
+    result.best, result.knee, result.config = stamp(result.best), stamp(result.knee), config
     return result
 
 

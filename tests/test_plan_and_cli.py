@@ -203,10 +203,11 @@ def test_api_takes_options_as_a_user_writes_them_and_names_the_wrong_ones() -> N
     result = plan_model(model, devices=4, example_inputs=args, example_kwargs=kwargs, tp="none,1d", zero=1, memory_budget="40GiB", front=False)
     assert result.plan is not None and result.search.memory_budget == 40 * 2**30
     assert {c.zero for c in result.search.candidates if c.mesh.degree("dp") > 1} == {1} and {c.family for c in result.search.candidates} <= {"none", "1d"}
-    for bad, match, error in (({"devices": "8"}, "devices must be an int", TypeError), ({"zero": 2.5}, "zero=2.5", TypeError),
-                              ({"tp": 3}, "tp=3", TypeError), ({"resolution": 5}, "resolution 5 must be in", ValueError),
-                              ({"max_points": 0}, "max_points 0", ValueError), ({"workers": 0}, "workers 0", ValueError),
-                              ({"dp": 1, "zero": 3}, "dp = 1 leaves none", ValueError), ({"memory_budget": 0}, "must be > 0", ValueError)):
+    for bad, match, error in (({"devices": "8"}, "devices must be an int", TypeError), ({"zero": 2.5}, "zero.0 = 2.5: Input should be 0, 1, 2 or 3", ValueError),
+                              ({"tp": 3}, "tp.0 = 3", ValueError), ({"resolution": 5}, "resolution = 5: Input should be less than 1", ValueError),
+                              ({"max_points": 0}, "max_points = 0", ValueError), ({"workers": 0}, "workers 0", ValueError),
+                              ({"dp": 1, "zero": 3}, "dp = 1 leaves none", ValueError), ({"memory_budget": 0}, "memory_budget = 0: Input should be greater than 0", ValueError),
+                              ({"zeros": (1,)}, "unknown key 'zeros'", ValueError)):
         options = {"devices": 4, **bad}
         with pytest.raises(error, match=match):
             plan_model(model, example_inputs=args, example_kwargs=kwargs, **options)  # type: ignore[arg-type]
