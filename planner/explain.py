@@ -25,7 +25,7 @@ from planner.hardware import HardwareProfile
 from planner.ir import IRGraph
 from planner.mesh import mesh_text
 from planner.plan import CommRecord, Plan
-from planner.report import candidate_status, cdp_text, format_plan, needs_text, point_marks, render
+from planner.report import candidate_status, cdp_text, format_plan, needs_text, point_marks, recompute_layers, render
 from planner.search import Candidate, SearchResult
 from planner.strategy import Comm
 from planner.units import format_bytes, format_seconds
@@ -91,6 +91,9 @@ def time_section(plan: Plan, hardware: HardwareProfile) -> str:
     if plan.overlap_time_s:
         lines.append(f"  overlap        {format_seconds(plan.overlap_time_s)} of the communication runs behind compute "
                      f"({'CDP' if plan.cdp != 'off' else 'ZeRO-3 prefetch'})")
+    if plan.recompute != "none":
+        lines.append(f"  recompute      {format_seconds(plan.recompute_time_s)} ({_share(plan.recompute_time_s, step)} of the step) of the above: the forward of "
+                     f"{recompute_layers(plan)} again in backward, to hold their saved tensors only while their backward runs")
     priced = [(r, collective_seconds(r, plan, hardware)) for r in plan.comms]
     timed = sorted(((r, s) for r, s in priced if s is not None), key=lambda rs: -rs[1] * rs[0].count)
     if not timed:

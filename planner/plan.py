@@ -155,6 +155,7 @@ class Plan(_Frozen):
     compute_time_s: float
     comm_time_s: float
     overlap_time_s: float = Field(default=0.0, description="communication hidden behind compute (the gradient sync beside backward, ZeRO-3 prefetch, CDP); step = compute + comm - overlap")
+    recompute_time_s: float = Field(default=0.0, description="of the step time, what activation recomputation adds (the forward compute and collectives again)")
     peak_memory_bytes: int
     memory_breakdown: MemoryBreakdown
     nodes: tuple[NodePlan, ...]

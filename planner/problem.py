@@ -77,6 +77,9 @@ class Group:
     # all-reduce, ZeRO-1/2's reduce-scatter), all instances: the ILP hides overlap_efficiency of
     # them, less what the sync rows leave exposed (planner.overlap.sync_rows)
     sync: list[float] = field(default_factory=list)
+    # seconds activation recomputation adds (the forward compute and collectives run again in
+    # backward), all instances; empty where the group recomputes nothing
+    rerun: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -95,6 +98,7 @@ class ConversionTerm:
     cost: float  # seconds, all instances
     comms: tuple[Comm, ...]
     producers: set[str] = field(default_factory=set)  # producer node instances paying it
+    rerun: int = 0  # the last ``rerun`` comms: its forward steps again, in a recomputed segment
     # y >= [producer group in idx_u] + [consumer group in idx_v] - 1
     conditions: list[tuple[str, frozenset[int], str, frozenset[int]]] = field(default_factory=list)
 
@@ -644,8 +648,13 @@ def _price_nodes(problem: Problem, optimizer: str, master_itemsize: int | None) 
             recomputed = problem.recomputes(node)
             if recomputed:  # the forward runs again in backward: its compute and its forward collectives
                 flops = node.flops_fwd + node.flops_bwd
-                t += compute * (node.flops_fwd / flops if flops else 1 / 3)
-                comms += recompute_scheme.rerun_comms(node, strategy, mesh, node.name in recompute_scheme.last_savers(graph))
+                again = recompute_scheme.rerun_comms(node, strategy, mesh, node.name in recompute_scheme.last_savers(graph))
+                rerun = compute * (node.flops_fwd / flops if flops else 1 / 3)
+                t += rerun
+                comms += again
+                if not group.rerun:
+                    group.rerun = [0.0] * len(group.strategies)
+                group.rerun[i] += (rerun + sum(comm_time(c, mesh, hw) * problem.repeats(c) for c in again)) * count
             if problem.cdp != "off" and node.target in LOSS_TARGETS:  # CDP: local count x N, no all-reduce
                 comms = [c for c in comms if not (c.kind == "all_reduce" and set(c.axes) & set(mesh.dp_axes))]
             if node.name == consumers_of_output:
@@ -902,9 +911,8 @@ def _price_edges(problem: Problem) -> None:
             if term is None:
                 in_unit = problem.in_units and u.kind == "param" and is_unit_gather(cache.conversion(a, b), mesh)
                 comms = cache.conversion_comms(a, b, meta.nbytes, with_grad, problem.unit_share_bytes if in_unit else 0)
-                if rerun:  # its forward steps run again when the segment is recomputed
-                    comms += tuple(c for c in comms if c.phase == "fwd")
-                term = problem.conversions[key] = ConversionTerm(key, 0.0, comms)
+                again = tuple(c for c in comms if c.phase == "fwd") if rerun else ()  # its forward steps, when the segment is recomputed
+                term = problem.conversions[key] = ConversionTerm(key, 0.0, comms + again, rerun=len(again))
             term.producers |= producers
             cond = (gu, iu, gv, iv)
             if cond not in term.conditions:
@@ -984,6 +992,7 @@ class Evaluation:
     comms: tuple[tuple[Comm, int], ...]
     overlap_time: float = 0.0  # communication hidden behind compute (gradient sync, ZeRO-3 prefetch, CDP), already out of step_time
     peak_at: str = ""  # the op at whose forward or backward the memory peaks (planner.peak); "" at the optimizer step
+    recompute_time: float = 0.0  # seconds activation recomputation adds (in step_time already)
 
     @property
     def peak_memory(self) -> float:
@@ -1017,11 +1026,12 @@ def evaluate(problem: Problem, assignment: dict[str, int]) -> Evaluation:
     total = 0.0
     comm_t = 0.0
     params = grads = opt = act = 0.0
-    step_t = packed = 0.0
+    step_t = packed = rerun = 0.0
     comms: list[tuple[Comm, int]] = []
     for key, group in problem.groups.items():
         i = assignment[key]
         total += group.time[i]
+        rerun += group.rerun[i] if group.rerun else 0.0
         c_t = sum(comm_time(c, mesh, hw) * n for c, n in group.comms[i])
         comm_t += c_t
         p, g, o = group.param_memory[i]
@@ -1038,6 +1048,8 @@ def evaluate(problem: Problem, assignment: dict[str, int]) -> Evaluation:
             total += term.cost
             comm_t += term.cost
             comms.extend((c, term.count * problem.repeats(c)) for c in term.comms)
+            if term.rerun:
+                rerun += sum(comm_time(c, mesh, hw) * problem.repeats(c) for c in term.comms[-term.rerun:]) * term.count
     held: set[tuple[object, ...]] = set()
     for hold_key, hold in problem.holds.items():
         if any(assignment[gu] in iu and (gv is None or assignment[gv] in iv) for gu, iu, gv, iv in hold.conditions):
@@ -1095,4 +1107,4 @@ def evaluate(problem: Problem, assignment: dict[str, int]) -> Evaluation:
     memory = {"params": params, "grads": grads, "optimizer": opt, "activations": act, "transient": transient, "step_transient": step_t}
     if grads + step_t > during:
         peak_at = ""
-    return Evaluation(total - hidden, total - comm_t, comm_t, memory, tuple(comms), hidden, peak_at)
+    return Evaluation(total - hidden, total - comm_t, comm_t, memory, tuple(comms), hidden, peak_at, rerun)

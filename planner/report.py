@@ -64,12 +64,20 @@ def cdp_text(plan: Plan) -> str:
     return plan.cdp if plan.cdp == "off" else f"{plan.cdp}, {plan.cdp_stages} stages"
 
 
+def recompute_layers(plan: Plan) -> str:
+    """The repeated layers a plan recomputes, e.g. ``h.* (12 layers)``."""
+    instances = {m for n in plan.nodes if (m := match_layer(n.module)) is not None}
+    stacks = sorted({prefix for prefix, _ in instances})
+    return ", ".join(f"{s}.* ({sum(1 for p, _ in instances if p == s)} layers)" for s in stacks) or "the repeated layers"
+
+
 def recompute_text(plan: Plan) -> str:
     """Which layers a plan recomputes and what it costs (planner.schemes.recompute)."""
-    stacks = sorted({m[0] for n in plan.nodes if (m := match_layer(n.module)) is not None})
-    where = ", ".join(f"{s}.*" for s in stacks) or "the repeated layers"
-    return (f"each instance of {where} keeps only its inputs in forward and runs its forward again in backward (the step time "
-            "counts that compute and its forward collectives; the memory, its saved tensors only while its backward runs)")
+    where = recompute_layers(plan)
+    share = f", {100 * plan.recompute_time_s / plan.step_time_s:.1f} % of the step" if plan.step_time_s > 0 else ""
+    return (f"each instance of {where} keeps only its inputs in forward and runs its forward again in backward: "
+            f"{format_seconds(plan.recompute_time_s)} more per step (that compute and its forward collectives{share}); "
+            "its saved tensors are held only while its backward runs")
 
 
 def point_marks(result: SearchResult, plan: Plan) -> str:

@@ -858,6 +858,7 @@ def make_plan(
         compute_time_s=ev.compute_time,
         comm_time_s=ev.comm_time,
         overlap_time_s=ev.overlap_time,
+        recompute_time_s=ev.recompute_time,
         peak_memory_bytes=int(ev.peak_memory),
         memory_breakdown=_breakdown(ev),
         nodes=tuple(nodes),

@@ -87,3 +87,27 @@ def test_the_front_gains_points_below_the_least_memory_without_recomputation() -
     below = [p for p in both.front if p.peak_memory_bytes < least]
     assert below and all(p.recompute == "full" for p in below)
     assert both.front[0].step_time_s == pytest.approx(without.front[0].step_time_s)  # the fastest plan keeps every activation
+
+
+@pytest.mark.parametrize("mesh", [Mesh(("dp", "tp"), (1, 2)), Mesh(("dp", "tp"), (2, 2)), Mesh(("dp", "tp"), (1, 4))], ids=str)
+def test_the_recompute_time_is_what_recomputing_adds_to_the_same_plan(mesh: Mesh) -> None:
+    """``Evaluation.recompute_time`` (Plan.recompute_time_s, which explain prints) is exactly the
+    step time the same strategies gain when their layers recompute: the forward compute and the
+    forward collectives again (the least-memory assignment shards, so collectives rerun too)."""
+    graph = _gpt_tiny()
+    plain = build_problem(graph, mesh, A100_80G)
+    again = build_problem(graph, mesh, A100_80G, recompute="full")
+    small = solve(again, memory_budget=float("inf"), objective="memory").assignment
+    a, b = evaluate(plain, small), evaluate(again, small)
+    assert a.recompute_time == 0.0 and b.recompute_time > 0
+    assert b.step_time - a.step_time == pytest.approx(b.recompute_time, rel=1e-9)
+    assert b.comm_time > a.comm_time  # the sharded layers' forward collectives run again
+
+
+def test_explain_says_which_layers_recompute_and_what_it_costs(capsys: pytest.CaptureFixture[str]) -> None:
+    from planner.cli import main
+
+    assert main(["explain", "gpt-tiny", "--devices", "2", "--tp", "1d", "--dp", "1", "--recompute", "full", "--best-only"]) == 0
+    text = capsys.readouterr().out
+    line = next(line for line in text.splitlines() if line.startswith("  recompute  "))  # the time section's row
+    assert "of the step) of the above: the forward of h.* (2 layers) again in backward" in line, line
