@@ -11,12 +11,14 @@ it. On the first CUDA device it:
    autocast with fp32 weights and fused AdamW, and prints its MFU: the traced graph's forward +
    backward FLOPs per step over the median step time and the profile's bf16 peak (the preset's
    datasheet peak, and the calibrated best matmul, both printed);
-3. for the single-device plan (float32, as planned), the same with every block recomputed in
-   backward (activation checkpointing), and the sharded plans that run on one GPU
+3. for the single-device plan (float32, as planned), the same with each attention core and with
+   every block recomputed in backward (activation checkpointing), and the sharded plans that run on one GPU
    (2 gloo ranks sharing it: data parallelism and Megatron 1-D, whose collectives gloo runs on
    CUDA tensors; a plan whose collectives gloo cannot run on CUDA is reported, not hidden),
    compares the plan's predicted step time and peak memory with the median measured step and
-   ``torch.cuda.max_memory_allocated`` (less what was allocated before the model was built).
+   ``torch.cuda.max_memory_allocated`` (less what was allocated before the model was built);
+4. the same three recomputation modes on GPT-2 124M in ``transformers`` with eager attention
+   (seq 1024), where selective recomputation drops the attention scores and probabilities.
 
 Everything it prints also goes to ``DIR/gpu_check.json``. Under NCCL the runtime's collectives are
 asynchronous work on NCCL's own CUDA stream, so they overlap the compute stream. ``--device cpu``
@@ -107,14 +109,42 @@ def mfu(model_name: str, batch: int, steps: int, device: torch.device, profile: 
                 "mfu_vs_calibrated_matmul": round(flops / seconds / measured_peak, 3) if measured_peak else None})
 
 
+EAGER_GPT2 = "hf-gpt2-124m-eager"  # GPT-2 small's shapes (12 x 768, 12 heads, seq 1024) in transformers, eager attention
+
+
+def _build(model_name: str, seed: int) -> torch.nn.Module:
+    """A preset, or :data:`EAGER_GPT2` (the attention whose scores selective recomputation drops)."""
+    if model_name != EAGER_GPT2:
+        from planner.models import build_model
+
+        return build_model(model_name, seed=seed)
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    config = transformers.GPT2Config(n_layer=12, n_embd=768, n_head=12, n_positions=1024, vocab_size=50304, resid_pdrop=0.0, embd_pdrop=0.0,
+                                     attn_pdrop=0.0, attn_implementation="eager")
+    torch.manual_seed(seed)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def _inputs(model_name: str, batch: int, seed: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    if model_name != EAGER_GPT2:
+        from planner.models import example_inputs
+
+        return example_inputs(model_name, batch=batch, seed=seed)
+    ids = torch.randint(0, 50304, (batch, 1024), generator=torch.Generator().manual_seed(seed))
+    return (), {"input_ids": ids, "labels": ids}
+
+
+RECOMPUTE_LABELS = {"none": "1 device", "selective": "1 device, attention cores recomputed", "full": "1 device, every block recomputed"}
+
+
 def _plans(model_name: str, batch: int, profile: Any, world: int) -> list[tuple[str, str]]:
-    from planner.models import build_model, example_inputs
     from planner.search import SearchSpace, search
     from planner.trace import trace
 
-    graph = trace(build_model(model_name, seed=0), *example_inputs(model_name, batch=batch, seed=1))
-    spaces = {"1 device": SearchSpace(devices=1, tp=("none",)),
-              "1 device, every block recomputed": SearchSpace(devices=1, tp=("none",), recompute=("full",))} if world == 1 else {
+    graph = trace(_build(model_name, 0), *_inputs(model_name, batch, 1))
+    spaces = {label: SearchSpace(devices=1, tp=("none",), recompute=(mode,)) for mode, label in RECOMPUTE_LABELS.items()} if world == 1 else {
         f"dp={world}": SearchSpace(devices=world, dp=world, tp=("none",), zero=(0,)),
         f"dp={world} zero1": SearchSpace(devices=world, dp=world, tp=("none",), zero=(1,)),
         f"tp={world} (1-D)": SearchSpace(devices=world, dp=1, tp=("1d",), zero=(0,)),
@@ -132,7 +162,6 @@ def _plans(model_name: str, batch: int, profile: Any, world: int) -> list[tuple[
 def _run_plans(rank: int, world: int, port: int, model_name: str, batch: int, steps: int, plans: list[tuple[str, str]], use_cuda: bool, out: Any) -> None:
     import torch.distributed as dist
 
-    from planner.models import build_model, example_inputs
     from planner.plan import Plan
     from planner.runtime.compile import compile_plan
 
@@ -151,8 +180,8 @@ def _run_plans(rank: int, world: int, port: int, model_name: str, batch: int, st
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats(device)
                 before = torch.cuda.memory_allocated(device)
-            model = build_model(model_name, seed=0)
-            args, kwargs = example_inputs(model_name, batch=batch, seed=1)
+            model = _build(model_name, 0)
+            args, kwargs = _inputs(model_name, batch, 1)
             pm = compile_plan(plan, model, args, kwargs, device=device)
             del model
             opt = pm.make_optimizer(torch.optim.AdamW, lr=1e-4)
@@ -222,6 +251,7 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="planner calibrate --quick")
     p.add_argument("--profile", help="a profile calibrate wrote on this machine before (gpu.json): used instead of calibrating again")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    p.add_argument("--sections", default=None, help="comma list of calibrate, mfu, one device, two ranks sharing the device, recompute (default all)")
     a = p.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -234,13 +264,15 @@ def main() -> None:
     t0 = time.perf_counter()
     from planner.hardware import H200_141G, HardwareProfile
 
-    profile: Any = None
+    profile: Any = HardwareProfile.model_validate_json(Path(a.profile).read_text()) if a.profile else None
     sections = [
-        ("calibrate", lambda: calibrate_profile(out, a.quick) if a.profile is None else HardwareProfile.model_validate_json(Path(a.profile).read_text())),
+        ("calibrate", lambda: calibrate_profile(out, a.quick) if a.profile is None else profile),
         ("mfu", lambda: mfu(a.model, a.batch, a.steps, device, profile)),
         ("one device", lambda: predicted_vs_measured(a.model, a.plan_batch, a.steps, profile or H200_141G, use_cuda, 1)),
         ("two ranks sharing the device", lambda: predicted_vs_measured(a.model, a.plan_batch, a.steps, profile or H200_141G, use_cuda, 2)),
+        ("recompute", lambda: predicted_vs_measured(EAGER_GPT2 if use_cuda else "hf-gpt2-eager", a.plan_batch, a.steps, profile or H200_141G, use_cuda, 1)),
     ]
+    sections = [(name, run) for name, run in sections if a.sections is None or name in a.sections.split(",")]
     for name, run in sections:
         try:
             value = run()

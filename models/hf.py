@@ -52,6 +52,11 @@ _NO_DROPOUT = dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
 HF_PRESETS: dict[str, HFPreset] = {
     "hf-gpt2": HFPreset("GPT2LMHeadModel", "GPT2Config", dict(n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=2 * SEQ,
                                                              resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0), "causal-lm"),
+    # the same with eager attention (q k^T, mask, softmax, dropout, p v as separate ops): what
+    # selective recomputation recomputes (planner.schemes.recompute)
+    "hf-gpt2-eager": HFPreset("GPT2LMHeadModel", "GPT2Config", dict(n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=2 * SEQ,
+                                                                   resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="eager"),
+                              "causal-lm"),
     "hf-llama": HFPreset("LlamaForCausalLM", "LlamaConfig", _DECODER, "causal-lm"),
     "hf-qwen2": HFPreset("Qwen2ForCausalLM", "Qwen2Config", _DECODER, "causal-lm"),
     "hf-mistral": HFPreset("MistralForCausalLM", "MistralConfig", _DECODER | dict(sliding_window=4), "causal-lm"),

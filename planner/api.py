@@ -80,7 +80,7 @@ def plan_model(
     plan (quicker; ``knee`` then picks among those); ``micro_batches``: gradient-accumulation
     counts to search (e.g. ``(1, 2, 4)``: a plan with ``m`` runs ``m`` micro-batches of the batch
     / ``m`` one after another and syncs gradients once, ``ParallelModule.forward_backward``);
-    ``recompute``: ``("none", "full")`` lets the search trade a repeated layer's forward compute
+    ``recompute``: ``("none", "selective", "full")`` lets the search trade a repeated layer's (or its attention core's) forward compute
     for its saved activations (:mod:`planner.schemes.recompute`); ``bucket_bytes``: the gradient
     sync's bucket size (DDP's 25 MiB by default; :mod:`planner.buckets`). Every plan returned
     carries the configuration (``plan.search_config``). ``workers``, ``progress``: see

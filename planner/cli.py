@@ -6,7 +6,7 @@
     planner models
 
 SEARCH OPTIONS: [--batch B] [--config FILE] [--hardware NAME|FILE] [--memory BYTES] [--tp none,1d,2d,3d] [--zero 0,1,2,3]
-[--cdp off,v1,v2] [--cdp-stages L] [--micro-batches 1,2,4] [--recompute none,full] [--dp N] [--objective time|memory|knee] [--best-only] [--resolution 0.02]
+[--cdp off,v1,v2] [--cdp-stages L] [--micro-batches 1,2,4] [--recompute none,selective,full] [--dp N] [--objective time|memory|knee] [--best-only] [--resolution 0.02]
 [--max-points 12] [--precision fp32|bf16-mixed|fp16-mixed] [--optimizer adamw|sgd-momentum] [--no-prefetch]
 [--time-limit S] [--progress] [-v]
 
@@ -169,8 +169,8 @@ def _add_search_options(r: argparse.ArgumentParser) -> None:
     r.add_argument("--micro-batches", type=_list(int), default=(1,),
                    help="gradient accumulation: micro-batch counts to search (comma list, e.g. 1,2,4; default 1)")
     r.add_argument("--recompute", type=_list(str, MODES), default=("none",),
-                   help="activation recomputation to search (comma list of none,full; full re-runs each repeated layer's forward in "
-                        "backward and keeps only its input; default none)")
+                   help="activation recomputation to search (comma list of none,selective,full; full re-runs each repeated layer's "
+                        "forward in backward and keeps only its inputs, selective its attention cores; default none)")
     r.add_argument("--dp", type=int, default=None, help="fix the data-parallel degree")
     r.add_argument("--objective", choices=("time", "memory", "knee"), default="time",
                    help="which front point is chosen: the fastest, the smallest, or the knee (best balance); default time")

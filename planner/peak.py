@@ -103,7 +103,7 @@ def instants(problem: Problem) -> list[Instant]:
     # recomputed segments (planner.schemes.recompute): what their ops save is alive only while the
     # segment's backward runs; at its op v, the saves of its ops up to v: (position, form) per segment
     rerun: dict[object, list[tuple[int, Form]]] = defaultdict(list)
-    segment = segments(graph).get
+    segment = segments(graph, problem.recompute).get
     for n in order:
         terms = problem.node_terms[n.template]
         if any(terms.saved):

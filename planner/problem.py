@@ -198,7 +198,7 @@ class Problem:
 
     def recomputes(self, node: Node) -> bool:
         """Whether ``node`` runs in a recomputed segment (its forward runs again in backward)."""
-        return self.recompute != "none" and node.name in recompute_scheme.segments(self.graph)
+        return self.recompute != "none" and node.name in recompute_scheme.segments(self.graph, self.recompute)
 
     @property
     def in_units(self) -> bool:
@@ -274,7 +274,7 @@ def build_problem(
 
     ``recompute="full"``: each instance of a repeated layer is recomputed in backward
     (:mod:`planner.schemes.recompute`: its forward priced again, its saved tensors held only while
-    its backward runs)."""
+    its backward runs); ``"selective"``: each attention core of one."""
     t0 = time.perf_counter()
     recompute_scheme.check((recompute,))
     why = recompute_scheme.unsupported(recompute, zero_stage, cdp)
@@ -648,7 +648,7 @@ def _price_nodes(problem: Problem, optimizer: str, master_itemsize: int | None) 
             recomputed = problem.recomputes(node)
             if recomputed:  # the forward runs again in backward: its compute and its forward collectives
                 flops = node.flops_fwd + node.flops_bwd
-                again = recompute_scheme.rerun_comms(node, strategy, mesh, node.name in recompute_scheme.last_savers(graph))
+                again = recompute_scheme.rerun_comms(node, strategy, mesh, node.name in recompute_scheme.last_savers(graph, problem.recompute))
                 rerun = compute * (node.flops_fwd / flops if flops else 1 / 3)
                 t += rerun
                 comms += again
@@ -946,9 +946,41 @@ def _price_holds(problem: Problem, v: Node, p: int, ref: InputRef) -> None:
     if p == 0 and saved_output and v.template == v.name:
         root = _root(graph, InputRef(v.name, 0))
         _add_hold(problem, root, gv, [(j, s.outputs[0]) for j, s in enumerate(problem.choices[v.name]) if s.outputs and s.outputs[0] is not None], v)  # type: ignore[misc]
+    if problem.recomputes(v):
+        _segment_input(problem, v, ref)
 
 
-def _add_hold(problem: Problem, root: InputRef, gv: str, specs: list[tuple[int, Spec]], v: Node) -> None:
+def _segment_input(problem: Problem, v: Node, ref: InputRef) -> None:
+    """An input of a recomputed segment read by its op ``v``: the checkpoint keeps it, as its
+    producer made it, from forward to the segment's backward, whether or not an op saves it
+    (measured, HF GPT-2 with eager attention under selective recomputation: the causal mask added
+    to the scores, 8 KB of its 1-D plan's 165 KB, which no op saves). One storage read by every
+    instance (made once, outside the stack) is held once."""
+    graph = problem.graph
+    segment_of = recompute_scheme.segments(graph, problem.recompute)
+    u = graph.nodes[ref.node]
+    if u.kind != "op" or segment_of.get(u.name) == segment_of[v.name]:
+        return
+    position = v.inputs.index(ref)
+    roots = {_root(graph, w.inputs[position]) for w in _instances(graph)[v.template]}
+    made = [(i, s.outputs[ref.index]) for i, s in enumerate(problem.choices[u.template]) if ref.index < len(s.outputs)]
+    _add_hold(problem, _root(graph, ref), problem.node_group[u.name], [(i, spec) for i, spec in made if spec is not None], v,
+              instances=len(roots))
+
+
+def _instances(graph: IRGraph) -> dict[str, list[Node]]:
+    """Each template's nodes (itself and the other instances of its repeated layer)."""
+
+    def make() -> dict[str, list[Node]]:
+        out: dict[str, list[Node]] = defaultdict(list)
+        for n in graph.nodes.values():
+            out[n.template].append(n)
+        return out
+
+    return graph.memo("instances_of_template", make)
+
+
+def _add_hold(problem: Problem, root: InputRef, gv: str, specs: list[tuple[int, Spec]], v: Node, instances: int | None = None) -> None:
     graph, mesh = problem.graph, problem.mesh
     root_node = graph.nodes[root.node]
     meta = root_node.outputs[root.index]
@@ -957,10 +989,10 @@ def _add_hold(problem: Problem, root: InputRef, gv: str, specs: list[tuple[int, 
     by_axes: dict[frozenset[str], set[int]] = defaultdict(set)
     for j, spec in specs:
         by_axes[spec.layout.shard_axes].add(j)
-    instances = problem.instances[v.template]
+    instances = problem.instances[v.template] if instances is None else instances
     # made inside the saver's recomputed segment (a parameter's converted copy, an op of the same
     # instance): recomputed; a segment's input (made outside the instance) is kept by the checkpoint
-    inside = problem.recomputes(v) and (root_node.kind == "param" or recompute_scheme.segments(graph).get(root_node.name) == recompute_scheme.segments(graph)[v.name])
+    inside = problem.recomputes(v) and (root_node.kind == "param" or recompute_scheme.segments(graph, problem.recompute).get(root_node.name) == recompute_scheme.segments(graph, problem.recompute)[v.name])
     for axes, idx in by_axes.items():
         key = ("hold", root_node.template, root.index, axes)
         term = problem.holds.get(key)

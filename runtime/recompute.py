@@ -1,8 +1,9 @@
 """Run a compiled graph's recomputed segments under ``torch.utils.checkpoint`` (the plan's
 ``recompute``, :mod:`planner.schemes.recompute`).
 
-Each maximal run of the rank-local graph's nodes that belong to one instance of a repeated layer
-up to the kernel of its last op that saves a tensor (:func:`planner.schemes.recompute.segments`:
+Each maximal run of the rank-local graph's nodes that belong to one recomputed segment (full: an
+instance of a repeated layer up to the kernel of its last op that saves a tensor; selective: an
+attention core; :func:`planner.schemes.recompute.segments`:
 the kernels of its ops and the conversions into them, which compile places before the op that
 needs them) becomes a ``torch.fx.GraphModule`` of its own, called through
 :class:`Recomputed`: forward saves only the segment's inputs, and backward runs its forward again
@@ -60,7 +61,7 @@ def _draws_random(graph: IRGraph, name: str) -> bool:
     return True
 
 
-def checkpoint_segments(gm: torch.fx.GraphModule, origin: dict[str, str], graph: IRGraph) -> int:
+def checkpoint_segments(gm: torch.fx.GraphModule, origin: dict[str, str], graph: IRGraph, mode: str = "full") -> int:
     """Rewrite ``gm`` in place: each run of nodes of one repeated-layer instance (by ``origin``,
     rank-local node name -> traced node) goes through a :class:`Recomputed` module. Returns the
     number of segments."""
@@ -73,7 +74,7 @@ def checkpoint_segments(gm: torch.fx.GraphModule, origin: dict[str, str], graph:
         if n.op == "get_attr":
             first_body.prepend(n)
 
-    inside, last = segments(graph), last_savers(graph)
+    inside, last = segments(graph, mode), last_savers(graph, mode)
     ended: set[str] = set()  # last ops whose kernel has run: what they add after it is outside
 
     def key(n: torch.fx.Node) -> object:

@@ -5,7 +5,7 @@ attention, Qwen2, Mistral, BERT (masked LM, ignored labels), ViT, BART (encoder-
 Mixtral (top-k mixture of experts; its float64 runs use transformers' batched-matmul experts,
 models/hf.py says why), plus a model of ours made of every multi-output op (tests/ops_models.py,
 on 4 ranks), each under data parallelism, ZeRO-3, Megatron 1-D over 4 (also with every repeated layer
-recomputed in backward), dp=2 x tp=2, 2-D 2x2 and CDP v1 on 4 ranks and 3-D 2x2x2 on 8. For every plan: it shards (the
+recomputed in backward; and GPT-2 with eager attention, its attention cores recomputed), dp=2 x tp=2, 2-D 2x2 and CDP v1 on 4 ranks and 3-D 2x2x2 on 8. For every plan: it shards (the
 tensor-parallel plans use their family on every op that multiplies by a weight, where shapes
 allow) and nothing falls back to replication; three optimizer steps in float64 give the single
 device's losses, gradients and parameters to 1e-9; the collectives executed equal the plan's
@@ -57,8 +57,12 @@ KINDS = {
     "2d": (4, 1, "2d", "time"),
     "3d": (8, 1, "3d", "time"),
     "1d-recompute": (4, 1, "1d", "memory"),  # the least-memory 1-D plan, every repeated layer recomputed
+    "1d-selective": (4, 1, "1d", "memory"),  # the same, each attention core recomputed (EAGER only)
 }
-RECOMPUTING = {"1d-recompute"}
+RECOMPUTING = {"1d-recompute": "full", "1d-selective": "selective"}
+# GPT-2 with eager attention (q k^T, mask, softmax, dropout, p v): its 1-D plans, with and without
+# selective recomputation, on the 4-rank world (the other models' attention is one fused op)
+EAGER = {"hf-gpt2-eager": ("1d", "1d-selective")}
 CDP_STAGES = 2
 FAILING_MODULE = "model.layers.1.mlp.down_proj"  # whose kernel the error check breaks (Llama, 1-D)
 
@@ -73,7 +77,7 @@ def _plan(name: str, kind: str, dtype: torch.dtype) -> Plan:
     graph = _graph(name, dtype)
     allow = require_family(graph, family_mesh(family, devices, dp)) if family != "none" and objective == "time" else None
     space = SearchSpace(devices=devices, dp=dp, tp=(family,), zero=(3 if kind == "zero3" else 0,),
-                        recompute=("full",) if kind in RECOMPUTING else ("none",))
+                        recompute=(RECOMPUTING[kind],) if kind in RECOMPUTING else ("none",))
     result = search(graph, space, A100_80G, model_name=name, objective=objective, allow=allow, front=False)  # type: ignore[arg-type]
     assert result.best is not None, (name, kind, [c.reason for c in result.candidates])
     return result.best
@@ -111,13 +115,14 @@ def _plans(jobs: list[tuple[str, str, str]]) -> dict[tuple[str, str, str], Plan]
 
 def _world(devices: int) -> dict[str, Any]:
     t_plan = time.perf_counter()
-    kinds = [k for k, spec in KINDS.items() if spec[0] == devices]
+    kinds = [k for k, spec in KINDS.items() if spec[0] == devices and k != "1d-selective"]
     models = (*MODELS, OPS_MODEL) if devices == 4 else MODELS
-    jobs = [(m, k, dtype) for dtype in ("float64", "float32") for m in models for k in kinds]
+    pairs = [(m, k) for m in models for k in kinds] + ([(m, k) for m, ks in EAGER.items() for k in ks] if devices == 4 else [])
+    jobs = [(m, k, dtype) for dtype in ("float64", "float32") for m, k in pairs]
     jobs += [(m, "cdp", dtype) for dtype in ("float64", "float32") for m in MODELS] if devices == 4 else []
     plans = _plans(jobs)
-    same = {(m, k): plans[(m, k, "float64")] for m in models for k in kinds}
-    memory = {(m, k): plans[(m, k, "float32")] for m in models for k in kinds}
+    same = {(m, k): plans[(m, k, "float64")] for m, k in pairs}
+    memory = {(m, k): plans[(m, k, "float32")] for m, k in pairs}
     cdp = {m: plans[(m, "cdp", "float64")] for m in MODELS} if devices == 4 else {}
     cdp_memory = {(m, "cdp"): plans[(m, "cdp", "float32")] for m in MODELS} if devices == 4 else {}
     calls: list[Any] = [
@@ -155,10 +160,10 @@ def test_every_plan_shards_and_nothing_falls_back(world: dict[str, Any]) -> None
             assert plan.fallbacks == (), (name, kind, plan.fallbacks)
             if family != "none":
                 assert plan.tp == family, (name, kind, plan.tp)
-            if kind in RECOMPUTING:  # recomputed layers keep only their inputs: fewer activations held than without
-                assert plan.recompute == "full", (name, kind)
+            if kind in RECOMPUTING:  # recomputed layers (attention cores) keep only their inputs: fewer activations held than without
+                assert plan.recompute == RECOMPUTING[kind], (name, kind)
                 without = table[(name, "1d")].memory_breakdown.activations
-                if name in MODELS:  # (the ops model has no repeated layer)
+                if name in MODELS or name in EAGER:  # (the ops model has no repeated layer)
                     assert plan.memory_breakdown.activations < without, (name, plan.memory_breakdown.activations, without)
             if kind == "zero3":  # parameters stored split over the 4 data-parallel ranks, beside plain DP's
                 whole = table[(name, "dp")].memory_breakdown.params

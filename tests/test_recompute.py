@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 
 import pytest
+import torch
 
 from planner.cli import load_model
 from planner.hardware import A100_80G
@@ -31,7 +32,7 @@ def test_a_segment_is_a_layer_instance_up_to_its_last_op_that_saves() -> None:
     graph = _gpt_tiny()
     inside = segments(graph)
     instances = {key for key in inside.values()}
-    assert instances == {("h", 0), ("h", 1)}
+    assert instances == {("h", 0, 0), ("h", 1, 0)}
     for name, key in inside.items():
         node = graph.nodes[name]
         assert node.kind == "op" and (node.module_path + ".").startswith(f"h.{key[1]}.")
@@ -72,8 +73,8 @@ def test_recomputation_runs_with_zero_0_to_2_and_without_cdp() -> None:
     full = [c for c in configs if c.recompute == "full"]
     assert {(c.zero, c.cdp) for c in full if not c.reason} == {(0, "off")}
     assert all("ZeRO-3" in c.reason or "CDP" in c.reason for c in full if c.reason)
-    with pytest.raises(ValueError, match="recompute modes are none, full"):
-        SearchSpace(devices=4, recompute=("selective",))
+    with pytest.raises(ValueError, match="recompute modes are none, selective, full; got attention"):
+        SearchSpace(devices=4, recompute=("attention",))
     with pytest.raises(ValueError, match="ZeRO 0-2"):
         build_problem(_gpt_tiny(), Mesh(("dp",), (4,)), A100_80G, zero_stage=3, recompute="full")
 
@@ -111,3 +112,33 @@ def test_explain_says_which_layers_recompute_and_what_it_costs(capsys: pytest.Ca
     text = capsys.readouterr().out
     line = next(line for line in text.splitlines() if line.startswith("  recompute  "))  # the time section's row
     assert "of the step) of the above: the forward of h.* (2 layers) again in backward" in line, line
+
+
+def test_selective_recomputes_the_attention_cores_between_none_and_full() -> None:
+    """Selective segments are the attention cores: the fused SDPA op of this project's GPT, and on
+    GPT-2 with eager attention the ops from q k^T to p v (scale, mask, softmax, dropout between).
+    For the same strategies it holds fewer activations than none and more than full, and costs
+    less time than full; a model without attention has no selective configuration."""
+    pytest.importorskip("transformers")
+    from tests.dist_checks import build, inputs
+
+    cores = segments(_gpt_tiny(), "selective")
+    assert sorted(_gpt_tiny().nodes[n].target for n in cores) == ["aten.scaled_dot_product_attention.default"] * 2
+    graph = trace(build("hf-gpt2-eager", torch.float32), *inputs("hf-gpt2-eager", 8, torch.float32))
+    cores = segments(graph, "selective")
+    assert {key for key in cores.values()} == {("transformer.h", 0, 0), ("transformer.h", 1, 0)}
+    targets = [graph.nodes[n].target.split(".")[1] for n, key in cores.items() if key[1] == 0]
+    assert targets[0] == targets[-1] == "matmul" and "softmax" in targets and "dropout" in targets and "linear" not in targets, targets
+    ends = last_savers(graph, "selective")  # p v ends each core
+    assert len(ends) == 2 and all(graph.nodes[n].target.startswith("aten.matmul") and n in cores for n in ends)
+    mesh = Mesh(("dp", "tp"), (1, 2))
+    problems = {mode: build_problem(graph, mesh, A100_80G, recompute=mode) for mode in ("none", "selective", "full")}
+    small = solve(problems["selective"], memory_budget=float("inf"), objective="memory").assignment
+    ev = {mode: evaluate(pb, small) for mode, pb in problems.items()}
+    assert ev["full"].memory["activations"] < ev["selective"].memory["activations"] < ev["none"].memory["activations"]
+    assert 0 < ev["selective"].recompute_time < ev["full"].recompute_time
+    assert ev["selective"].step_time - ev["none"].step_time == pytest.approx(ev["selective"].recompute_time, rel=1e-9)
+    model, args, kwargs, _ = load_model("mlp-tiny", 8)
+    result = search(trace(model, args, kwargs), SearchSpace(devices=2, recompute=("none", "selective")), A100_80G, model_name="mlp-tiny", front=False)
+    pruned = [c for c in result.candidates if c.recompute == "selective"]
+    assert pruned and all("no repeated layer of this model has an attention core" in c.reason for c in pruned)

@@ -20,9 +20,14 @@ a saved tensor, before the segment's own backward. What that costs and saves, as
 Recomputation runs with ZeRO 0-2 and without CDP: ZeRO-3's units gather parameters through module
 hooks a recomputed forward would fire again, and CDP's stages run their own segments.
 
-Megatron-LM calls this full, uniform recomputation; Korthikanti et al. 2022's selective kind
-(the attention core only) saves little where attention is one fused op that already keeps only
-q, k, v, its output and the log-sum-exp (:func:`planner.trace._flash_saved`), as here.
+Megatron-LM calls this full, uniform recomputation. ``recompute="selective"`` (Korthikanti et
+al. 2022) makes the attention cores the segments instead: the same rules, per core. Where
+attention is one fused op (as in this project's models, whose SDPA keeps only q, k, v, its output
+and the log-sum-exp, :func:`planner.trace._flash_saved`) it saves next to nothing and the search
+finds it dominated; on eager attention (``q k^T``, mask, softmax, dropout, ``p v``, as Hugging
+Face models run with ``attn_implementation="eager"``) it drops the ``s^2``-per-head scores and
+probabilities for a few percent more compute. A model without an attention core in a repeated
+layer has no selective configuration (the search prunes it, saying so).
 """
 
 from __future__ import annotations
@@ -39,47 +44,102 @@ if TYPE_CHECKING:
     from planner.mesh import Mesh
     from planner.strategy import Comm, Strategy
 
-Recompute = Literal["none", "full"]
-MODES: tuple[Recompute, ...] = ("none", "full")
+Recompute = Literal["none", "selective", "full"]
+MODES: tuple[Recompute, ...] = ("none", "selective", "full")
 
-Segment = tuple[str, int]  # (the stack's module prefix, the instance), e.g. ("h", 3)
+# (the stack's module prefix, the instance, the segment within it), e.g. ("h", 3, 0): full
+# recomputation has one segment per instance, selective one per attention core
+Segment = tuple[str, int, int]
+
+_MATMULS = ("aten.matmul.", "aten.bmm.", "aten.baddbmm.", "aten.einsum.")
+_WALK = 8  # ops between an attention core's matmuls and its softmax, at most (scale, mask, dtype, dropout)
 
 
-def segments(graph: IRGraph) -> dict[str, Segment]:
-    """The ops that run inside a recomputed segment, and the segment each runs in: per instance of
-    a repeated layer, its ops up to the last one that saves a tensor for backward. The ops after
-    it save nothing, so they run outside the checkpoint (once; a recomputed forward would stop
-    before them anyway: torch's checkpoint stops once the last saved tensor is made again). Of
-    that last op, only what runs up to its kernel is inside: a reduction of its raw output (a
-    row-parallel all-reduce) runs after the segment. Parameters, inputs and ops outside
-    repeated layers are in none."""
+def segments(graph: IRGraph, mode: str = "full") -> dict[str, Segment]:
+    """The ops that run inside a recomputed segment, and the segment each runs in.
+
+    ``full``: per instance of a repeated layer, its ops up to the last one that saves a tensor
+    for backward. The ops after it save nothing, so they run outside the checkpoint (once; a
+    recomputed forward would stop before them anyway: torch's checkpoint stops once the last
+    saved tensor is made again). Of that last op, only what runs up to its kernel is inside: a
+    reduction of its raw output (a row-parallel all-reduce) runs after the segment.
+
+    ``selective`` (Korthikanti et al. 2022): per instance, each attention core: a fused
+    scaled-dot-product attention, or the ops from the matmul of two activations that feeds a
+    softmax (``q k^T``) to the matmul that reads the softmax's probabilities (``p v``), with the
+    scaling, masking and dropout between. Its inputs (q, k, v) stay saved; what it makes (the
+    scores, the probabilities, the dropout mask: ``s^2`` per head) is made again in backward.
+
+    Parameters, inputs and ops outside repeated layers are in none."""
 
     def make() -> dict[str, Segment]:
-        by_instance: dict[Segment, list[Node]] = {}
+        by_instance: dict[tuple[str, int], list[Node]] = {}
         for node in graph.nodes.values():
             if node.kind == "op" and node.layer is not None:
                 key = match_layer(node.module_path)
                 if key is not None:
                     by_instance.setdefault(key, []).append(node)
         out: dict[str, Segment] = {}
-        for key, ops in by_instance.items():
-            last = max((k for k, n in enumerate(ops) if n.saved), default=-1)
-            out.update((n.name, key) for n in ops[: last + 1])
+        for (prefix, index), ops in by_instance.items():
+            parts = _attention_cores(graph, ops) if mode == "selective" else [ops]
+            for k, part in enumerate(parts):
+                last = max((j for j, n in enumerate(part) if n.saved), default=-1)
+                out.update((n.name, (prefix, index, k)) for n in part[: last + 1])
         return out
 
-    return graph.memo("recompute_segments", make)
+    if mode not in ("selective", "full"):
+        return {}
+    return graph.memo(("recompute_segments", mode), make)
 
 
-def last_savers(graph: IRGraph) -> frozenset[str]:
+def _attention_cores(graph: IRGraph, ops: list[Node]) -> list[list[Node]]:
+    """The attention cores of one layer instance (``ops`` in graph order), each a run of ``ops``."""
+    where = {n.name: k for k, n in enumerate(ops)}
+    consumers = graph.consumers()
+
+    def activation_matmul(n: Node) -> bool:  # q k^T or p v: both operands made by ops, no weight
+        return n.target.startswith(_MATMULS) and all(graph.nodes[i.node].kind == "op" for i in n.inputs)
+
+    cores: list[list[Node]] = []
+    for k, n in enumerate(ops):
+        if "scaled_dot_product" in n.target:
+            cores.append([n])
+            continue
+        if "softmax" not in n.target:
+            continue
+        start = end = None
+        back = n
+        for _ in range(_WALK):  # up the first operand to q k^T
+            back = graph.nodes[back.inputs[0].node]
+            if back.name not in where:
+                break
+            if activation_matmul(back):
+                start = where[back.name]
+                break
+        ahead = n
+        for _ in range(_WALK):  # down the first reader inside the instance to p v
+            readers = sorted(where[c] for c, _ in consumers[ahead.name] if c in where)
+            if not readers:
+                break
+            ahead = ops[readers[0]]
+            if activation_matmul(ahead):
+                end = readers[0]
+                break
+        if start is not None and end is not None and start < k < end:
+            cores.append(ops[start:end + 1])
+    return cores
+
+
+def last_savers(graph: IRGraph, mode: str = "full") -> frozenset[str]:
     """The last op of each recomputed segment (:func:`segments`): its kernel ends the segment."""
 
     def make() -> frozenset[str]:
         last: dict[Segment, str] = {}
-        for name, key in segments(graph).items():
+        for name, key in segments(graph, mode).items():
             last[key] = name  # graph order: the last one of each segment stays
         return frozenset(last.values())
 
-    return graph.memo("recompute_last_savers", make)
+    return graph.memo(("recompute_last_savers", mode), make)
 
 
 def unsupported(recompute: str, zero: int, cdp: str) -> str:
