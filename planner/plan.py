@@ -42,6 +42,8 @@ class NodePlan(_Frozen):
     raw_output: str | None = None  # the kernel's output Spec before the strategy's own conversion
     regather: tuple[tuple[int, str], ...] = ()  # inputs gathered by the kernel, again in backward
     module: str = Field(default="", description="the module that runs the node, by its path in the model ('' at the root)")
+    recompute_segment: int | None = Field(default=None, description="the recomputed segment the node runs in (planner.schemes.recompute): its forward runs again in backward")
+    ends_segment: bool = Field(default=False, description="the segment's last op: its kernel ends the segment (a reduction of its raw output runs after it)")
 
     def input_specs(self) -> list[Spec | None]:
         return [parse_spec(s) if s is not None else None for s in self.inputs]

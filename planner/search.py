@@ -821,6 +821,9 @@ def make_plan(
 ) -> Plan:
     nodes = []
     fallbacks = []
+    segment_of = recompute_scheme.segments(graph, problem.recompute)
+    number = {key: k for k, key in enumerate(dict.fromkeys(segment_of.values()))}
+    ends = recompute_scheme.last_savers(graph, problem.recompute)
     for name, strategies in problem.choices.items():
         s = strategies[solution.assignment[problem.node_group[name]]]
         nodes.append(
@@ -835,6 +838,8 @@ def make_plan(
                 raw_output=s.raw_output.encode() if s.raw_output is not None else None,
                 regather=tuple((pos, spec.encode()) for pos, spec in s.regather),
                 module=graph.nodes[name].module_path,
+                recompute_segment=number[segment_of[name]] if name in segment_of else None,
+                ends_segment=name in ends,
             )
         )
         if s.algorithm == FALLBACK:

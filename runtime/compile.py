@@ -112,7 +112,7 @@ def compile_plan(
         builder.materialize(init, prune=source is not None)
     gm = builder.build()
     if plan.recompute != "none":  # each repeated layer's instance under torch.utils.checkpoint
-        checkpoint_segments(gm, builder.origin, graph, plan.recompute)
+        checkpoint_segments(gm, builder.origin, plan, graph)
     units = _param_units(plan, gm, builder.sites, mg, recorder)
     if plan.zero_prefetch:
         prefetch_parameter_gathers(gm)  # the gathers outside units, one ahead

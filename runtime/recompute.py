@@ -4,7 +4,7 @@
 Each maximal run of the rank-local graph's nodes that belong to one recomputed segment (full: an
 instance of a repeated layer up to the kernel of its last op that saves a tensor; selective: an
 attention core; :func:`planner.schemes.recompute.segments`:
-the kernels of its ops and the conversions into them, which compile places before the op that
+the planner marks each plan node's segment; the kernels of its ops and the conversions into them, which compile places before the op that
 needs them) becomes a ``torch.fx.GraphModule`` of its own, called through
 :class:`Recomputed`: forward saves only the segment's inputs, and backward runs its forward again
 (collectives included, recorded like any other) before the segment's own backward. Parameters and
@@ -22,8 +22,8 @@ import torch.fx
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from planner.ir import IRGraph
+from planner.plan import Plan
 from planner.runtime.module import attr_name
-from planner.schemes.recompute import last_savers, segments
 
 
 class Recomputed(torch.nn.Module):
@@ -61,10 +61,10 @@ def _draws_random(graph: IRGraph, name: str) -> bool:
     return True
 
 
-def checkpoint_segments(gm: torch.fx.GraphModule, origin: dict[str, str], graph: IRGraph, mode: str = "full") -> int:
-    """Rewrite ``gm`` in place: each run of nodes of one repeated-layer instance (by ``origin``,
-    rank-local node name -> traced node) goes through a :class:`Recomputed` module. Returns the
-    number of segments."""
+def checkpoint_segments(gm: torch.fx.GraphModule, origin: dict[str, str], plan: Plan, graph: IRGraph) -> int:
+    """Rewrite ``gm`` in place: each run of nodes of one of the plan's recomputed segments (its
+    nodes' ``recompute_segment``, through ``origin``: rank-local node name -> traced node) goes
+    through a :class:`Recomputed` module. Returns the number of segments."""
     fx = gm.graph
     nodes = list(fx.nodes)
     first_body = next((n for n in nodes if n.op not in ("placeholder", "get_attr")), None)
@@ -74,7 +74,8 @@ def checkpoint_segments(gm: torch.fx.GraphModule, origin: dict[str, str], graph:
         if n.op == "get_attr":
             first_body.prepend(n)
 
-    inside, last = segments(graph, mode), last_savers(graph, mode)
+    inside = {n.name: n.recompute_segment for n in plan.nodes if n.recompute_segment is not None}
+    last = {n.name for n in plan.nodes if n.ends_segment}
     ended: set[str] = set()  # last ops whose kernel has run: what they add after it is outside
 
     def key(n: torch.fx.Node) -> object:

@@ -142,3 +142,19 @@ def test_selective_recomputes_the_attention_cores_between_none_and_full() -> Non
     result = search(trace(model, args, kwargs), SearchSpace(devices=2, recompute=("none", "selective")), A100_80G, model_name="mlp-tiny", front=False)
     pruned = [c for c in result.candidates if c.recompute == "selective"]
     assert pruned and all("no repeated layer of this model has an attention core" in c.reason for c in pruned)
+
+
+def test_a_plan_names_the_segment_each_node_recomputes_in() -> None:
+    """The runtime checkpoints what the plan says (NodePlan.recompute_segment, ends_segment), not a
+    rule of its own: one segment per layer instance (full) or attention core (selective)."""
+    graph = _gpt_tiny()
+    for mode, ops in (("full", None), ("selective", 1)):
+        result = search(graph, SearchSpace(devices=2, dp=1, tp=("1d",), recompute=(mode,)), A100_80G, model_name="gpt-tiny", front=False)
+        plan = result.best
+        assert plan is not None and plan.recompute == mode
+        marked = {n.name: n.recompute_segment for n in plan.nodes if n.recompute_segment is not None}
+        assert marked == {name: key[1] for name, key in segments(graph, mode).items()}  # numbered in graph order: instance 0, 1
+        assert {n.name for n in plan.nodes if n.ends_segment} == last_savers(graph, mode)
+        assert ops is None or all(sum(1 for s in marked.values() if s == k) == ops for k in (0, 1))
+    plain = search(graph, SearchSpace(devices=2, dp=1, tp=("1d",)), A100_80G, model_name="gpt-tiny", front=False).best
+    assert plain is not None and all(n.recompute_segment is None and not n.ends_segment for n in plain.nodes)
