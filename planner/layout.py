@@ -250,3 +250,9 @@ def spec_conversion(src: Spec, dst: Spec, mesh: Mesh) -> Conversion:
         conversion_steps(src.layout, dst.layout, mesh),
         conversion_steps(dst.grad_layout, src.grad_layout, mesh),
     )
+
+
+def zero_dim(local_shape: tuple[int, ...], degree: int) -> int | None:
+    """The dim ZeRO-1/2 splits a parameter's gradient and optimizer state along: the first that
+    ``degree`` divides (None: the parameter stays whole, as in stage 0)."""
+    return next((d for d, n in enumerate(local_shape) if n % degree == 0), None)

@@ -44,7 +44,7 @@ from planner.cost import (
 )
 from planner.hardware import HardwareProfile
 from planner.ir import InputRef, IRGraph, Node
-from planner.layout import Conversion, Layout, Spec, is_unit_gather, spec_conversion
+from planner.layout import Conversion, Layout, Spec, is_unit_gather, spec_conversion, zero_dim
 from planner.mesh import Mesh
 from planner.overlap import ASYNC_SYNC, sync_rows, unit_terms
 from planner.peak import Form, Instant, instants, peak
@@ -467,12 +467,6 @@ def _param_strategies(node: Node, mesh: Mesh, consumers: list[tuple[list[Strateg
             if ext.divides(node.out.shape, mesh):
                 layouts[ext] = None
     return [Strategy("replicated" if not lay.shard_axes else "sharded", "source", (), (Spec(lay),)) for lay in layouts]
-
-
-def zero_dim(local_shape: tuple[int, ...], degree: int) -> int | None:
-    """The dim ZeRO-1/2 splits a parameter's gradient and optimizer state along: the first that
-    ``degree`` divides (None: the parameter stays whole, as in stage 0)."""
-    return next((d for d, n in enumerate(local_shape) if n % degree == 0), None)
 
 
 def _unit_share_bytes(graph: IRGraph, bucket_bytes: int) -> int:

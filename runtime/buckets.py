@@ -36,8 +36,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from planner.layout import zero_dim
 from planner.plan import GradBucket
-from planner.problem import zero_dim
 from planner.runtime.collectives import CommRecorder, Issued, _nbytes, named_failure
 from planner.runtime.groups import MeshGroups
 

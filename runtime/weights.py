@@ -29,8 +29,7 @@ from typing import Any
 
 import torch
 
-from planner.layout import Layout
-from planner.problem import zero_dim
+from planner.layout import Layout, zero_dim
 from planner.runtime.groups import MeshGroups
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes) per dim, in the full tensor
@@ -54,7 +53,7 @@ def local_box(layout: Layout, shape: tuple[int, ...], mg: MeshGroups) -> Box:
 
 def zero_box(box: Box, axes: tuple[str, ...], mg: MeshGroups) -> Box:
     """ZeRO-1/2's slice of a local ``box`` over the data-parallel ``axes``: chunk ``mg.index(axes)``
-    along the first dim their degree divides (:func:`planner.problem.zero_dim`)."""
+    along the first dim their degree divides (:func:`planner.layout.zero_dim`)."""
     offsets, sizes = list(box[0]), list(box[1])
     n = mg.size(axes)
     d = zero_dim(tuple(sizes), n)

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from planner.problem import zero_dim
+from planner.layout import zero_dim
 from planner.runtime.collectives import CommRecorder, all_gather, all_gather_into, all_reduce, reduce_scatter
 from planner.runtime.groups import MeshGroups
 from planner.runtime.precision import OptimizerWrapper
