@@ -111,7 +111,7 @@ class SearchConfig(BaseModel):
             raise ValueError(f"search configuration file {path} is not {'TOML' if path.suffix == '.toml' else 'JSON'}: {exc}") from None
         if isinstance(data, dict) and "search_config" in data:  # a saved plan
             if data["search_config"] is None:
-                raise ValueError(f"{path} is a plan saved without its search configuration (before planner 0.1's configs): pass the flags again")
+                raise ValueError(f"{path} is a plan saved before plans carried their search configuration: give the search's flags instead")
             data = data["search_config"]
         if not isinstance(data, dict):
             raise ValueError(f"search configuration file {path} holds {type(data).__name__}, not a table of keys")
