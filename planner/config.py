@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from planner.buckets import DEFAULT_BUCKET_BYTES
 from planner.hardware import PRESETS, HardwareProfile, load_profile
+from planner.schemes.recompute import Recompute
 from planner.units import parse_bytes
 
 Family = Literal["none", "1d", "2d", "3d"]
@@ -49,7 +50,7 @@ class SearchConfig(BaseModel):
     cdp_stages: int = Field(default=4, ge=1)
     dp: int | None = Field(default=None, ge=1)
     micro_batches: tuple[int, ...] = Field(default=(1,), min_length=1)
-    recompute: tuple[Literal["none", "selective", "full"], ...] = Field(default=("none",), min_length=1)
+    recompute: tuple[Recompute, ...] = Field(default=("none",), min_length=1)
     objective: Objective = "time"
     optimizer: Literal["adamw", "sgd-momentum"] = "adamw"
     master_dtype: Literal["float32"] | None = None  # mixed precision: float32 master weights and states

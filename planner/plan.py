@@ -19,6 +19,7 @@ from planner.config import SearchConfig
 from planner.ir import InputRef, IRGraph
 from planner.layout import Spec, parse_spec
 from planner.mesh import Mesh
+from planner.schemes.recompute import Recompute
 from planner.trace import match_layer
 
 PLAN_VERSION = 1
@@ -144,7 +145,7 @@ class Plan(_Frozen):
     zero_stage: int = 0
     micro_batches: int = Field(default=1, ge=1, description="gradient accumulation: micro-batches per step (nodes and shapes are one micro-batch's)")
     cdp: Literal["off", "v1", "v2"] = "off"
-    recompute: Literal["none", "selective", "full"] = Field(default="none", description="activation recomputation: full re-runs each repeated layer's forward in backward, selective its attention cores (planner.schemes.recompute)")
+    recompute: Recompute = Field(default="none", description="activation recomputation: full re-runs each repeated layer's forward in backward, selective its attention cores (planner.schemes.recompute)")
     cdp_stages: int = Field(default=0, description="CDP: stages the graph is cut into (planner.stages)")
     optimizer: str = "adamw"
     master_dtype: str | None = Field(default=None, description="mixed precision: the optimizer's master weights and states dtype")

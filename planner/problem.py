@@ -99,6 +99,7 @@ class ConversionTerm:
     comms: tuple[Comm, ...]
     producers: set[str] = field(default_factory=set)  # producer node instances paying it
     rerun: int = 0  # the last ``rerun`` comms: its forward steps again, in a recomputed segment
+    rerun_cost: float = 0.0  # their seconds, all instances (part of ``cost``)
     # y >= [producer group in idx_u] + [consumer group in idx_v] - 1
     conditions: list[tuple[str, frozenset[int], str, frozenset[int]]] = field(default_factory=list)
 
@@ -287,9 +288,7 @@ def build_problem(
     choices: dict[str, list[Strategy]] = {}
     node_group: dict[str, str] = {}
     groups: dict[str, Group] = {}
-    instances: dict[str, int] = defaultdict(int)
-    for node in graph.nodes.values():
-        instances[node.template] += 1
+    instances: dict[str, int] = defaultdict(int, {template: len(nodes) for template, nodes in _instances(graph).items()})
     op_anchors = {
         node.name: graph.memo(("anchors", node.name, mesh), lambda node=node: anchor_strategies(node, graph, mesh))  # type: ignore[misc]
         for node in graph.nodes.values()
@@ -919,6 +918,8 @@ def _price_edges(problem: Problem) -> None:
         if t is None:
             t = seconds[id(term.comms)] = sum(comm_time(c, mesh, hw) * problem.repeats(c) for c in term.comms)
         term.cost = t * term.count
+        if term.rerun:
+            term.rerun_cost = sum(comm_time(c, mesh, hw) * problem.repeats(c) for c in term.comms[-term.rerun:]) * term.count
 
 
 def _first_consumer_recomputed(problem: Problem, producer: str, index: int) -> bool:
@@ -941,11 +942,11 @@ def _price_holds(problem: Problem, v: Node, p: int, ref: InputRef) -> None:
         root = _root(graph, InputRef(v.name, 0))
         _add_hold(problem, root, gv, [(j, s.outputs[0]) for j, s in enumerate(problem.choices[v.name]) if s.outputs and s.outputs[0] is not None], v)  # type: ignore[misc]
     if problem.recomputes(v):
-        _segment_input(problem, v, ref)
+        _segment_input(problem, v, p, ref)
 
 
-def _segment_input(problem: Problem, v: Node, ref: InputRef) -> None:
-    """An input of a recomputed segment read by its op ``v``: the checkpoint keeps it, as its
+def _segment_input(problem: Problem, v: Node, p: int, ref: InputRef) -> None:
+    """An input of a recomputed segment read by its op ``v`` (its ``p``-th): the checkpoint keeps it, as its
     producer made it, from forward to the segment's backward, whether or not an op saves it
     (measured, HF GPT-2 with eager attention under selective recomputation: the causal mask added
     to the scores, 8 KB of its 1-D plan's 165 KB, which no op saves). One storage read by every
@@ -955,8 +956,7 @@ def _segment_input(problem: Problem, v: Node, ref: InputRef) -> None:
     u = graph.nodes[ref.node]
     if u.kind != "op" or segment_of.get(u.name) == segment_of[v.name]:
         return
-    position = v.inputs.index(ref)
-    roots = {_root(graph, w.inputs[position]) for w in _instances(graph)[v.template]}
+    roots = {_root(graph, w.inputs[p]) for w in _instances(graph)[v.template]}
     made = [(i, s.outputs[ref.index]) for i, s in enumerate(problem.choices[u.template]) if ref.index < len(s.outputs)]
     _add_hold(problem, _root(graph, ref), problem.node_group[u.name], [(i, spec) for i, spec in made if spec is not None], v,
               instances=len(roots))
@@ -1074,8 +1074,7 @@ def evaluate(problem: Problem, assignment: dict[str, int]) -> Evaluation:
             total += term.cost
             comm_t += term.cost
             comms.extend((c, term.count * problem.repeats(c)) for c in term.comms)
-            if term.rerun:
-                rerun += sum(comm_time(c, mesh, hw) * problem.repeats(c) for c in term.comms[-term.rerun:]) * term.count
+            rerun += term.rerun_cost
     held: set[tuple[object, ...]] = set()
     for hold_key, hold in problem.holds.items():
         if any(assignment[gu] in iu and (gv is None or assignment[gv] in iv) for gu, iu, gv, iv in hold.conditions):
