@@ -48,8 +48,8 @@ def _model() -> torch.nn.Module:
 
 
 def _plan() -> str:
-    from planner.cdp import cdp_filter
     from planner.hardware import A100_80G
+    from planner.schemes.cdp import cdp_filter
     from planner.search import SearchSpace, search
     from planner.trace import trace
 

@@ -37,7 +37,8 @@ from typing import Protocol, TypeVar
 
 import numpy as np
 
-from planner.problem import Problem, price_edges
+from planner.problem import price_edges
+from planner.terms import Problem
 
 
 class Point(Protocol):

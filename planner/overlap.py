@@ -47,7 +47,6 @@ checks against the budget as for any plan.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from planner.buckets import Gather, Unit, pack_units
 from planner.cost import comm_time, compute_time
@@ -55,10 +54,8 @@ from planner.ir import IRGraph
 from planner.layout import is_unit_gather
 from planner.peak import Form
 from planner.strategy import Comm
+from planner.terms import Problem, conversion_cache, input_bytes, spec_id
 from planner.trace import match_layer
-
-if TYPE_CHECKING:
-    from planner.problem import Problem
 
 # the gradient collectives the runtime runs asynchronously beside backward (ZeRO-1/2's all-gather
 # of the updated shards runs after the optimizer step, with nothing to hide behind)
@@ -128,10 +125,9 @@ def parameter_gathers(problem: Problem, assignment: dict[str, int]) -> list[Site
     conversion once per (parameter, Spec), a kernel's own gather once per input. A kernel that
     gathers a parameter which reaches it through an edge conversion first gathers what arrives,
     outside any unit (``loose``: the runtime cannot prefetch a tensor computed in the graph)."""
-    from planner.problem import _conversion_cache, spec_id
 
     graph, mesh = problem.graph, problem.mesh
-    cache = _conversion_cache(mesh)
+    cache = conversion_cache(mesh)
     out: list[Site] = []
     seen: set[str] = set()
     for position, node in enumerate(graph.nodes.values()):
@@ -184,7 +180,6 @@ def param_units(problem: Problem, assignment: dict[str, int]) -> tuple[tuple[Uni
 
 def forward_compute(problem: Problem, assignment: dict[str, int]) -> list[float]:
     """Forward seconds of every node, in graph order (0 for non-ops)."""
-    from planner.problem import input_bytes
 
     graph, mesh, hw = problem.graph, problem.mesh, problem.hardware
     out = []

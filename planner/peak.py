@@ -14,10 +14,10 @@ and, where ``v`` runs in a recomputed segment (:mod:`planner.schemes.recompute`:
 saves are not in P), R_v = the saves of the segment's ops up to v, recomputed before its backward
 and freed by the backward of the ops after v, counted in F_v. The peak is the largest, over the
 ops, of B_v plus one of what runs at v: its own working set
-(:func:`planner.problem.op_working_set`), a conversion into it (the larger of its halves' buffers,
+(:func:`planner.terms.op_working_set`), a conversion into it (the larger of its halves' buffers,
 :func:`planner.cost.steps_working_set`; a conversion several consumers share is placed at each),
 or a tied weight's gradient contributions being summed (at its first consumer), or under CDP a
-stage's partial gradient sum received (:func:`planner.cdp.stage_buffers`; CDP v1's previous
+stage's partial gradient sum received (:func:`planner.schemes.cdp.stage_buffers`; CDP v1's previous
 buffer, alive through the step, is in every Q_v). Two more moments
 bound it from below: every activation (the loss, end of forward) and every gradient (end of
 backward). Forward, Q and F are not alive yet: counting them there over-states B_v by at most the
@@ -47,10 +47,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from planner.schemes.recompute import segments
-
 if TYPE_CHECKING:
-    from planner.problem import Problem
+    from planner.terms import Problem
 
 Var = tuple[object, ...]  # ("x", group, strategy) | ("z", hold key) | ("e", edge index, Spec id, Spec id)
 Form = dict[Var, float]  # bytes per unit of each indicator
@@ -103,7 +101,7 @@ def instants(problem: Problem) -> list[Instant]:
     # recomputed segments (planner.schemes.recompute): what their ops save is alive only while the
     # segment's backward runs; at its op v, the saves of its ops up to v: (position, form) per segment
     rerun: dict[object, list[tuple[int, Form]]] = defaultdict(list)
-    segment = segments(graph, problem.recompute).get
+    segment = problem.segment_of.get
     for n in order:
         terms = problem.node_terms[n.template]
         if any(terms.saved):
@@ -150,7 +148,7 @@ def instants(problem: Problem) -> list[Instant]:
     for vt, form in problem.conversion_work:
         for p in {by_template[vt][0], by_template[vt][-1]}:
             work[upto(p)].append(form)
-    for k, name in enumerate(problem.stage_ends):  # CDP: stage k+1's partial sum arrives (planner.cdp.stage_buffers)
+    for k, name in enumerate(problem.stage_ends):  # CDP: stage k+1's partial sum arrives (planner.schemes.cdp.stage_buffers)
         work[at[pos[name]]].append(problem.stage_sums[k + 1])
     held: Form = {}  # held through the whole step (CDP v1's previous buffer): in every Q_k
     for n in order:

@@ -8,7 +8,7 @@ Each remaining one gives its time/memory Pareto front within the budget (:func:`
 or, ``front=False``, only its fastest plan), unless a bound without an ILP already shows it cannot
 fit (:func:`planner.front.memory_lower_bound`). The fronts are merged (:func:`planner.front.merge`)
 and the objective picks a point: the fastest, the smallest, or the knee. CDP modes v1/v2 are
-configurations too (meshes with dp > 1, ZeRO 0 or 1; planner.cdp), and so are micro-batch counts
+configurations too (meshes with dp > 1, ZeRO 0 or 1; planner.schemes.cdp), and so are micro-batch counts
 (gradient accumulation: ``m`` micro-batches of batch / m rows, one after another, gradients synced
 once; the graph of one micro-batch comes from the caller's ``micro_graph``).
 """
@@ -29,7 +29,6 @@ from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple, TypeVar
 
 from planner.buckets import DEFAULT_BUCKET_BYTES, Bucket, Gather, Gradient, Unit, pack
-from planner.cdp import PipelineEstimate, pipeline_estimate
 from planner.config import ALL_TP, Objective, SearchConfig
 from planner.front import (
     Point,
@@ -47,9 +46,11 @@ from planner.ir import IRGraph
 from planner.mesh import Mesh, mesh_text
 from planner.overlap import param_units
 from planner.plan import CommRecord, GradBucket, MemoryBreakdown, NodePlan, ParamUnit, Plan, SolverInfo, TPFamily, UnitGather, fingerprint
-from planner.problem import Evaluation, Problem, StrategyFilter, build_problem, zero_param_terms
+from planner.problem import build_problem
 from planner.rules import FALLBACK
 from planner.schemes import recompute as recompute_scheme
+from planner.schemes.cdp import PipelineEstimate, pipeline_estimate
+from planner.schemes.zero import zero_param_terms
 from planner.solve import (
     BudgetILP,
     InfeasibleBudget,
@@ -61,6 +62,7 @@ from planner.solve import (
     solve_within,
     sweep,
 )
+from planner.terms import Evaluation, Problem, StrategyFilter
 from planner.units import format_bytes, format_seconds
 
 log = logging.getLogger(__name__)
@@ -903,7 +905,7 @@ def _breakdown(ev: Evaluation) -> MemoryBreakdown:
 
 def gradient_buckets(graph: IRGraph, problem: Problem, assignment: dict[str, int]) -> tuple[Bucket, ...]:
     """The gradient sync's buckets under ``assignment``: every packed collective a parameter's
-    strategy prices (:func:`planner.problem.zero_param_terms`), ready in the reverse order of the
+    strategy prices (:func:`planner.schemes.zero.zero_param_terms`), ready in the reverse order of the
     parameters' first use."""
     if problem.cdp != "off":
         return ()

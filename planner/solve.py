@@ -81,7 +81,8 @@ import highspy
 import numpy as np
 
 from planner.peak import Form
-from planner.problem import EdgeTerm, Evaluation, Group, Problem, evaluate, price_edges
+from planner.problem import evaluate, price_edges
+from planner.terms import EdgeTerm, Evaluation, Group, Problem
 from planner.units import format_bytes
 
 log = logging.getLogger(__name__)
@@ -573,7 +574,7 @@ class BudgetILP:
     """One problem's ILP, built once and handed to the solver once, then solved for any number of
     budgets (HiGHS: only the memory row's bound moves between solves; CBC, through PuLP, gets the
     model anew each solve). ``objective="memory"`` has no budget row. ``credited``: the time
-    objective less each strategy's credit (:attr:`planner.problem.Group.credit`), so its optimum
+    objective less each strategy's credit (:attr:`planner.terms.Group.credit`), so its optimum
     (``Solution.objective``) bounds the evaluated step time of every plan from below where the
     evaluation hides communication."""
 

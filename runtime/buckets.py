@@ -12,7 +12,7 @@ backward goes on:
   so one reduce-scatter leaves this rank the sums of its chunks, which become its slices'
   gradients (ZeRO-2 frees the full gradients as soon as they are packed);
 * a ZeRO-1 bucket the plan sums by **all-reduce** (where that is faster, as on gloo:
-  :func:`planner.problem.zero1_reduce`): summed in place as above, its slices' gradients are then
+  :func:`planner.schemes.zero.zero1_reduce`): summed in place as above, its slices' gradients are then
   views of this rank's chunks of the sums.
 
 When backward ends, :meth:`GradBuckets.finish` starts any bucket that is not complete (a parameter

@@ -7,7 +7,7 @@ memory CDP saves, on 4 gloo ranks in float64 with SGD-momentum over 5 steps.
   ``reference``) to 1e-10, with dp=4 (mlp-tiny, gpt-tiny with its tied embedding) and with
   tensor parallelism inside each worker (dp=2 x Megatron tp=2);
 * per stage per step: 2(N-1) point-to-point messages over all ranks and no collective over the
-  data-parallel axis at all (planner/cdp.py: the position embedding's gradient stays partial, the
+  data-parallel axis at all (planner/schemes/cdp.py: the position embedding's gradient stays partial, the
   cross-entropy counts locally);
 * with N = 4 micro-batches sharing one process, the live saved-for-backward bytes are constant in
   time under CDP and equal (N/L) sum_l (L-l) A_l, against DP's peak N sum_l A_l.
@@ -20,9 +20,9 @@ from typing import Any
 import pytest
 import torch
 
-from planner.cdp import cdp_filter
 from planner.hardware import A100_80G
 from planner.models import build_model, example_inputs
+from planner.schemes.cdp import cdp_filter
 from planner.search import SearchSpace, search
 from planner.trace import trace
 from tests.cdp_checks import BATCH, cdp_memory, cdp_pipeline, cdp_train
@@ -31,7 +31,7 @@ from tests.test_same_math import data_parallel, megatron_dp
 
 
 def _plan(name: str, dp: int, allow: Any, cdp: str = "off", stages: int = 4, zero: int = 0) -> str:
-    """A plan whose workers are independent (planner/cdp.py); ``cdp`` != off plans CDP itself."""
+    """A plan whose workers are independent (planner/schemes/cdp.py); ``cdp`` != off plans CDP itself."""
     model = build_model(name, dtype=torch.float64)
     args, kwargs = example_inputs(name, batch=BATCH, dtype=torch.float64)
     space = SearchSpace(devices=4, dp=dp, zero=(zero,), tp=("none",) if dp == 4 else ("1d",), cdp=(cdp,), cdp_stages=stages)
@@ -235,10 +235,10 @@ def test_cdp_with_model_parallelism_refuses_a_weight_tied_across_stages() -> Non
 
 
 def test_the_pipeline_estimate_follows_the_cdp_memory_formula() -> None:
-    """planner.cdp.pipeline_estimate: L * N/L devices for N workers (DP x MP needs N * L); a device of
+    """planner.schemes.cdp.pipeline_estimate: L * N/L devices for N workers (DP x MP needs N * L); a device of
     stage l holds (L - l) micro-batches of A_l, which summed over the D devices of every stage is
     (N/L) sum_l (L - l) A_l; the report lists it when CDP is searched."""
-    from planner.cdp import pipeline_estimate
+    from planner.schemes.cdp import pipeline_estimate
     from planner.stages import cut_stages
 
     model = build_model("gpt2-small", device="meta")

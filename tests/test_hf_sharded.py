@@ -31,10 +31,10 @@ import torch
 
 pytest.importorskip("transformers")
 
-from planner.cdp import cdp_filter
 from planner.hardware import A100_80G
 from planner.ir import IRGraph
 from planner.plan import Plan
+from planner.schemes.cdp import cdp_filter
 from planner.search import SearchSpace, search
 from planner.trace import trace
 from tests.cdp_checks import BATCH as CDP_BATCH

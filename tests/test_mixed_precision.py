@@ -99,7 +99,7 @@ def test_per_value_bytes_follow_design_md_for_bf16_adamw_with_float32_masters(st
     from planner.cost import optimizer_bytes_per_value
     from planner.layout import Layout, Spec
     from planner.mesh import Mesh
-    from planner.problem import zero_param_terms
+    from planner.schemes.zero import zero_param_terms
 
     mesh = Mesh(("dp", "tp"), (4, 1))
     spec = Spec(Layout(((("dp",) if stage == 3 else ()), ())), frozenset() if stage == 3 else frozenset({"dp"}))

@@ -93,7 +93,7 @@ def test_cdp_peak_rows_equal_the_evaluation_and_count_the_stage_buffers() -> Non
     """CDP v1 (with and without ZeRO-1) on dp=2 x tp=2, 2 stages: the least-memory MIP equals brute
     force over every assignment, and every plan's peak holds v1's previous buffer at every instant
     (its activations and its gradients each beside it) and a stage's partial sum beside its gradients."""
-    from planner.cdp import cdp_filter
+    from planner.schemes.cdp import cdp_filter
     from planner.solve import solve
     from tests.test_solver import _graph
 

@@ -37,8 +37,9 @@ import planner.solve as solve_module
 from planner.hardware import A100_80G
 from planner.mesh import Mesh
 from planner.models import build_model, example_inputs
-from planner.problem import Problem, build_problem, evaluate
+from planner.problem import build_problem, evaluate
 from planner.solve import TIE_BREAK, InfeasibleBudget, SolverSettings, solve
+from planner.terms import Problem
 from planner.trace import trace
 from planner.units import format_bytes
 

@@ -19,7 +19,7 @@ from planner.ir import Node
 from planner.mesh import Mesh
 from planner.models import build_model, example_inputs
 from planner.plan import Plan
-from planner.problem import zero1_reduce
+from planner.schemes.zero import zero1_reduce
 from planner.search import SearchSpace, search
 from planner.strategy import Strategy
 from planner.trace import micro_batch_inputs, trace
@@ -34,7 +34,7 @@ MODEL = "gpt-tiny-nobias"  # AdamW: see tests/dist_checks.py for why not gpt-tin
 
 
 # a profile on which a reduce-scatter costs more than an all-reduce (as gloo's, measured by planner
-# calibrate): ZeRO-1 sums its gradients by all-reduce there (planner.problem.zero1_reduce)
+# calibrate): ZeRO-1 sums its gradients by all-reduce there (planner.schemes.zero.zero1_reduce)
 SLOW_SCATTER = A100_80G.model_copy(update={"collectives": {"reduce_scatter": CollectiveFit(latency=1e-2, bandwidth=1e8)}})
 
 
@@ -146,7 +146,7 @@ def test_per_value_bytes_follow_the_zero_paper_for_fp32_adamw(stage: int, expect
     (design.md gives the mixed-precision version, 2 + 2 + 12)."""
     from planner.layout import Layout, Spec
     from planner.mesh import Mesh
-    from planner.problem import zero_param_terms
+    from planner.schemes.zero import zero_param_terms
 
     mesh = Mesh(("dp", "tp"), (4, 1))
     stored = Layout(((("dp",) if stage == 3 else ()), ()))

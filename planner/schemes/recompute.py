@@ -35,21 +35,20 @@ from __future__ import annotations
 from collections import Counter
 from typing import TYPE_CHECKING, Literal
 
-from planner.cost import steps_comms
+from planner.cost import comm_time, steps_comms
+from planner.ir import IRGraph, Node
 from planner.layout import spec_conversion
+from planner.mesh import Mesh
+from planner.schemes.base import NodePrice, Scheme
+from planner.strategy import Comm, Strategy
 from planner.trace import match_layer
 
 if TYPE_CHECKING:
-    from planner.ir import IRGraph, Node
-    from planner.mesh import Mesh
-    from planner.strategy import Comm, Strategy
+    from planner.terms import Problem, Segment
 
 Recompute = Literal["none", "selective", "full"]
 MODES: tuple[Recompute, ...] = ("none", "selective", "full")
 
-# (the stack's module prefix, the instance, the segment within it), e.g. ("h", 3, 0): full
-# recomputation has one segment per instance, selective one per attention core
-Segment = tuple[str, int, int]
 
 _MATMULS = ("aten.matmul.", "aten.bmm.", "aten.baddbmm.", "aten.einsum.")
 _WALK = 8  # ops between an attention core's matmuls and its softmax, at most (scale, mask, dtype, dropout)
@@ -176,3 +175,28 @@ def rerun_comms(node: Node, strategy: Strategy, mesh: Mesh, last: bool) -> list[
                 kept.append(c)
         again = kept
     return again
+
+
+class Recomputation(Scheme):
+    """Activation recomputation of repeated layers (module docstring): what its segments run again."""
+
+    name = "recompute"
+
+    def configure(self, problem: Problem) -> None:
+        check((problem.recompute,))
+        why = unsupported(problem.recompute, problem.zero_stage, problem.cdp)
+        if why:
+            raise ValueError(f"recompute={problem.recompute!r} with ZeRO-{problem.zero_stage}, CDP {problem.cdp}: {why}")
+        problem.segment_of = segments(problem.graph, problem.recompute) if problem.recompute != "none" else {}
+
+    def price_op(self, problem: Problem, node: Node, strategy: Strategy, price: NodePrice) -> None:
+        if not problem.recomputes(node):
+            return
+        # the forward runs again in backward: its compute and its forward collectives
+        mesh = problem.mesh
+        flops = node.flops_fwd + node.flops_bwd
+        again = rerun_comms(node, strategy, mesh, node.name in last_savers(problem.graph, problem.recompute))
+        rerun = price.compute * (node.flops_fwd / flops if flops else 1 / 3)
+        price.seconds += rerun
+        price.comms += again
+        price.rerun = (rerun + sum(comm_time(c, mesh, problem.hardware) * problem.repeats(c) for c in again)) * price.count

@@ -21,20 +21,19 @@ point-to-point chain, not by the step-phase collectives DP would price.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+from planner.cost import STATES_PER_VALUE, comm_time
 from planner.hardware import HardwareProfile
 from planner.ir import IRGraph, Node
 from planner.layout import Spec
+from planner.peak import Form
+from planner.rules.anchors import broadcasts_batch
+from planner.schemes.base import NodePrice, ParamPrice, Scheme, Tally
+from planner.schemes.zero import zero_param_terms
+from planner.stages import cut_stages
 from planner.strategy import Comm, Strategy
-
-if TYPE_CHECKING:
-    from planner.peak import Form
-    from planner.problem import Problem
-
-StrategyFilter = Callable[[Node, Strategy], bool]
+from planner.terms import Problem, StrategyFilter
 
 LOSS_TARGETS = ("aten.cross_entropy_loss.default",)
 
@@ -74,8 +73,6 @@ def partial_gradient_variants(node: Node, strategies: list[Strategy], dp_axes: t
 
 def cdp_filter(graph: IRGraph, dp_axes: tuple[str, ...] = ("dp",), base: StrategyFilter | None = None) -> StrategyFilter:
     """A strategy filter keeping only what CDP workers can run independently (module docstring)."""
-    from planner.rules.anchors import broadcasts_batch
-
     independent = batch_independent(graph)
     dp = set(dp_axes)
 
@@ -121,8 +118,6 @@ def _gradient_free(graph: IRGraph, name: str, index: int) -> bool:
 def parameter_stages(graph: IRGraph, num_stages: int) -> dict[str, int]:
     """Each parameter's stage: the earliest stage that reads it (its gradient is complete when that
     stage's backward ends), as runtime/cdp.py assigns them."""
-    from planner.stages import cut_stages
-
     stage_of = cut_stages(graph, num_stages).stage_of()
     consumers = graph.consumers()
     return {
@@ -142,8 +137,6 @@ def stage_buffers(problem: Problem) -> tuple[list[Form], list[str]]:
     op (the activations of the stages before l and the gradients of l and after are alive:
     planner.peak places the form at that op's instant); for stage 0 it is the end of backward,
     with every gradient made (the step's bound S, planner.solve.step_bound)."""
-    from planner.stages import cut_stages
-
     sums: list[Form] = [{} for _ in range(problem.cdp_stages)]
     for node in problem.graph.params:
         group = problem.node_group[node.name]
@@ -216,9 +209,6 @@ class PipelineEstimate:
 
 
 def pipeline_estimate(graph: IRGraph, hardware: HardwareProfile, *, workers: int, stages: int, optimizer: str = "adamw") -> PipelineEstimate:
-    from planner.cost import STATES_PER_VALUE
-    from planner.stages import cut_stages
-
     cut = cut_stages(graph, stages)
     owner = parameter_stages(graph, stages)
     param_bytes = [0.0] * stages
@@ -244,3 +234,91 @@ def pipeline_estimate(graph: IRGraph, hardware: HardwareProfile, *, workers: int
         bwd = sum(o.flops_bwd for o in ops) / workers / (hardware.compute_efficiency * hardware.flops(dtype))
         slot = max(slot, max(fwd, bwd) + hardware.tier(True).latency + crossing[st] / workers / bw)
     return PipelineEstimate(workers, stages, per_stage, tuple(memory), tuple(acts), 2 * stages * slot)
+
+
+class CDP(Scheme):
+    """Cyclic data parallelism over the one data-parallel axis (module docstring; the runtime is
+    ``runtime.cdp``): gradients summed by a point-to-point chain and ring instead of collectives."""
+
+    name = "cdp"
+
+    def configure(self, problem: Problem) -> None:
+        if problem.cdp == "off":
+            return
+        if problem.cdp not in ("v1", "v2"):
+            raise ValueError(f"CDP modes are off, v1 and v2; got cdp={problem.cdp!r}")
+        if problem.micro_batches > 1:
+            raise ValueError(f"CDP staggers its own micro-batches; micro_batches={problem.micro_batches} needs cdp='off' (got {problem.cdp!r})")
+        if len(problem.dp_axes) != 1 or problem.zero_stage not in (0, 1):
+            raise ValueError(f"CDP needs one data-parallel axis of degree > 1 and ZeRO 0 or 1; mesh {problem.mesh}, ZeRO {problem.zero_stage}")
+        problem.collective_sync = False
+        problem.param_stage = parameter_stages(problem.graph, problem.cdp_stages)
+
+    def strategies(self, problem: Problem, anchors: dict[str, list[Strategy]], allow: StrategyFilter | None) -> StrategyFilter | None:
+        if problem.cdp == "off":
+            return allow
+        graph, dp_axes = problem.graph, problem.dp_axes
+        for name in batch_independent(graph) & set(anchors):
+            anchors[name] = partial_gradient_variants(graph.nodes[name], anchors[name], dp_axes)
+        return cdp_filter(graph, dp_axes, base=allow)
+
+    def price_param(self, problem: Problem, node: Node, index: int, strategy: Strategy, price: ParamPrice, opt_factor: float) -> None:
+        if problem.cdp == "off":
+            return
+        spec = strategy.outputs[0]
+        assert spec is not None
+        # the chain and the ring instead of the all-reduce
+        params, grads, states, step = zero_param_terms(node.out.shape, node.out.itemsize, spec, problem.mesh, 0, opt_factor)
+        price.step = [Comm("send", c.axes, c.nbytes, "bwd") for c in step for _ in range(2)]
+        if problem.zero_stage == 1:
+            # states and a master copy live on the stage's owner only: 1/N on average here
+            # (linear); adjust() puts the busiest owner's exact share back
+            owned = states + params
+            problem.cdp_owned.setdefault(node.name, [0.0] * len(problem.choices[node.name]))[index] = owned
+            states = owned / problem.mesh.group_size(spec.grad_partial)
+        if problem.cdp == "v2":
+            params += params  # the previous parameter version
+            price.versions = 2
+        else:
+            # v1: the previous step's buffer (its summed gradient, applied one step late; ZeRO:
+            # the parameters the owner sent, installed one step late), alive through the whole
+            # step, beside this step's gradient
+            price.held = params
+            grads += params
+        price.params, price.grads, price.states = params, grads, states
+
+    def price_op(self, problem: Problem, node: Node, strategy: Strategy, price: NodePrice) -> None:
+        if problem.cdp == "off":
+            return
+        dp = set(problem.mesh.dp_axes)
+        if node.target in LOSS_TARGETS:  # the local count x N, no all-reduce
+            price.comms = [c for c in price.comms if not (c.kind == "all_reduce" and set(c.axes) & dp)]
+        if price.loss_partial is not None:  # CDPTrainer returns each worker's share of the loss
+            price.loss_partial = price.loss_partial - dp
+        # the messages adjust() re-prices and overlaps
+        price.credit += sum(comm_time(c, problem.mesh, problem.hardware) for c in price.comms if c.kind == "send") * price.count
+
+    def edges_priced(self, problem: Problem) -> None:
+        if problem.cdp != "off":
+            problem.stage_sums, problem.stage_ends = stage_buffers(problem)
+
+    def adjust(self, problem: Problem, assignment: dict[str, int], tally: Tally) -> None:
+        if problem.cdp == "off":
+            return
+        mesh, hw = problem.mesh, problem.hardware
+        # stage 0's partial sum arrives at the end of backward
+        tally.step_transient = max(tally.step_transient, sum(v * tally.value(var) for var, v in problem.stage_sums[0].items()))
+        # the ILP priced a message pair per parameter; the runtime sends one pair per stage, and
+        # they travel while the workers compute (the chain runs during backward, the ring into the
+        # next step): only what exceeds the step's compute is exposed
+        per_param = sum(comm_time(c, mesh, hw) * n for c, n in tally.comms if c.kind == "send")
+        tally.comms = [(c, n) for c, n in tally.comms if c.kind != "send"]
+        messages = cdp_messages(problem, assignment)
+        p2p = sum(comm_time(c, mesh, hw) for c in messages)
+        tally.comms += [(c, 1) for c in messages]
+        tally.total += p2p - per_param
+        tally.comm_time += p2p - per_param
+        tally.hidden = min(p2p, tally.total - tally.comm_time)
+        if problem.zero_stage == 1:
+            average, busiest = cdp_owner_bytes(problem, assignment)
+            tally.optimizer += busiest - average

@@ -1,0 +1,113 @@
+"""The protocol a parallelism scheme implements to take part in a planning problem.
+
+:func:`planner.problem.build_problem` is the generic sum: it makes each node's strategies (the
+tensor-parallel rules of :mod:`planner.rules`), prices each one's compute, collectives and memory,
+and the edges between them (:mod:`planner.edges`). A scheme changes that sum where its dimension
+acts, through the hooks below, each a no-op here; the registry (:data:`planner.schemes.registry.SCHEMES`)
+runs them in its order, so a later scheme sees what an earlier one set (CDP replaces the
+collective gradient sync ZeRO priced). In the order a problem is built, solved and evaluated:
+
+1. :meth:`Scheme.configure`: check the problem's settings (a ValueError that names the setting and
+   what to change) and settle what the scheme decides once (recomputation's segments, whether
+   gradients are summed by collectives);
+2. :meth:`Scheme.strategies`: strategy variants of the op anchors (ZeRO-3's re-gathers, CDP's
+   partial gradients) and a filter of the strategies allowed;
+3. :meth:`Scheme.param_storage`: the layouts a parameter may be stored in (ZeRO-3: split over
+   the data-parallel axes);
+4. :meth:`Scheme.prepare`: with every node's strategies known, the problem-wide constants of its
+   pricing (the gradient buckets' shares of a latency);
+5. :meth:`Scheme.price_param`, then :meth:`Scheme.price_op` for every node and strategy: what it
+   holds and which collectives it runs (:class:`ParamPrice`, :class:`NodePrice`);
+6. :meth:`Scheme.edges_priced`: terms that need the edges (CDP's stage buffers);
+7. :meth:`Scheme.adjust`: an assignment's evaluation, where the scheme runs differently from the
+   sum of its terms (ZeRO-3's units, CDP's messages per stage) (:class:`Tally`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, ClassVar
+
+if TYPE_CHECKING:
+    from planner.ir import Node
+    from planner.peak import Var
+    from planner.strategy import Comm, Strategy
+    from planner.terms import Problem, StrategyFilter
+
+
+@dataclass
+class ParamPrice:
+    """One parameter under one strategy, per device, one instance: the bytes it holds and its
+    gradient sync. Starts as plain replication (no sync); the data-parallel scheme sets the sync."""
+
+    params: float
+    grads: float
+    states: float  # optimizer states (and master copy)
+    step: list[Comm] = field(default_factory=list)  # the gradient sync and updated-parameter collectives
+    held: float = 0.0  # bytes held through the whole step beside them (CDP v1's previous buffer)
+    versions: int = 1  # parameter versions in ``params`` (CDP v2 keeps two)
+
+
+@dataclass
+class NodePrice:
+    """One node under one strategy: seconds (all micro-batches, one instance) before its
+    collectives are added, the collectives it runs, and what it contributes beside them."""
+
+    compute: float  # its compute, all micro-batches
+    seconds: float  # compute plus what schemes add (the optimizer step, recomputation)
+    comms: list[Comm]
+    count: int  # instances
+    credit: float = 0.0  # seconds evaluate() may hide behind compute, all instances
+    rerun: float | None = None  # seconds recomputation adds, all instances (None: nothing recomputed)
+    loss_partial: frozenset[str] | None = None  # the output's loss: the axes it is still a partial sum over
+
+
+@dataclass
+class Tally:
+    """An evaluation being summed (:func:`planner.problem.evaluate`), for schemes to adjust."""
+
+    total: float  # step seconds before anything is hidden
+    comm_time: float
+    hidden: float  # seconds hidden behind compute
+    comms: list[tuple[Comm, int]]
+    activations: float
+    optimizer: float
+    during: float  # the peak of the forward and backward
+    peak_at: str
+    step_transient: float
+    value: Callable[[Var], float]  # the assignment's value of an ILP indicator (planner.peak.Var)
+
+
+class Scheme:
+    """One parallelism dimension (see the module docstring for when each hook runs)."""
+
+    name: ClassVar[str]
+
+    def configure(self, problem: Problem) -> None:
+        """Check the settings; settle what the scheme decides once per problem."""
+
+    def strategies(self, problem: Problem, anchors: dict[str, list[Strategy]], allow: StrategyFilter | None) -> StrategyFilter | None:
+        """Replace op anchors' strategy lists in ``anchors`` (by node name) with their variants;
+        return the filter of allowed strategies (``allow``, narrowed or as it is)."""
+        return allow
+
+    def param_storage(self, problem: Problem, node: Node, strategies: list[Strategy]) -> list[Strategy]:
+        """The storage layouts of parameter ``node``, given the tensor-parallel ones."""
+        return strategies
+
+    def prepare(self, problem: Problem) -> None:
+        """Problem-wide constants of the pricing, once every node's strategies are known."""
+
+    def price_param(self, problem: Problem, node: Node, index: int, strategy: Strategy, price: ParamPrice, opt_factor: float) -> None:
+        """Change parameter ``node``'s price under its ``index``-th strategy (``opt_factor``:
+        optimizer bytes per parameter byte)."""
+
+    def price_op(self, problem: Problem, node: Node, strategy: Strategy, price: NodePrice) -> None:
+        """Change ``node``'s price under ``strategy`` (every node kind; after :meth:`price_param`)."""
+
+    def edges_priced(self, problem: Problem) -> None:
+        """Add terms that need the conversion and hold terms."""
+
+    def adjust(self, problem: Problem, assignment: dict[str, int], tally: Tally) -> None:
+        """Change an assignment's evaluation where the scheme runs otherwise than its terms sum."""
