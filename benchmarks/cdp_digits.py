@@ -50,7 +50,8 @@ def _model() -> torch.nn.Module:
 def _plan() -> str:
     from planner.hardware import A100_80G
     from planner.schemes.cdp import cdp_filter
-    from planner.search import SearchSpace, search
+    from planner.search import search
+    from planner.space import SearchSpace
     from planner.trace import trace
 
     heavy = {"aten.linear.default", "aten.cross_entropy_loss.default"}

@@ -18,8 +18,9 @@ from dataclasses import dataclass
 
 from planner.cli import load_model
 from planner.hardware import load_profile
-from planner.search import SearchSpace, search
+from planner.search import search
 from planner.solve import SolverSettings
+from planner.space import SearchSpace
 from planner.trace import trace
 
 

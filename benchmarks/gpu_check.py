@@ -140,7 +140,8 @@ RECOMPUTE_LABELS = {"none": "1 device", "selective": "1 device, attention cores 
 
 
 def _plans(model_name: str, batch: int, profile: Any, world: int) -> list[tuple[str, str]]:
-    from planner.search import SearchSpace, search
+    from planner.search import search
+    from planner.space import SearchSpace
     from planner.trace import trace
 
     graph = trace(_build(model_name, 0), *_inputs(model_name, batch, 1))

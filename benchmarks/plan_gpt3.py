@@ -16,8 +16,8 @@ import time
 from planner.hardware import load_profile
 from planner.models import build_model, example_inputs
 from planner.problem import build_problem
-from planner.search import SearchSpace, candidate_meshes
 from planner.solve import InfeasibleBudget, solve
+from planner.space import SearchSpace, candidate_meshes
 from planner.trace import trace
 from planner.units import parse_bytes
 

@@ -72,7 +72,8 @@ def run_cell(model_name: str, devices: int, mode: str) -> dict[str, Any]:
     """One cell in this process: trace, search, what the table needs."""
     from planner.cli import load_model
     from planner.hardware import load_profile
-    from planner.search import SearchProgress, SearchSpace, search
+    from planner.search import SearchProgress, search
+    from planner.space import SearchSpace
     from planner.trace import trace
 
     batch = max(8, devices)

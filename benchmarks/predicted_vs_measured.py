@@ -42,7 +42,8 @@ CONFIGS = [  # (label, tp families, dp, zero)
 
 def _plans(hardware: Any) -> list[tuple[str, str, str]]:
     from planner.models import build_model, example_inputs
-    from planner.search import SearchSpace, search
+    from planner.search import search
+    from planner.space import SearchSpace
     from planner.trace import trace
 
     out = []

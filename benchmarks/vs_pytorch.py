@@ -92,7 +92,8 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def plan_json(world: int, case: str, hardware: Any) -> str:
-    from planner.search import SearchSpace, search
+    from planner.search import search
+    from planner.space import SearchSpace
     from planner.trace import trace
 
     graph = trace(make_model(case), batch(0), {})

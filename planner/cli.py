@@ -38,11 +38,11 @@ from typing import Any, NoReturn
 
 import torch
 
-from planner.config import SearchConfig
+from planner.config import ALL_TP, SearchConfig
 from planner.hardware import PRESETS, HardwareProfile
 from planner.ir import IRGraph
 from planner.schemes.recompute import MODES
-from planner.search import ALL_TP, SearchProgress, SearchResult
+from planner.search import SearchProgress, SearchResult
 from planner.units import parse_bytes
 
 

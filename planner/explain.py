@@ -26,7 +26,8 @@ from planner.ir import IRGraph
 from planner.mesh import mesh_text
 from planner.plan import CommRecord, Plan
 from planner.report import candidate_status, cdp_text, format_plan, needs_text, point_marks, recompute_layers, render
-from planner.search import Candidate, SearchResult
+from planner.search import SearchResult
+from planner.space import Candidate
 from planner.strategy import Comm
 from planner.units import format_bytes, format_seconds
 

@@ -26,7 +26,9 @@ from planner.hardware import HardwareProfile
 from planner.ir import IRGraph
 from planner.mesh import Mesh, mesh_text
 from planner.plan import Plan
-from planner.search import TP_AXES, Candidate, SearchResult
+from planner.schemes.tp import TP_AXES
+from planner.search import SearchResult
+from planner.space import Candidate
 from planner.trace import match_layer
 from planner.units import format_bytes, format_seconds
 

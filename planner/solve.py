@@ -80,6 +80,7 @@ from typing import Literal, NamedTuple, cast
 import highspy
 import numpy as np
 
+from planner.messages import infeasible_message
 from planner.peak import Form
 from planner.problem import evaluate, price_edges
 from planner.terms import EdgeTerm, Evaluation, Group, Problem
@@ -1033,11 +1034,3 @@ def _covered_within(ilp: BudgetILP, budget: float, covered: Callable[[float], fl
         return None
     return covered(bound * (1 - ilp.settings.relative_gap)) * (1 - 1e-6)
 
-
-def infeasible_message(problem: Problem, budget: float, least: Evaluation) -> str:
-    parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in sorted(least.memory.items(), key=lambda kv: -kv[1]))
-    return (
-        f"no plan on mesh {problem.mesh} fits {format_bytes(budget)} per device: the least any plan needs is "
-        f"{format_bytes(least.peak_memory)} ({parts}), {format_bytes(least.peak_memory - budget)} over. "
-        + ("Use ZeRO (--zero 1,2,3), more devices (more tensor or data parallelism), or a smaller micro-batch." if problem.zero_stage < 3 else "Use more devices (more tensor or data parallelism) or a smaller micro-batch.")
-    )

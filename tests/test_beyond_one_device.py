@@ -82,7 +82,8 @@ def _run(rank: int, world: int, plan_a: str, plan_b: str, path: str, cap: int) -
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     from planner.hardware import A100_80G
-    from planner.search import SearchSpace, search
+    from planner.search import search
+    from planner.space import SearchSpace
     from planner.trace import trace
 
     graph = trace(_meta(), *_batch(0))

@@ -20,7 +20,8 @@ from planner.cost import comm_time
 from planner.hardware import A100_80G
 from planner.mesh import Mesh
 from planner.models import build_model, example_inputs
-from planner.search import SearchSpace, search
+from planner.search import search
+from planner.space import SearchSpace
 from planner.strategy import Comm
 from planner.trace import trace
 

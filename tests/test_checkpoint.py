@@ -20,7 +20,8 @@ import torch
 import planner.runtime.checkpoint as ckpt
 from planner.hardware import A100_80G
 from planner.models import build_model, example_inputs
-from planner.search import SearchSpace, search
+from planner.search import search
+from planner.space import SearchSpace
 from planner.trace import trace
 from tests.harness import run_world
 from tests.memory_probe import allocator_count, counting_every_thread, peak_count, storage_bytes

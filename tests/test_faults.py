@@ -18,7 +18,8 @@ import torch
 
 from planner.hardware import A100_80G
 from planner.models import build_model, example_inputs
-from planner.search import SearchSpace, search
+from planner.search import search
+from planner.space import SearchSpace
 from planner.trace import trace
 from tests.harness import run_world
 

@@ -19,8 +19,9 @@ from planner.hardware import A100_80G
 from planner.mesh import Mesh
 from planner.models import build_model, example_inputs
 from planner.problem import build_problem, evaluate
-from planner.search import SearchSpace, candidate_meshes, search
+from planner.search import search
 from planner.solve import BudgetILP, solve, sweep
+from planner.space import SearchSpace, candidate_meshes
 from planner.trace import trace
 from tests.test_solver import CASES, EXACT, REL, _graph, _time_slack, case
 

@@ -10,11 +10,13 @@ import time
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
+from planner.config import ALL_TP
 from planner.hardware import A100_80G
 from planner.ir import IRGraph
 from planner.models import build_model, example_inputs
-from planner.search import ALL_TP, SearchSpace, search
+from planner.search import search
 from planner.solve import SolverSettings
+from planner.space import SearchSpace
 from planner.trace import trace
 
 # mlp-tiny's searches on up to 8 devices take 0.1-30 s on 2 cores (the slowest: every family, ZeRO stage and

@@ -13,7 +13,8 @@ transformers = pytest.importorskip("transformers")
 
 from planner.hardware import A100_80G  # noqa: E402
 from planner.ir import IRGraph  # noqa: E402
-from planner.search import SearchResult, SearchSpace, search  # noqa: E402
+from planner.search import SearchResult, search  # noqa: E402
+from planner.space import SearchSpace  # noqa: E402
 from planner.trace import TraceError, trace  # noqa: E402
 
 transformers.logging.set_verbosity_error()  # tiny configs warn about bos/eos ids outside the vocabulary

@@ -35,7 +35,8 @@ from planner.hardware import A100_80G
 from planner.ir import IRGraph
 from planner.plan import Plan
 from planner.schemes.cdp import cdp_filter
-from planner.search import SearchSpace, search
+from planner.search import search
+from planner.space import SearchSpace
 from planner.trace import trace
 from tests.cdp_checks import BATCH as CDP_BATCH
 from tests.cdp_checks import cdp_train

@@ -20,7 +20,8 @@ from planner.hardware import A100_80G
 from planner.mesh import Mesh
 from planner.models import build_model, example_inputs
 from planner.problem import build_problem, evaluate
-from planner.search import SearchSpace, candidate_meshes, search
+from planner.search import search
+from planner.space import SearchSpace, candidate_meshes
 from planner.trace import micro_batch_inputs, trace
 from tests.test_front import _brute_front
 from tests.test_solver import EXACT, TwoLinear

@@ -21,7 +21,8 @@ import pytest
 
 from planner.hardware import A100_80G
 from planner.models import build_model, example_inputs
-from planner.search import SearchSpace, search
+from planner.search import search
+from planner.space import SearchSpace
 from planner.trace import trace
 from tests.dist_checks import BATCH, PRECISIONS, train_and_compare
 from tests.harness import run_world

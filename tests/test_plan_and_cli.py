@@ -13,7 +13,8 @@ from planner.cli import main
 from planner.hardware import A100_80G
 from planner.models import build_model, example_inputs
 from planner.plan import Plan
-from planner.search import SearchSpace, search
+from planner.search import search
+from planner.space import SearchSpace
 from planner.trace import trace
 from planner.units import parse_bytes
 

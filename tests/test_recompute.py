@@ -17,8 +17,9 @@ from planner.hardware import A100_80G
 from planner.mesh import Mesh
 from planner.problem import build_problem, evaluate
 from planner.schemes.recompute import last_savers, segments
-from planner.search import SearchSpace, candidate_meshes, search
+from planner.search import search
 from planner.solve import solve
+from planner.space import SearchSpace, candidate_meshes
 from planner.trace import trace
 
 

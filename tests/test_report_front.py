@@ -13,7 +13,8 @@ from planner.cli import main
 from planner.explain import collective_seconds, explain, peak_phase
 from planner.hardware import A100_80G
 from planner.models import build_model, example_inputs
-from planner.search import SearchResult, SearchSpace, search
+from planner.search import SearchResult, search
+from planner.space import SearchSpace
 from planner.trace import trace
 
 TINY = ["mlp-tiny", "--devices", "8", "--tp", "none,1d", "--zero", "0,1"]

@@ -20,7 +20,8 @@ import torch
 from planner.hardware import A100_80G
 from planner.ir import Node
 from planner.models import build_model, example_inputs
-from planner.search import SearchSpace, search
+from planner.search import search
+from planner.space import SearchSpace
 from planner.strategy import Strategy
 from planner.trace import trace
 from tests.dist_checks import BATCH, build_native, train_and_compare

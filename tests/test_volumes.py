@@ -28,7 +28,8 @@ from planner.hardware import A100_80G
 from planner.ir import Node
 from planner.models.gpt import GPT, GPTConfig
 from planner.plan import Plan
-from planner.search import SearchSpace, search
+from planner.search import search
+from planner.space import SearchSpace
 from planner.strategy import Comm, Strategy
 from planner.trace import trace
 

@@ -108,7 +108,8 @@ def _losses(rank: int, world: int, cases: list[tuple[str, str, str]]) -> list[di
 def hf_runs(tmp_path_factory: pytest.TempPathFactory) -> list[tuple[tuple[str, str, int, int, str], dict[str, Any], list[dict[str, Any]]]]:
     from planner.hardware import A100_80G
     from planner.models import build_model, example_inputs
-    from planner.search import SearchSpace, search
+    from planner.search import search
+    from planner.space import SearchSpace
     from planner.trace import trace
 
     cases, plans, files = [], [], {}

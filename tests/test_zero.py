@@ -20,7 +20,8 @@ from planner.mesh import Mesh
 from planner.models import build_model, example_inputs
 from planner.plan import Plan
 from planner.schemes.zero import zero1_reduce
-from planner.search import SearchSpace, search
+from planner.search import search
+from planner.space import SearchSpace
 from planner.strategy import Strategy
 from planner.trace import micro_batch_inputs, trace
 from tests.dist_checks import BATCH, train_and_compare
