@@ -36,7 +36,7 @@ class SearchConfig(BaseModel):
     values searched of each dimension (a configuration per combination that can run);
     ``memory_budget``: bytes per device (None: the device's memory); ``front``: each
     configuration's time/memory front (False: its fastest plan only); ``resolution``,
-    ``max_points``: the front's spacing and size (:func:`planner.solve.sweep`); ``time_limit_s``,
+    ``max_points``: the front's spacing and size (:func:`planner.sweep.sweep`); ``time_limit_s``,
     ``relative_gap``: each ILP solve's limits."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")

@@ -1,7 +1,7 @@
 """The time/memory Pareto front: merging configurations' plans, the knee, and bounds that skip ILPs.
 
 Each configuration (mesh, TP family, ZeRO stage, CDP mode) gives its own front by the
-epsilon-constraint method (:func:`planner.solve.sweep`): the fastest plan within the budget, then
+epsilon-constraint method (:func:`planner.sweep.sweep`): the fastest plan within the budget, then
 the fastest within just less memory than that plan needs, and so on down to the least memory any
 plan of the configuration needs. Every point is non-dominated within its configuration (a plan
 beating it on both would have been the fastest within that budget). :func:`merge` keeps the points
@@ -158,7 +158,7 @@ def conversion_time_bound(problem: Problem) -> float:
 def dominated(front: Sequence[P], step_time: float, memory: float, resolution: float = 0.0) -> P | None:
     """A point of ``front`` at least as fast as ``step_time`` whose memory is at most ``memory``,
     or within ``resolution`` of it (a plan at most that fraction smaller is not worth a point:
-    :func:`planner.solve.sweep`), if any."""
+    :func:`planner.sweep.sweep`), if any."""
     return next((p for p in front if p.step_time_s <= step_time and p.peak_memory_bytes * (1 - resolution) <= memory), None)
 
 

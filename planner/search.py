@@ -4,7 +4,7 @@ For ``devices`` devices and the allowed families, every mesh of the family that 
 devices is a configuration (``none``: dp only; ``1d``: dp x tp; ``2d``: dp x row x col with
 q x q; ``3d``: dp x i x j x k with q x q x q), with every requested ZeRO stage when dp > 1.
 Configurations that cannot run are pruned with a reason (the batch does not split ``dp`` ways).
-Each remaining one gives its time/memory Pareto front within the budget (:func:`planner.solve.sweep`,
+Each remaining one gives its time/memory Pareto front within the budget (:func:`planner.sweep.sweep`,
 or, ``front=False``, only its fastest plan), unless a bound without an ILP already shows it cannot
 fit (:func:`planner.front.memory_lower_bound`). The fronts are merged (:func:`planner.front.merge`)
 and the objective picks a point: the fastest, the smallest, or the knee. CDP modes v1/v2 are
@@ -64,9 +64,9 @@ from planner.solve import (
     SolveStopped,
     solve,
     solve_within,
-    sweep,
 )
 from planner.space import Candidate, SearchSpace, batch_rows, candidate_meshes
+from planner.sweep import sweep
 from planner.terms import Problem, StrategyFilter
 from planner.units import format_bytes
 
@@ -168,7 +168,7 @@ def search(
     """Plan every candidate configuration of ``space``; merge their fronts and pick by ``objective``.
 
     ``front``: each configuration's Pareto front (``resolution``, ``max_points``: see
-    :func:`planner.solve.sweep`; the resolution holds across configurations too: a plan slower
+    :func:`planner.sweep.sweep`; the resolution holds across configurations too: a plan slower
     than a point already found is sought only if it needs at least ``resolution`` less memory,
     so ``resolution=0`` gives the exact merged front); otherwise only its fastest plan within the
     budget (its smallest, ``objective="memory"``), which is what one plan for one budget needs. ``objective``: the

@@ -1,6 +1,6 @@
 """The Pareto front: every point non-dominated, and equal to brute force where brute force can run.
 
-Per configuration, :func:`planner.solve.sweep` (weighted sums for the supported points,
+Per configuration, :func:`planner.sweep.sweep` (weighted sums for the supported points,
 epsilon-constraint in the gaps, resolution 0) must return exactly the brute-force front of the problem (every assignment enumerated and evaluated, tests in
 test_solver.py build the cases). Across configurations, :func:`planner.search.search` must return
 the merge of the configurations' brute-force fronts, serially and with worker processes, with the
@@ -20,8 +20,9 @@ from planner.mesh import Mesh
 from planner.models import build_model, example_inputs
 from planner.problem import build_problem, evaluate
 from planner.search import search
-from planner.solve import BudgetILP, solve, sweep
+from planner.solve import BudgetILP, solve
 from planner.space import SearchSpace, candidate_meshes
+from planner.sweep import sweep
 from planner.trace import trace
 from tests.test_solver import CASES, EXACT, REL, _graph, _time_slack, case
 

@@ -235,15 +235,17 @@ def test_a_least_memory_solve_stopped_by_the_time_limit_keeps_the_fastest_plan(c
     none in 2 s), the configuration keeps its fastest plan, marked "time limit", instead of a
     traceback; with no plan at all the report says which limit to raise."""
     import planner.solve as solve
+    import planner.sweep as sweep
 
-    real = solve._solve_once
+    real = solve.solve_once
 
     def stopped(problem, budget, objective, settings):  # type: ignore[no-untyped-def]
         if objective == "memory":
             raise solve.SolveStopped(f"the least-memory ILP of mesh {problem.mesh} found no plan within the time limit of 2 s: raise it (--time-limit)")
         return real(problem, budget, objective, settings)
 
-    monkeypatch.setattr(solve, "_solve_once", stopped)
+    monkeypatch.setattr(solve, "solve_once", stopped)
+    monkeypatch.setattr(sweep, "solve_once", stopped)
     code, out, _ = run(capsys, "report", *TINY)
     assert code == 0 and out.splitlines()[1].startswith("Chosen plan (time): ")
     assert "time limit" in out, out

@@ -11,8 +11,8 @@ Two kinds of case, five orders of magnitude apart in memory:
   only 64 B;
 * ``mlp-tiny`` and ``two-linear`` are a few KiB per device.
 
-The ILP normalises memory and time by the problem's largest coefficients (``_Model.m_unit``,
-``_Model.t_unit``), so both kinds sit at the same scale for HiGHS, and :func:`solve` re-solves an
+The ILP normalises memory and time by the problem's largest coefficients (``planner.ilp.Model.m_unit``,
+``planner.ilp.Model.t_unit``), so both kinds sit at the same scale for HiGHS, and :func:`solve` re-solves an
 answer whose exact memory exceeds the budget; ``test_a_budget_row_slip_*`` simulates a slip to
 exercise that re-solve.
 
@@ -33,7 +33,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import planner.ilp as ilp_module
 import planner.solve as solve_module
+import planner.sweep as sweep_module
 from planner.hardware import A100_80G
 from planner.mesh import Mesh
 from planner.models import build_model, example_inputs
@@ -164,9 +166,9 @@ def case(name: str) -> Case:
 
 
 def _time_slack(c: Case) -> float:
-    """How much slower than the fastest plan the ILP may go: its memory tie-break (solve.py) weighs
+    """How much slower than the fastest plan the ILP may go: its memory tie-break (planner.ilp) weighs
     memory at TIE_BREAK per m_unit bytes against time at 1 per t_unit seconds."""
-    model = solve_module._Model(c.problem, "units")
+    model = ilp_module.Model(c.problem, "units")
     return TIE_BREAK * model.t_unit * (float(c.memory.max()) - c.least_memory) / model.m_unit
 
 
@@ -225,7 +227,7 @@ def test_binding_budgets_give_the_bruteforce_fastest_plan_that_fits(name: str) -
 @pytest.mark.parametrize("name", list(CASES))
 @pytest.mark.parametrize("resolution", [0.05, 0.2, 0.5])
 def test_the_fronts_least_memory_end_keeps_its_bound(name: str, resolution: float) -> None:
-    """solve._end with a resolution r: a plan within m_min / (1 - r) at most r T_L slower than the
+    """planner.sweep._end with a resolution r: a plan within m_min / (1 - r) at most r T_L slower than the
     fastest plan of exactly the least memory m_min (T_L: the least-memory plan's time), checked
     against brute force; r = 0 is the fastest plan of m_min itself."""
     c = case(name)
@@ -234,11 +236,11 @@ def test_the_fronts_least_memory_end_keeps_its_bound(name: str, resolution: floa
     assert m_min == pytest.approx(c.least_memory, rel=1e-9)
     fastest_at_least = c.fastest_within(m_min * (1 + 1e-9))
     ilp = solve_module.BudgetILP(c.problem, "time", EXACT)
-    end = solve_module._end(ilp, least, resolution, None, None, EXACT.sweep_gap(resolution))
+    end = sweep_module._end(ilp, least, resolution, None, None, EXACT.sweep_gap(resolution))
     assert end is not None
     assert m_min <= end.evaluation.peak_memory <= m_min / (1 - resolution) * (1 + 1e-9)
     assert end.evaluation.step_time <= fastest_at_least + resolution * t_least * (1 + 1e-9)
-    exact = solve_module._end(ilp, least, 0.0, None, None, 0.0)
+    exact = sweep_module._end(ilp, least, 0.0, None, None, 0.0)
     assert exact is not None and exact.evaluation.peak_memory <= m_min * (1 + 1e-9)
     assert exact.evaluation.step_time == pytest.approx(fastest_at_least, rel=1e-6, abs=_time_slack(c))
 
@@ -358,14 +360,14 @@ def test_a_budget_row_slip_is_re_solved_without_losing_the_plan_that_fits(name: 
     c = case(name)
     (least, _), (second, _) = c.pareto()[:2]
     slip = second - least
-    exact = solve_module._Model.memory_budget
+    exact = ilp_module.Model.memory_budget
     calls = []
 
-    def slipping(model: solve_module._Model, budget: float) -> None:
+    def slipping(model: ilp_module.Model, budget: float) -> None:
         calls.append(budget)
         exact(model, budget + (slip if len(calls) == 1 else 0.0))
 
-    monkeypatch.setattr(solve_module._Model, "memory_budget", slipping)
+    monkeypatch.setattr(ilp_module.Model, "memory_budget", slipping)
     sol = solve(c.problem, memory_budget=least)
     assert len(calls) >= 2  # the slip was seen and re-solved
     assert sol.evaluation.peak_memory <= least
@@ -374,7 +376,7 @@ def test_a_budget_row_slip_is_re_solved_without_losing_the_plan_that_fits(name: 
 # --------------------------------------------------------------------------- the LP relaxation
 
 
-def _no_pair(model: solve_module._Model, gu: str, iu: frozenset[int], gv: str, iv: frozenset[int]) -> None:
+def _no_pair(model: ilp_module.Model, gu: str, iu: frozenset[int], gv: str, iv: frozenset[int]) -> None:
     return None
 
 
@@ -386,12 +388,12 @@ def test_gathered_weight_holds_are_written_on_the_edges_transportation_variables
     brute-force tests above pass with both); the relaxation's least memory is at least the loose
     form's alone, and at most the least memory of any plan."""
     c = case(name)
-    model = solve_module._Model(c.problem, "pairs")
+    model = ilp_module.Model(c.problem, "pairs")
     pairs = [(gu, iu, gv, iv) for term in c.problem.holds.values() for gu, iu, gv, iv in term.conditions if gv is not None]
     assert pairs  # every case has gathered weights
     assert all(model._pair(*cond) is not None for cond in pairs) and len(model.pair_rows) == len(pairs)
     tight = solve_module.BudgetILP(c.problem, "time", EXACT)
-    monkeypatch.setattr(solve_module._Model, "_pair", _no_pair)
+    monkeypatch.setattr(ilp_module.Model, "_pair", _no_pair)
     loose = solve_module.BudgetILP(c.problem, "time", EXACT)
 
     def relaxed_least(ilp: solve_module.BudgetILP) -> float:
