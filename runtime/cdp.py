@@ -1,9 +1,10 @@
 """Cyclic data parallelism (Fournier & Oyallon 2024; design.md section 6) over the data-parallel axis.
 
 The compiled rank-local graph is cut into L stages (:func:`planner.stages.cut_stages`) and run stage
-by stage (:class:`StagedRunner`): each stage's forward builds its own autograd graph (values
-crossing a cut enter the next stage as detached leaves; parameters are shared), and each stage's
-backward runs alone, handing the gradients of its inputs to the stages that produced them.
+by stage (:class:`planner.runtime.stages.StagedRunner`): each stage's forward builds its own autograd
+graph (values crossing a cut enter the next stage as detached leaves; parameters are shared), and
+each stage's backward runs alone, handing the gradients of its inputs to the stages that produced
+them. This module is the schedule: which worker runs which stage when, and where the gradients go.
 
 Worker n of N (its coordinate on the data-parallel axis) runs forward stages 0..L-1 then backward
 L-1..0 on its micro-batch. When stage l's backward ends, its parameter gradients (one flat buffer)
@@ -37,204 +38,20 @@ Update rules (theta(t) the parameters step t computes with, g(.) the gradient su
 from __future__ import annotations
 
 import math
-import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
-import torch.fx
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten
 
 from planner.runtime import faults
+from planner.runtime.memory import SavedTensorMeter
 from planner.runtime.module import ParallelModule
-from planner.stages import StageCut, cut_stages
+from planner.runtime.stages import MicroBatch, StagedRunner
+from planner.stages import cut_stages
 
 UpdateRule = Literal["sync", "v1", "v2"]
-
-
-@dataclass
-class MicroBatch:
-    """One worker's (or one simulated micro-batch's) values while its stages run."""
-
-    inputs: tuple[torch.Tensor, ...]
-    params: dict[str, torch.Tensor] | None = None  # a parameter version to use instead of the module's
-    values: dict[str, Any] = field(default_factory=dict)
-    leaves: dict[tuple[str, int], Any] = field(default_factory=dict)  # (producer, consuming stage) -> detached copy
-    loss: torch.Tensor | None = None
-
-
-class StagedRunner:
-    """Runs a ParallelModule's rank-local graph one stage at a time (forward and backward)."""
-
-    def __init__(self, pm: ParallelModule, cut: StageCut) -> None:
-        self.pm, self.cut = pm, cut
-        gm = pm.graph_module
-        traced_stage = cut.stage_of()
-        self.num_stages = cut.num_stages
-        self.stage_nodes: list[list[torch.fx.Node]] = [[] for _ in range(self.num_stages)]
-        self.stage_of: dict[str, int] = {}
-        self.sources: list[torch.fx.Node] = []
-        last = 0
-        for node in gm.graph.nodes:
-            if node.op in ("placeholder", "get_attr"):
-                self.sources.append(node)
-                continue
-            if node.op == "output":
-                self.output = node
-                continue
-            origin = pm.node_origin.get(node.name)
-            # an fx node follows its traced node's stage; helper nodes stay with the stage before
-            last = traced_stage.get(origin, last) if origin is not None else last
-            last = max(last, max((self.stage_of.get(a.name, 0) for a in node.all_input_nodes), default=0))
-            self.stage_of[node.name] = last
-            self.stage_nodes[last].append(node)
-        # parameters belong to the earliest stage using them (their gradient completes there)
-        self.param_stage: dict[str, int] = {}
-        for node in self.sources:
-            if node.op == "get_attr" and node.target in pm.param_specs:
-                users = [self.stage_of[u.name] for u in node.users if u.name in self.stage_of]
-                self.param_stage[str(node.target)] = min(users, default=0)
-        self.stage_params: list[list[str]] = [[a for a, s in self.param_stage.items() if s == stage] for stage in range(self.num_stages)]
-        self._input_index = {n.name: i for i, n in enumerate(n for n in self.sources if n.op == "placeholder")}
-        self._consumers: dict[str, set[int]] = {}
-        for node in gm.graph.nodes:
-            for a in node.all_input_nodes:
-                if a.name in self.stage_of:
-                    stage = self.stage_of.get(node.name, self.num_stages - 1)
-                    if stage != self.stage_of[a.name]:
-                        self._consumers.setdefault(a.name, set()).add(stage)
-        self._boundaries = [
-            tuple(name for name, consumers in self._consumers.items() if self.stage_of[name] < stage and max(consumers) >= stage)
-            for stage in range(self.num_stages)
-        ]
-        # forward lets a value go after its last reader in its stage (autograd keeps what it saved),
-        # unless a later stage or the loss reads it: the values crossing a cut stay for backward
-        keep = set(self._consumers) | {a.name for a in self.output.all_input_nodes}
-        last_reader: dict[str, str] = {}
-        for node in gm.graph.nodes:
-            if node.name in self.stage_of:
-                last_reader.setdefault(node.name, node.name)  # read by nobody: goes at once
-                for a in node.all_input_nodes:
-                    if self.stage_of.get(a.name) == self.stage_of[node.name]:
-                        last_reader[a.name] = node.name
-        self._release: dict[str, list[str]] = {}
-        for name, reader in last_reader.items():
-            if name not in keep:
-                self._release.setdefault(reader, []).append(name)
-
-    # ----------------------------------------------------------------- forward
-
-    def start(self, *inputs: torch.Tensor) -> MicroBatch:
-        return MicroBatch(tuple(inputs))
-
-    def _source(self, node: torch.fx.Node, mb: MicroBatch) -> Any:
-        if node.op == "placeholder":
-            return mb.inputs[self._input_index[node.name]]
-        target = str(node.target)
-        if mb.params is not None and target in mb.params:
-            return mb.params[target]
-        return self.pm.graph_module.get_parameter(target) if target in self.pm.param_specs else getattr_path(self.pm.graph_module, target)
-
-    def _value(self, node: torch.fx.Node, stage: int, mb: MicroBatch) -> Any:
-        if node.name not in self.stage_of:
-            return self._source(node, mb)
-        if self.stage_of[node.name] == stage:
-            return mb.values[node.name]
-        key = (node.name, stage)
-        if key not in mb.leaves:
-            mb.leaves[key] = tree_map(_leaf, mb.values[node.name])
-        return mb.leaves[key]
-
-    def forward(self, mb: MicroBatch, stage: int) -> None:
-        gm = self.pm.graph_module
-        for node in self.stage_nodes[stage]:
-            args = torch.fx.node.map_arg(node.args, lambda n: self._value(n, stage, mb))
-            kwargs = torch.fx.node.map_arg(node.kwargs, lambda n: self._value(n, stage, mb))
-            if node.op == "call_module":
-                out = gm.get_submodule(str(node.target))(*args, **kwargs)
-            elif node.op == "call_function":
-                out = node.target(*args, **kwargs)  # type: ignore[operator]
-            elif node.op == "call_method":
-                out = getattr(args[0], str(node.target))(*args[1:], **kwargs)
-            else:
-                raise NotImplementedError(f"fx node {node.op} {node.target} in a stage")
-            mb.values[node.name] = out
-            for name in self._release.get(node.name, ()):
-                del mb.values[name]
-        if stage == self.num_stages - 1:
-            mb.loss = self._value(self.output.args[0], stage, mb)  # type: ignore[arg-type]
-
-    def crossing(self, mb: MicroBatch, stage: int) -> list[torch.Tensor]:
-        """The tensors ``stage`` produced that later stages read (held until its backward)."""
-        return [t for node in self.stage_nodes[stage] if node.name in self._consumers for t in _tensors(mb.values[node.name])]
-
-    # ----------------------------------------------------------------- backward
-
-    def param_users(self) -> dict[str, set[int]]:
-        """For each parameter, the stages whose nodes read it."""
-        out: dict[str, set[int]] = {}
-        for node in self.sources:
-            if node.op == "get_attr" and node.target in self.pm.param_specs:
-                out[str(node.target)] = {self.stage_of[u.name] for u in node.users if u.name in self.stage_of}
-        return out
-
-    def boundary(self, stage: int) -> tuple[str, ...]:
-        """Values produced before ``stage`` that ``stage`` or a later one reads (what crosses the cut
-        into ``stage`` when stages live on different devices)."""
-        return self._boundaries[stage]
-
-    def backward(self, mb: MicroBatch, stage: int, output_grads: dict[str, Any] | None = None) -> None:
-        """Backward of ``stage``: its outputs' gradients are those its later-stage leaves received
-        (or, stages on other devices, ``output_grads`` by value name)."""
-        tensors: list[torch.Tensor] = []
-        grads: list[torch.Tensor | None] = []
-        if stage == self.num_stages - 1 and mb.loss is not None:
-            tensors.append(mb.loss)
-            grads.append(None)
-        for node in self.stage_nodes[stage]:
-            if output_grads is not None:
-                if node.name in output_grads:
-                    for t, g in zip(_tensors(mb.values[node.name]), _tensors(output_grads[node.name]), strict=True):
-                        if t.requires_grad:
-                            tensors.append(t)
-                            grads.append(g)
-                continue
-            for consumer in self._consumers.get(node.name, ()):
-                produced, leaf = mb.values[node.name], mb.leaves.get((node.name, consumer))
-                if leaf is None:
-                    continue
-                for t, lt in zip(_tensors(produced), _tensors(leaf), strict=True):
-                    if t.requires_grad and lt.grad is not None:
-                        tensors.append(t)
-                        grads.append(lt.grad)
-        if tensors:
-            torch.autograd.backward(tensors, grads)
-        for node in self.stage_nodes[stage]:  # release the stage: its saved tensors go with its graph
-            mb.values.pop(node.name, None)
-            for consumer in self._consumers.get(node.name, ()):
-                mb.leaves.pop((node.name, consumer), None)  # and the gradients its outputs received
-
-
-def getattr_path(module: torch.nn.Module, target: str) -> Any:
-    out: Any = module
-    for part in target.split("."):
-        out = getattr(out, part)
-    return out
-
-
-def _leaf(x: Any) -> Any:
-    if isinstance(x, torch.Tensor):
-        return x.detach().requires_grad_(x.requires_grad)
-    return x
-
-
-def _tensors(x: Any) -> list[torch.Tensor]:
-    if isinstance(x, torch.Tensor):
-        return [x]
-    if isinstance(x, (tuple, list)):
-        return [t for item in x for t in _tensors(item)]
-    return []
 
 
 # --------------------------------------------------------------------------- the distributed worker
@@ -537,39 +354,6 @@ class _StageBuffer:
 
 
 # --------------------------------------------------------------------------- memory, in one process
-
-
-class SavedTensorMeter:
-    """Live bytes of the tensors autograd saved for backward (parameters and the micro-batches'
-    own input tensors excluded, ``exclude``): a pack hook
-    keeps a weak reference to each saved tensor; a storage counts while any of them is alive."""
-
-    def __init__(self, exclude: list[torch.Tensor]) -> None:
-        self.excluded = {t.untyped_storage().data_ptr() for t in exclude}
-        self.saved: list[tuple[weakref.ref[torch.Tensor], int, int]] = []
-
-    def track_all(self, tensors: list[torch.Tensor]) -> None:
-        """Count ``tensors`` as held too (a stage's outputs kept for the stages after it)."""
-        for t in tensors:
-            storage = t.untyped_storage()
-            if storage.data_ptr() not in self.excluded:
-                self.saved.append((weakref.ref(t), storage.data_ptr(), storage.nbytes()))
-
-    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            # a detached alias: keeping the tensor itself would tie a saved output to its own
-            # grad_fn in a reference cycle that only the garbage collector breaks
-            alias = t.detach()
-            storage = alias.untyped_storage()
-            if storage.data_ptr() not in self.excluded:
-                self.saved.append((weakref.ref(alias), storage.data_ptr(), storage.nbytes()))
-            return alias
-
-        return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
-
-    def live_bytes(self) -> int:
-        self.saved = [entry for entry in self.saved if entry[0]() is not None]
-        return sum({ptr: nbytes for _, ptr, nbytes in self.saved}.values())
 
 
 def simulate_schedule(runner: StagedRunner, micro_batches: list[tuple[torch.Tensor, ...]], *, delta: int, steps: int) -> list[int]:

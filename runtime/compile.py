@@ -7,7 +7,8 @@ The traced graph is rewritten node by node into a rank-local ``torch.fx.GraphMod
 * each input of a node whose producer's Spec differs from the Spec the node's strategy requires
   goes through a :class:`runtime.collectives.Convert` module (one per producer tensor and target
   Spec, shared by every consumer that needs it, as the planner priced it);
-* each node runs its rank-local kernel (:mod:`runtime.kernels`) with localised shape arguments;
+* each node runs its rank-local kernel (:mod:`runtime.kernels`, found by its kind in
+  :mod:`runtime.kernel_registry`) with localised shape arguments;
 * the loss is converted to replicated (an all-reduce over its partial axes) and returned.
 
 ``print(pm.graph_module.code)`` shows the result. Parameter gradients that are partial over the
@@ -25,7 +26,6 @@ from typing import Any
 
 import torch
 import torch.fx
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from planner.ir import IRGraph, Node
 from planner.layout import Layout, Spec, parse_spec, spec_conversion
@@ -33,19 +33,8 @@ from planner.plan import CONTIGUOUS, NodePlan, Plan, fingerprint
 from planner.runtime.collectives import CommRecorder, Convert, relayout
 from planner.runtime.groups import MeshGroups, build_groups
 from planner.runtime.host_memory import keep_freed_memory
-from planner.runtime.kernels import (
-    AddBias,
-    AddmmKernel,
-    CrossEntropyKernel,
-    EmbeddingKernel,
-    Kernel,
-    LinearKernel,
-    MeanKernel,
-    NormKernel,
-    RegatherKernel,
-    Slot,
-    SummaKernel,
-)
+from planner.runtime.kernel_registry import build_kernel
+from planner.runtime.kernels import AddBias, RegatherKernel
 from planner.runtime.materialize import is_meta_module, materialize
 from planner.runtime.module import ParallelModule, attr_name
 from planner.runtime.recompute import checkpoint_segments
@@ -54,7 +43,6 @@ from planner.runtime.zero3 import Member, ParamUnits
 from planner.trace import micro_batch_inputs, trace
 
 _BIAS_INPUT = {"linear": 2, "addmm": 0}  # which input of the kernel is the bias
-EXPAND = "aten.expand.default"
 
 
 def compile_plan(
@@ -367,7 +355,7 @@ class _Builder:
         computes = list(ins)  # the Specs the kernel computes with: re-gathered inputs arrive split further
         for pos, text in np.regather:
             computes[pos] = parse_spec(text)
-        kernel: torch.nn.Module = self._kernel(node, np, computes, [raw] if raw is not None else outs)
+        kernel: torch.nn.Module = build_kernel(self, node, np, computes, [raw] if raw is not None else outs)
         # a strategy that reduces its own partial output adds the bias after the reduction: a bias
         # the kernel gathers itself (ZeRO-3) is gathered there, for the addition, not for the kernel
         bias = _BIAS_INPUT.get(np.kernel) if raw is not None and outs[0] is not None else None
@@ -401,62 +389,6 @@ class _Builder:
         else:
             for k in range(len(node.outputs)):
                 self.env[(node.name, k)] = self.fx.call_function(operator.getitem, (out, k))
-
-    def _template(self, node: Node, outs: list[Spec | None]) -> tuple[Any, dict[str, Any]]:
-        fx_node = self.fx_nodes[node.name]
-        counter = iter(range(len(node.inputs)))
-
-        def swap(a: Any) -> Any:
-            if isinstance(a, torch.fx.Node):
-                return Slot(next(counter))
-            if isinstance(a, torch.device):
-                return self.device
-            return a
-
-        flat, spec = tree_flatten((fx_node.args, fx_node.kwargs))
-        args, kwargs = tree_unflatten([swap(a) for a in flat], spec)
-        if self.nodes[node.name].kernel == "reshape":  # view/reshape/flatten/unflatten/expand to the local shape
-            meta = node.outputs[0]
-            assert meta is not None and outs[0] is not None
-            local = list(outs[0].layout.local_shape(meta.shape, self.mg.mesh))
-            args = (args[0], local, *args[2:]) if node.target == EXPAND else (args[0], local)
-        return tuple(args), dict(kwargs)
-
-    def _kernel(self, node: Node, np: NodePlan, ins: list[Spec | None], outs: list[Spec | None]) -> Kernel:
-        template = self._template(node, outs)
-        target = self.fx_nodes[node.name].target
-        if np.kernel in ("linear", "addmm"):
-            partial = self.mg.mesh.sort_axes(outs[0].layout.partial) if outs[0] else ()
-            cls = LinearKernel if np.kernel == "linear" else AddmmKernel
-            return cls(node.name, template, partial, self.mg, with_bias=np.raw_output is None)
-        if np.kernel == "summa":
-            return SummaKernel(node.name, template, self.mg, self.rec)
-        if np.kernel in ("layer_norm", "rms_norm"):
-            x = ins[0]
-            assert x is not None
-            norm = len(self.fx_nodes[node.name].args[1])
-            axes = self.mg.mesh.sort_axes({a for d in x.layout.dims[x.layout.ndim - norm :] for a in d})
-            return NormKernel(node.name, template, np.kernel == "rms_norm", axes, self.mg, self.rec)
-        if np.kernel == "embedding":
-            w = ins[0]
-            assert w is not None
-            rows = self.graph.nodes[node.inputs[0].node].out.shape[0] // self.mg.mesh.group_size(w.layout.dims[0])
-            return EmbeddingKernel(node.name, template, w.layout.dims[0], rows, self.mg)
-        if np.kernel == "cross_entropy":
-            logits = ins[0]
-            assert logits is not None
-            classes = self.graph.nodes[node.inputs[0].node].outputs[node.inputs[0].index]
-            assert classes is not None
-            local = classes.shape[1] // self.mg.mesh.group_size(logits.layout.dims[1])
-            scaled = tuple(a for a in logits.layout.dims[0] if a in self.loss_partial_over)
-            return CrossEntropyKernel(node.name, template, logits.layout.dims[0], logits.layout.dims[1], local, self.mg, self.rec, scaled)
-        if np.kernel == "mean":
-            assert ins[0] is not None and outs[0] is not None
-            shards = self.mg.mesh.group_size(outs[0].layout.partial - ins[0].layout.partial)
-            return MeanKernel(node.name, target, template, shards)
-        if np.kernel == "reshape":
-            return Kernel(node.name, target if node.target == EXPAND else torch.ops.aten.reshape.default, template)
-        return Kernel(node.name, target, template)
 
     def _output(self, node: Node) -> None:
         ref = node.inputs[0]

@@ -3,7 +3,8 @@
 Each kernel is a small module called from the rank-local fx graph with the node's tensor inputs
 (already converted to the Specs its strategy requires). ``arg_template`` is the original node's
 ``(args, kwargs)`` with tensors replaced by :class:`Slot` markers, shape arguments localised, and
-devices set to the rank's device.
+devices set to the rank's device. Which kernel a node gets, and with what arguments, is decided by
+the builder registered for its kind in :mod:`runtime.kernel_registry`.
 """
 
 from __future__ import annotations

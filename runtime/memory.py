@@ -5,6 +5,10 @@ with finalizers, so a storage counts until the last tensor or autograd-saved var
 gone), and the running total's peak is kept. Call ``track`` on what existed before (parameters,
 gradients, optimizer states) so the total starts right. This is how the benchmarks measure the
 memory a plan really holds on CPU, where there is no allocator to ask.
+
+``SavedTensorMeter`` counts a narrower set: the live bytes of what autograd saved for backward
+(through a saved-tensors hook), plus tensors handed to it; runtime.cdp's ``simulate_schedule``
+measures a schedule's activation memory with it.
 """
 
 from __future__ import annotations
@@ -48,3 +52,36 @@ class LiveMemory(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         self.track(out)
         return out
+
+
+class SavedTensorMeter:
+    """Live bytes of the tensors autograd saved for backward (parameters and the micro-batches'
+    own input tensors excluded, ``exclude``): a pack hook
+    keeps a weak reference to each saved tensor; a storage counts while any of them is alive."""
+
+    def __init__(self, exclude: list[torch.Tensor]) -> None:
+        self.excluded = {t.untyped_storage().data_ptr() for t in exclude}
+        self.saved: list[tuple[weakref.ref[torch.Tensor], int, int]] = []
+
+    def track_all(self, tensors: list[torch.Tensor]) -> None:
+        """Count ``tensors`` as held too (a stage's outputs kept for the stages after it)."""
+        for t in tensors:
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in self.excluded:
+                self.saved.append((weakref.ref(t), storage.data_ptr(), storage.nbytes()))
+
+    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            # a detached alias: keeping the tensor itself would tie a saved output to its own
+            # grad_fn in a reference cycle that only the garbage collector breaks
+            alias = t.detach()
+            storage = alias.untyped_storage()
+            if storage.data_ptr() not in self.excluded:
+                self.saved.append((weakref.ref(alias), storage.data_ptr(), storage.nbytes()))
+            return alias
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+
+    def live_bytes(self) -> int:
+        self.saved = [entry for entry in self.saved if entry[0]() is not None]
+        return sum({ptr: nbytes for _, ptr, nbytes in self.saved}.values())

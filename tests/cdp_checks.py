@@ -149,8 +149,10 @@ def cdp_memory(rank: int, world: int, name: str, text: str, num_stages: int) -> 
     stage's A_l for one micro-batch."""
     from planner.models import build_model
     from planner.plan import Plan
-    from planner.runtime.cdp import SavedTensorMeter, StagedRunner, simulate_schedule
+    from planner.runtime.cdp import simulate_schedule
     from planner.runtime.compile import compile_plan
+    from planner.runtime.memory import SavedTensorMeter
+    from planner.runtime.stages import StagedRunner
     from planner.stages import cut_stages
 
     plan = Plan.model_validate_json(text)
