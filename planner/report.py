@@ -177,7 +177,7 @@ def _pipelines(result: SearchResult, *, markdown: bool) -> list[str]:
     if not result.pipelines:
         return []
     rows = [[str(e.stages), str(e.devices), str(e.dp_mp_devices), format_bytes(e.peak_memory), format_seconds(e.step_time)] for e in result.pipelines]
-    return ["", f"CDP with stages on different devices (analytic estimate, not searched by the ILP; planner.runtime.cdp.CDPPipeline runs it), "
+    return ["", f"CDP with stages on different devices (analytic estimate, not searched by the ILP; planner.runtime.cdp_pipeline.CDPPipeline runs it), "
                 f"N = {result.pipelines[0].workers} micro-batches:", "",
             render(rows, ["stages", "devices", "DP x MP would need", "memory/device", "step time"], markdown=markdown)]
 

@@ -261,7 +261,7 @@ def search(
         result.pipelines = [
             pipeline_estimate(graph, hardware, workers=space.devices, stages=stages, optimizer=optimizer)
             for stages in (2, 4, 8)
-            if stages <= ops and space.devices % stages == 0  # runtime.cdp.CDPPipeline needs L | N
+            if stages <= ops and space.devices % stages == 0  # runtime.cdp_pipeline.CDPPipeline needs L | N
         ]
     result.front = merge(result.feasible, resolution if front else 0.0)  # spaced by the resolution (planner.front.merge)
     result.knee = knee(result.front)

@@ -37,12 +37,10 @@ Update rules (theta(t) the parameters step t computes with, g(.) the gradient su
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
-import torch.distributed as dist
 from torch.utils._pytree import tree_flatten
 
 from planner.runtime import faults
@@ -105,7 +103,7 @@ class CDPTrainer:
             self.masters = {}
             self.optimizer = optimizer_class(list(self.params.values()), **optimizer_kwargs)
         self.step_index = 0
-        self._buffers: dict[tuple[int, int], _StageBuffer] = {}  # (step, stage) -> its flat buffer here
+        self._buffers: dict[tuple[int, int], StageBuffer] = {}  # (step, stage) -> its flat buffer here
         self._old: dict[str, torch.Tensor] = {}
         self.messages: list[tuple[int, int, str]] = []  # (step, stage, "chain"|"ring") sent by this rank
 
@@ -170,7 +168,7 @@ class CDPTrainer:
             faults.recv(partial, self._peer(self._worker_at(stage, position - 1)), self._tag(t, stage, 0), f"CDP chain of stage {stage}'s gradient, step {t}")
             buf.add_(partial)  # the same sum as partial + buf (IEEE addition commutes)
             del partial
-        record = _StageBuffer(buf)
+        record = StageBuffer(buf)
         if position < big_n - 1:
             record.chain = self._send(buf, self._worker_at(stage, position + 1), t, stage, 0)
             record.source = self.owner(stage) if position == 0 else self._worker_at(stage, position - 1)
@@ -178,12 +176,12 @@ class CDPTrainer:
             record.forward = self._send(buf, self._worker_at(stage, 0), t, stage, 1)
         self._buffers[(t, stage)] = record
 
-    def _receive_ring(self, key: tuple[int, int], record: _StageBuffer) -> None:
+    def _receive_ring(self, key: tuple[int, int], record: StageBuffer) -> None:
         """Post the ring's receive into the buffer the chain sent from (its send has completed)."""
         record.chain = None
         record.ring = faults.irecv(record.buf, self._peer(record.source), self._tag(key[0], key[1], 1), f"CDP ring of stage {key[1]}'s gradient, step {key[0]}")
 
-    def _pass_on(self, key: tuple[int, int], record: _StageBuffer) -> None:
+    def _pass_on(self, key: tuple[int, int], record: StageBuffer) -> None:
         """The ring's copy is in: send it on (the place before the owner is the last)."""
         record.ring, record.source = None, -1
         position = self._position(key[1])
@@ -340,7 +338,7 @@ class CDPTrainer:
 
 
 @dataclass
-class _StageBuffer:
+class StageBuffer:
     """One stage's flat buffer of one step on this rank and the messages on it: the chain's sum
     sent on (``chain``), then the ring's copy received into the same buffer (``ring``, from
     ``source``; posted once the chain's send has completed, so one buffer serves both) and passed
@@ -391,228 +389,3 @@ def simulate_schedule(runner: StagedRunner, micro_batches: list[tuple[torch.Tens
 
 # --------------------------------------------------------------------------- CDP with model parallelism
 
-
-class CDPPipeline:
-    """CDP with model parallelism: stage l on its own devices (design.md section 6).
-
-    N workers (micro-batches), L stages (L dividing N), D = N/L devices per stage, L*D ranks: rank
-    l*D + j holds stage l and serves the workers n = j (mod D), so worker n's activations go
-    down column j of the grid and its gradients come back up it. Worker n does the forward of stage
-    l at 2Lk + n*delta + l and its backward at 2Lk + n*delta + 2L-1-l (delta = 2L/N); a device's
-    L workers then alternate forward and backward slots without ever colliding, so L*D devices do
-    what DP + MP needs N*L for. Each stage's gradient of step k is accumulated over its L workers
-    and summed over its D devices by the chain-and-ring (2(D-1) messages) as soon as the step's
-    last backward of that stage is done; the update rule decides which parameter version each
-    worker-step uses (v1: theta(k) for step k, with theta(1) = theta(0); v2: theta(k) on the stages
-    it is fresh for, theta(k-1) elsewhere), versions being separate tensors, since the workers of
-    two steps share a device at the same time.
-
-    ``pm`` is the model compiled for one device (a plan for one device, ``mesh_groups`` of that
-    one device); every rank builds it and keeps only its stage's parameters. ``run(batches)`` trains
-    on ``batches[k]`` (a full global batch per step, split in N micro-batches) and returns the
-    losses of the steps (on the ranks of the last stage; others return zeros).
-    """
-
-    def __init__(self, pm: ParallelModule, *, num_workers: int, num_stages: int, rule: UpdateRule,
-                 optimizer_class: type[torch.optim.Optimizer], **optimizer_kwargs: Any) -> None:
-        if rule not in ("v1", "v2"):
-            raise ValueError(f"CDP with model parallelism runs update rule v1 or v2, not {rule!r} (sync would stall the pipeline)")
-        if num_workers % num_stages:
-            raise ValueError(f"CDP with model parallelism needs N divisible by L (else two workers meet on a device): N={num_workers}, L={num_stages}")
-        self.pm, self.rule = pm, rule
-        self.n_workers, self.n_stages = num_workers, num_stages
-        self.per_stage = -(-num_workers // num_stages)  # D
-        world = dist.get_world_size()
-        if world != num_stages * self.per_stage:
-            raise ValueError(f"CDP with model parallelism needs L*ceil(N/L) = {num_stages * self.per_stage} ranks, WORLD_SIZE is {world}")
-        self.rank = dist.get_rank()
-        self.stage, self.column = divmod(self.rank, self.per_stage)
-        # the clock ticks in 1/scale time units so that delta = 2L/N is a whole number of ticks
-        self.scale = num_workers // math.gcd(2 * num_stages, num_workers)
-        self.delta = 2 * num_stages * self.scale // num_workers
-        self.runner = StagedRunner(pm, cut_stages(pm.graph, num_stages))
-        if self.runner.num_stages != num_stages:
-            raise ValueError(f"the graph cut gave {self.runner.num_stages} stages, not {num_stages}")
-        shared = {a: sorted(st) for a, st in self.runner.param_users().items() if len(st) > 1}
-        if shared:
-            a, st = next(iter(shared.items()))
-            raise ValueError(
-                f"parameter {pm.param_names[a][0]} is read by stages {st} (a tied weight?); with stages on different devices each "
-                f"parameter must belong to one stage: untie it, or run CDP over data parallelism (CDPTrainer)"
-            )
-        self.attrs = self.runner.stage_params[self.stage]
-        params = pm.local_parameters()
-        self.masters = {a: torch.nn.Parameter(params[a].detach().clone()) for a in self.attrs}
-        with torch.no_grad():  # this rank keeps only its stage's parameters
-            for a, p in params.items():
-                if a not in self.masters:
-                    p.data = torch.empty(0, dtype=p.dtype)
-        self.optimizer = optimizer_class(list(self.masters.values()), **optimizer_kwargs) if self.masters else None
-        self.versions: dict[int, dict[str, torch.Tensor]] = {0: self._snapshot()}
-        if rule == "v1":
-            self.versions[1] = self.versions[0]  # theta(1) = theta(0): no gradient before step 0
-        self.messages: list[tuple[int, str]] = []  # (step, "activation"|"gradient"|"chain"|"ring") sent
-        self.steps_run = 0
-
-    def _snapshot(self) -> dict[str, torch.Tensor]:
-        return {a: m.detach().clone().requires_grad_(True) for a, m in self.masters.items()}
-
-    def _rank(self, stage: int, column: int) -> int:
-        return stage * self.per_stage + column
-
-    def fresh(self, worker: int, stage: int) -> bool:
-        return stage * self.n_workers >= (self.n_workers - 1 - worker) * self.n_stages
-
-    def _version(self, worker: int, step: int) -> int:
-        if self.rule == "v1" or self.fresh(worker, self.stage):
-            return step
-        return max(step - 1, 0)
-
-    def run(self, batches: list[tuple[tuple[Any, ...], dict[str, Any]]]) -> list[float]:
-        big_l, n_w, delta, stage, sc = self.n_stages, self.n_workers, self.delta, self.stage, self.scale
-        steps = len(batches)
-        micro = []
-        for args, kwargs in batches:
-            flat, _ = tree_flatten((args, kwargs))
-            tensors = [a for a in flat if isinstance(a, torch.Tensor)]
-            micro.append([tuple(t.chunk(n_w)[n] for t in tensors) for n in range(n_w)])
-        meta = self._probe(micro[0][0])
-        mine = [n for n in range(n_w) if n % self.per_stage == self.column]
-        events: dict[int, list[tuple[str, int, int]]] = {}
-        for k in range(steps):
-            for n in mine:
-                events.setdefault(sc * (2 * big_l * k + stage) + n * delta, []).append(("fwd", n, k))
-                events.setdefault(sc * (2 * big_l * k + 2 * big_l - 1 - stage) + n * delta, []).append(("bwd", n, k))
-            events.setdefault(sc * (2 * big_l * k + 2 * big_l - 1 - stage) + (n_w - 1) * delta, []).append(("sum", -1, k))
-        for tau, evs in events.items():
-            if sum(1 for e in evs if e[0] != "sum") > 1:
-                raise RuntimeError(f"two stage-steps on rank {self.rank} at tick {tau}: {evs}")  # L | N rules this out
-        live: dict[tuple[int, int], MicroBatch] = {}
-        grads: dict[int, dict[str, torch.Tensor]] = {}
-        losses = [0.0] * steps
-        sends: list[Any] = []
-        for tau in sorted(events):
-            for kind, n, k in sorted(events[tau], key=lambda e: e[0] == "sum"):
-                if kind == "fwd":
-                    live[(n, k)] = self._forward(n, k, micro[k][n], meta, sends)
-                    mb = live[(n, k)]
-                    if mb.loss is not None:
-                        losses[k] += float(mb.loss.detach())
-                elif kind == "bwd":
-                    self._backward(live.pop((n, k)), n, k, meta, grads.setdefault(k, {}), sends)
-                else:
-                    self._sum_and_update(k, grads.pop(k, {}), sends)
-        for work, _ in sends:
-            work.wait()
-        self.steps_run += steps
-        return losses
-
-    def _probe(self, inputs: tuple[torch.Tensor, ...]) -> dict[str, tuple[torch.Size, torch.dtype, bool]]:
-        """Shapes of the values crossing each cut, from one forward of the whole model here."""
-        full = {a: self.pm.graph_module.get_parameter(a) for a in self.pm.param_specs}
-        saved = {a: p.data for a, p in full.items()}
-        with torch.no_grad():
-            for a, p in full.items():  # the probe needs every stage: borrow this rank's masters' shapes
-                if p.numel() == 0:
-                    p.data = torch.zeros(self.pm.graph.nodes[_node_of(self.pm, a)].out.shape, dtype=p.dtype)
-        mb = self.runner.start(*inputs)
-        with torch.enable_grad():
-            for s in range(self.n_stages):
-                self.runner.forward(mb, s)
-        meta = {name: (v.shape, v.dtype, v.requires_grad) for name, v in mb.values.items() if isinstance(v, torch.Tensor)}
-        for a, p in full.items():
-            p.data = saved[a]
-        return meta
-
-    def _forward(self, n: int, k: int, inputs: tuple[torch.Tensor, ...], meta: Any, sends: list[Any]) -> MicroBatch:
-        stage = self.stage
-        mb = MicroBatch(inputs, params=self.versions[self._version(n, k)])
-        for i, name in enumerate(self.runner.boundary(stage)):
-            shape, dtype, grad = meta[name]
-            t = torch.empty(shape, dtype=dtype)
-            faults.recv(t, self._rank(stage - 1, self.column), i, f"CDP pipeline activation {name} into stage {stage}, micro-batch {k}")
-            mb.values[name] = t.requires_grad_(grad)
-        self.runner.forward(mb, stage)
-        if stage == self.n_stages - 1:
-            assert mb.loss is not None
-            mb.loss = mb.loss / self.n_workers  # this worker's share of the global mean
-        else:
-            for i, name in enumerate(self.runner.boundary(stage + 1)):
-                t = mb.values[name].detach().contiguous()
-                sends.append((faults.isend(t, self._rank(stage + 1, self.column), i, f"CDP pipeline activation {name} out of stage {stage}, micro-batch {k}"), t))
-                self.messages.append((k, "activation"))
-        return mb
-
-    def _backward(self, mb: MicroBatch, n: int, k: int, meta: Any, acc: dict[str, torch.Tensor], sends: list[Any]) -> None:
-        stage = self.stage
-        received: dict[str, torch.Tensor] = {}
-        if stage < self.n_stages - 1:
-            for i, name in enumerate(self.runner.boundary(stage + 1)):
-                shape, dtype, _ = meta[name]
-                g = torch.empty(shape, dtype=dtype)
-                faults.recv(g, self._rank(stage + 1, self.column), 1000 + i, f"CDP pipeline gradient of {name} into stage {stage}, micro-batch {k}")
-                received[name] = g
-        mine = {name: g for name, g in received.items() if self.runner.stage_of[name] == stage}
-        self.runner.backward(mb, stage, output_grads=mine)
-        assert mb.params is not None
-        for a, p in mb.params.items():
-            if p.grad is not None:
-                acc[a] = acc[a] + p.grad if a in acc else p.grad.clone()
-                p.grad = None
-        if stage > 0:
-            for i, name in enumerate(self.runner.boundary(stage)):
-                leaf = mb.leaves.get((name, stage))
-                g = leaf.grad if isinstance(leaf, torch.Tensor) and leaf.grad is not None else torch.zeros(meta[name][0], dtype=meta[name][1])
-                if name in received:  # passed through this stage: its later uses' gradient too
-                    g = g + received[name]
-                g = g.contiguous()
-                sends.append((faults.isend(g, self._rank(stage - 1, self.column), 1000 + i, f"CDP pipeline gradient of {name} out of stage {stage}, micro-batch {k}"), g))
-                self.messages.append((k, "gradient"))
-
-    def _sum_and_update(self, k: int, acc: dict[str, torch.Tensor], sends: list[Any]) -> None:
-        """Sum step k's gradient of this stage over its D devices (chain 0..D-1, ring back), step
-        the optimizer and make the new version (v1: theta(k+2); v2: theta(k+1))."""
-        if not self.attrs:  # nothing to sum; the (empty) version still moves on
-            self.versions[k + 2 if self.rule == "v1" else k + 1] = {}
-            return
-        d, j = self.per_stage, self.column
-        buf = torch.cat([(acc[a] if a in acc else torch.zeros_like(self.masters[a])).reshape(-1) for a in self.attrs])
-        if j > 0:
-            partial = torch.empty_like(buf)
-            faults.recv(partial, self._rank(self.stage, j - 1), 2000, f"CDP pipeline chain of stage {self.stage}'s gradient, step {k}")
-            buf = partial + buf
-        if j < d - 1:
-            sends.append((faults.isend(buf, self._rank(self.stage, j + 1), 2000, f"CDP pipeline chain of stage {self.stage}'s gradient, step {k}"), buf))
-            self.messages.append((k, "chain"))
-            total = torch.empty_like(buf)
-            faults.recv(total, self._rank(self.stage, d - 1 if j == 0 else j - 1), 2001, f"CDP pipeline ring of stage {self.stage}'s gradient, step {k}")
-            buf = total
-            if j + 1 < d - 1:
-                sends.append((faults.isend(buf, self._rank(self.stage, j + 1), 2001, f"CDP pipeline ring of stage {self.stage}'s gradient, step {k}"), buf))
-                self.messages.append((k, "ring"))
-        elif d > 1:
-            sends.append((faults.isend(buf, self._rank(self.stage, 0), 2001, f"CDP pipeline ring of stage {self.stage}'s gradient, step {k}"), buf))
-            self.messages.append((k, "ring"))
-        offset = 0
-        for a in self.attrs:
-            m = self.masters[a]
-            m.grad = buf[offset : offset + m.numel()].view_as(m).clone()
-            offset += m.numel()
-        assert self.optimizer is not None
-        self.optimizer.step()
-        self.versions[k + 2 if self.rule == "v1" else k + 1] = self._snapshot()
-        for old in [v for v in self.versions if v < k]:
-            del self.versions[old]
-
-    def stage_state(self) -> dict[str, torch.Tensor]:
-        """This rank's stage parameters as the next step would use them (v1: theta(K) after K
-        steps, though theta(K+1) is already computed), under their first original names."""
-        version = self.versions[self.steps_run]
-        return {self.pm.param_names[a][0]: version[a].detach().clone() for a in self.attrs}
-
-
-def _node_of(pm: ParallelModule, attr: str) -> str:
-    for node in pm.graph.params:
-        if node.param_names == pm.param_names[attr]:
-            return node.name
-    raise KeyError(attr)

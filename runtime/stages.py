@@ -21,8 +21,8 @@ values crossing the cut into l (what travels when stages live on different devic
 ``crossing(mb, l)`` gives the tensors l holds for later stages.
 
 The runner sends no message and steps no optimizer: the schedule (which micro-batch runs which
-stage when, and where the gradients go) is the caller's, e.g. runtime.cdp's CDPTrainer,
-CDPPipeline and simulate_schedule.
+stage when, and where the gradients go) is the caller's, e.g. runtime.cdp's CDPTrainer and
+simulate_schedule and runtime.cdp_pipeline's CDPPipeline.
 """
 
 from __future__ import annotations

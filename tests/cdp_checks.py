@@ -196,7 +196,7 @@ def cdp_pipeline(rank: int, world: int, name: str, plan_json: str, rule: str, nu
     from planner.mesh import Mesh
     from planner.models import build_model
     from planner.plan import Plan
-    from planner.runtime.cdp import CDPPipeline
+    from planner.runtime.cdp_pipeline import CDPPipeline
     from planner.runtime.compile import compile_plan
     from planner.runtime.groups import MeshGroups
 

@@ -117,7 +117,7 @@ def _gradient_free(graph: IRGraph, name: str, index: int) -> bool:
 
 def parameter_stages(graph: IRGraph, num_stages: int) -> dict[str, int]:
     """Each parameter's stage: the earliest stage that reads it (its gradient is complete when that
-    stage's backward ends), as runtime/cdp.py assigns them."""
+    stage's backward ends), as runtime/stages.py assigns them (StagedRunner.param_stage)."""
     stage_of = cut_stages(graph, num_stages).stage_of()
     consumers = graph.consumers()
     return {
@@ -175,7 +175,7 @@ def cdp_owner_bytes(problem: Problem, assignment: dict[str, int]) -> tuple[float
 
 @dataclass(frozen=True)
 class PipelineEstimate:
-    """CDP with stages on different devices (runtime.cdp.CDPPipeline), priced analytically.
+    """CDP with stages on different devices (runtime.cdp_pipeline.CDPPipeline), priced analytically.
 
     N workers (micro-batches of the traced batch / N), L stages (planner.stages), D = ceil(N/L)
     devices per stage: L*D devices where data parallelism times L-way model parallelism needs N*L.
