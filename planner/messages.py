@@ -14,6 +14,8 @@ from planner.front import Point, dominated
 from planner.ir import IRGraph
 from planner.mesh import mesh_text
 from planner.plan import Plan
+from planner.schemes.base import Settings
+from planner.schemes.registry import SCHEMES
 from planner.space import Candidate, SearchSpace, batch_rows
 from planner.terms import Evaluation, Problem
 from planner.units import format_bytes, format_seconds
@@ -69,18 +71,20 @@ def dismissal(done: Candidate, t_lb: float, m_lb: float, now: Sequence[Point], *
 
 
 def describe(plan: Plan | Point) -> str:
+    """A plan's configuration, as :func:`label` names it."""
     if not isinstance(plan, Plan):
         return getattr(plan, "label", "another configuration's")
-    return label(mesh_text(plan.mesh), plan.zero_stage, plan.cdp, plan.micro_batches, plan.recompute)
+    return label(mesh_text(plan.mesh), {"zero_stage": plan.zero_stage, "cdp": plan.cdp, "micro_batches": plan.micro_batches,
+                                        "recompute": plan.recompute})
 
 
 def configuration_text(c: Candidate) -> str:
-    return label(str(c.mesh), c.zero, c.cdp, c.micro_batches, c.recompute)
+    return label(str(c.mesh), c.settings)
 
 
-def label(mesh: str, zero: int, cdp: str, micro_batches: int = 1, recompute: str = "none") -> str:
-    return (f"{mesh} ZeRO-{zero}" + (f" CDP {cdp}" if cdp != "off" else "") + (f" x{micro_batches} micro-batches" if micro_batches > 1 else "")
-            + (f" recompute {recompute}" if recompute != "none" else ""))
+def label(mesh: str, settings: Settings) -> str:
+    """``dp=4 x tp=2 ZeRO-1 recompute full``: the mesh, then each scheme's part (schemes.base.Scheme.label)."""
+    return " ".join([mesh, *(part for part in (scheme.label(settings) for scheme in SCHEMES) if part)])
 
 
 def outcome_line(c: Candidate) -> str:

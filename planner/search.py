@@ -212,9 +212,9 @@ def search(
     for k, cand in enumerate(configs):
         if not cand.reason:
             # conversions and holds are priced when a configuration is solved, not for its bounds
-            problems[k] = build_problem(graphs[cand.micro_batches], cand.mesh, hardware, optimizer=optimizer, zero_stage=cand.zero,
-                                        master_dtype=master_dtype, prefetch=prefetch, cdp=cand.cdp, cdp_stages=space.cdp_stages, allow=allow,
-                                        edges=False, micro_batches=cand.micro_batches, bucket_bytes=bucket_bytes, recompute=cand.recompute)
+            problems[k] = build_problem(graphs[cand.micro_batches], cand.mesh, hardware, optimizer=optimizer, master_dtype=master_dtype,
+                                        prefetch=prefetch, cdp_stages=space.cdp_stages, allow=allow, edges=False, bucket_bytes=bucket_bytes,
+                                        **cand.settings)
     bounds = {k: (time_lower_bound(pb), memory_lower_bound(pb)) for k, pb in problems.items()}
     outcome: dict[int, Candidate] = {k: c for k, c in enumerate(configs) if c.reason}
     found: list[Plan] = []  # the front so far, across configurations
@@ -570,9 +570,8 @@ def least_memory_message(
     for c in sorted((c for c in result.candidates if c.least_is_bound), key=lambda c: c.least_memory or 0.0):
         if best is not None and (c.least_memory or 0.0) >= best[0]:
             break
-        problem = build_problem(graphs[c.micro_batches], c.mesh, hardware, optimizer=optimizer, zero_stage=c.zero, master_dtype=master_dtype,
-                                prefetch=prefetch, cdp=c.cdp, cdp_stages=space.cdp_stages, allow=allow, micro_batches=c.micro_batches,
-                                bucket_bytes=bucket_bytes, recompute=c.recompute)
+        problem = build_problem(graphs[c.micro_batches], c.mesh, hardware, optimizer=optimizer, master_dtype=master_dtype, prefetch=prefetch,
+                                cdp_stages=space.cdp_stages, allow=allow, bucket_bytes=bucket_bytes, **c.settings)
         ev = solve(problem, memory_budget=float("inf"), objective="memory", settings=settings).evaluation
         if best is None or ev.peak_memory < best[0]:
             best = (ev.peak_memory, c, ev.memory)

@@ -5,13 +5,15 @@ recomputation) a search considers, and why the ones that cannot run are pruned b
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from planner.config import ALL_TP
 from planner.ir import IRGraph
 from planner.mesh import Mesh
 from planner.plan import Plan
 from planner.schemes import recompute as recompute_scheme
+from planner.schemes.base import Settings
+from planner.schemes.registry import SCHEMES
 from planner.schemes.tp import family_meshes
 
 
@@ -80,6 +82,11 @@ class Candidate:
     front: tuple[Plan, ...] = ()  # the configuration's Pareto plans within the budget, fastest first
     seconds: float = 0.0  # building and solving this configuration
 
+    @property
+    def settings(self) -> Settings:
+        """The schemes' settings of this configuration, as :func:`planner.problem.build_problem` takes them."""
+        return {"zero_stage": self.zero, "cdp": self.cdp, "micro_batches": self.micro_batches, "recompute": self.recompute}
+
 
 def candidate_meshes(space: SearchSpace, batch: int) -> list[Candidate]:
     out = []
@@ -99,15 +106,9 @@ def candidate_meshes(space: SearchSpace, batch: int) -> list[Candidate]:
                 if not stages:  # ZeRO shards over data-parallel axes: with dp = 1 every stage is stage 0
                     stages = [0]
                 for cdp, zero, recompute in itertools.product(space.cdp, stages, space.recompute):
-                    if cdp != "off" and dp == 1:
-                        reason = "CDP runs over the data-parallel axis: needs dp > 1"
-                    elif cdp != "off" and zero > 1:
-                        reason = f"CDP with ZeRO-{zero} is not built in the runtime; CDP runs with ZeRO 0 or 1"
-                    elif cdp != "off" and m > 1:
-                        reason = "CDP staggers its own micro-batches; gradient accumulation runs with CDP off"
-                    else:
-                        reason = recompute_scheme.unsupported(recompute, zero, cdp)
-                    out.append(Candidate(mesh, family, zero, cdp, micro_batches=m, recompute=recompute, reason=reason))
+                    cand = Candidate(mesh, family, zero, cdp, micro_batches=m, recompute=recompute)
+                    reason = next((why for why in (scheme.unsupported(mesh, cand.settings) for scheme in SCHEMES) if why), "")
+                    out.append(replace(cand, reason=reason))
     return out
 
 

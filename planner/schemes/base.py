@@ -7,6 +7,11 @@ acts, through the hooks below, each a no-op here; the registry (:data:`planner.s
 runs them in its order, so a later scheme sees what an earlier one set (CDP replaces the
 collective gradient sync ZeRO priced). In the order a problem is built, solved and evaluated:
 
+0. :meth:`Scheme.unsupported` and :meth:`Scheme.label`: a search's configurations are the
+   product of the schemes' settings (``Settings``: the keywords of
+   :func:`planner.problem.build_problem`, e.g. ``{"zero_stage": 1, "cdp": "off", ...}``) over the
+   meshes; a combination a scheme cannot run is pruned with its reason, and a configuration is
+   printed as the mesh followed by each scheme's label;
 1. :meth:`Scheme.configure`: check the problem's settings (a ValueError that names the setting and
    what to change) and settle what the scheme decides once (recomputation's segments, whether
    gradients are summed by collectives);
@@ -25,12 +30,13 @@ collective gradient sync ZeRO priced). In the order a problem is built, solved a
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
     from planner.ir import Node
+    from planner.mesh import Mesh
     from planner.peak import Var
     from planner.strategy import Comm, Strategy
     from planner.terms import Problem, StrategyFilter
@@ -79,10 +85,22 @@ class Tally:
     value: Callable[[Var], float]  # the assignment's value of an ILP indicator (planner.peak.Var)
 
 
+Settings = Mapping[str, Any]  # a configuration's scheme settings, by build_problem keyword
+
+
 class Scheme:
     """One parallelism dimension (see the module docstring for when each hook runs)."""
 
     name: ClassVar[str]
+
+    def unsupported(self, mesh: Mesh, settings: Settings) -> str:
+        """Why this scheme cannot run ``settings`` on ``mesh`` ("" when it can): the search prunes
+        the configuration with this reason, and :meth:`configure` raises it."""
+        return ""
+
+    def label(self, settings: Settings) -> str:
+        """The scheme's part of a configuration's name ("" where it is off)."""
+        return ""
 
     def configure(self, problem: Problem) -> None:
         """Check the settings; settle what the scheme decides once per problem."""

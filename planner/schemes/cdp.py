@@ -27,9 +27,10 @@ from planner.cost import STATES_PER_VALUE, comm_time
 from planner.hardware import HardwareProfile
 from planner.ir import IRGraph, Node
 from planner.layout import Spec
+from planner.mesh import Mesh
 from planner.peak import Form
 from planner.rules.anchors import broadcasts_batch
-from planner.schemes.base import NodePrice, ParamPrice, Scheme, Tally
+from planner.schemes.base import NodePrice, ParamPrice, Scheme, Settings, Tally
 from planner.schemes.zero import zero_param_terms
 from planner.stages import cut_stages
 from planner.strategy import Comm, Strategy
@@ -242,15 +243,32 @@ class CDP(Scheme):
 
     name = "cdp"
 
+    def unsupported(self, mesh: Mesh, settings: Settings) -> str:
+        cdp, zero, micro_batches = settings["cdp"], settings["zero_stage"], settings["micro_batches"]
+        if cdp == "off":
+            return ""
+        if cdp not in ("v1", "v2"):
+            return f"CDP modes are off, v1 and v2; got cdp={cdp!r}"
+        data_axes = [a for a in mesh.dp_axes if mesh.degree(a) > 1]
+        if not data_axes:
+            return "CDP runs over the data-parallel axis: needs dp > 1"
+        if len(data_axes) > 1:
+            return f"CDP runs over one data-parallel axis; mesh {mesh} has {len(data_axes)}"
+        if zero > 1:
+            return f"CDP with ZeRO-{zero} is not built in the runtime; CDP runs with ZeRO 0 or 1"
+        if micro_batches > 1:
+            return "CDP staggers its own micro-batches; gradient accumulation runs with CDP off"
+        return ""
+
+    def label(self, settings: Settings) -> str:
+        return f"CDP {settings['cdp']}" if settings["cdp"] != "off" else ""
+
     def configure(self, problem: Problem) -> None:
+        why = self.unsupported(problem.mesh, {"cdp": problem.cdp, "zero_stage": problem.zero_stage, "micro_batches": problem.micro_batches})
+        if why:
+            raise ValueError(why)
         if problem.cdp == "off":
             return
-        if problem.cdp not in ("v1", "v2"):
-            raise ValueError(f"CDP modes are off, v1 and v2; got cdp={problem.cdp!r}")
-        if problem.micro_batches > 1:
-            raise ValueError(f"CDP staggers its own micro-batches; micro_batches={problem.micro_batches} needs cdp='off' (got {problem.cdp!r})")
-        if len(problem.dp_axes) != 1 or problem.zero_stage not in (0, 1):
-            raise ValueError(f"CDP needs one data-parallel axis of degree > 1 and ZeRO 0 or 1; mesh {problem.mesh}, ZeRO {problem.zero_stage}")
         problem.collective_sync = False
         problem.param_stage = parameter_stages(problem.graph, problem.cdp_stages)
 

@@ -10,13 +10,22 @@ micro-batch (:mod:`planner.schemes.zero`).
 
 from __future__ import annotations
 
-from planner.schemes.base import Scheme
+from planner.mesh import Mesh
+from planner.schemes.base import Scheme, Settings
 from planner.terms import Problem
 
 
 class MicroBatching(Scheme):
     name = "micro_batches"
 
+    def unsupported(self, mesh: Mesh, settings: Settings) -> str:
+        m = settings["micro_batches"]
+        return "" if m >= 1 else f"micro_batches must be >= 1, got {m}"
+
+    def label(self, settings: Settings) -> str:
+        return f"x{settings['micro_batches']} micro-batches" if settings["micro_batches"] > 1 else ""
+
     def configure(self, problem: Problem) -> None:
-        if problem.micro_batches < 1:
-            raise ValueError(f"micro_batches must be >= 1, got {problem.micro_batches}")
+        why = self.unsupported(problem.mesh, {"micro_batches": problem.micro_batches})
+        if why:
+            raise ValueError(why)

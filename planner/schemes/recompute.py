@@ -39,7 +39,7 @@ from planner.cost import comm_time, steps_comms
 from planner.ir import IRGraph, Node
 from planner.layout import spec_conversion
 from planner.mesh import Mesh
-from planner.schemes.base import NodePrice, Scheme
+from planner.schemes.base import NodePrice, Scheme, Settings
 from planner.strategy import Comm, Strategy
 from planner.trace import match_layer
 
@@ -182,9 +182,15 @@ class Recomputation(Scheme):
 
     name = "recompute"
 
+    def unsupported(self, mesh: Mesh, settings: Settings) -> str:
+        return unsupported(settings["recompute"], settings["zero_stage"], settings["cdp"])
+
+    def label(self, settings: Settings) -> str:
+        return f"recompute {settings['recompute']}" if settings["recompute"] != "none" else ""
+
     def configure(self, problem: Problem) -> None:
         check((problem.recompute,))
-        why = unsupported(problem.recompute, problem.zero_stage, problem.cdp)
+        why = self.unsupported(problem.mesh, {"recompute": problem.recompute, "zero_stage": problem.zero_stage, "cdp": problem.cdp})
         if why:
             raise ValueError(f"recompute={problem.recompute!r} with ZeRO-{problem.zero_stage}, CDP {problem.cdp}: {why}")
         problem.segment_of = segments(problem.graph, problem.recompute) if problem.recompute != "none" else {}

@@ -11,4 +11,4 @@ from planner.schemes.microbatch import MicroBatching
 from planner.schemes.recompute import Recomputation
 from planner.schemes.zero import ZeRO
 
-SCHEMES: tuple[Scheme, ...] = (MicroBatching(), ZeRO(), CDP(), Recomputation())
+SCHEMES: tuple[Scheme, ...] = (ZeRO(), CDP(), MicroBatching(), Recomputation())

@@ -28,7 +28,7 @@ from planner.mesh import Mesh
 from planner.overlap import unit_terms
 from planner.rules import RuleContext
 from planner.rules.variants import regather_variants
-from planner.schemes.base import NodePrice, ParamPrice, Scheme, Tally
+from planner.schemes.base import NodePrice, ParamPrice, Scheme, Settings, Tally
 from planner.strategy import Comm, Strategy, dedupe
 from planner.terms import Problem, StrategyFilter
 from planner.trace import match_layer
@@ -132,9 +132,17 @@ class ZeRO(Scheme):
 
     name = "zero"
 
+    def unsupported(self, mesh: Mesh, settings: Settings) -> str:
+        stage = settings["zero_stage"]
+        return "" if stage in (0, 1, 2, 3) else f"ZeRO stages are 0, 1, 2 and 3; got zero_stage={stage}"
+
+    def label(self, settings: Settings) -> str:
+        return f"ZeRO-{settings['zero_stage']}"
+
     def configure(self, problem: Problem) -> None:
-        if problem.zero_stage not in (0, 1, 2, 3):
-            raise ValueError(f"ZeRO stages are 0, 1, 2 and 3; got zero_stage={problem.zero_stage}")
+        why = self.unsupported(problem.mesh, {"zero_stage": problem.zero_stage})
+        if why:
+            raise ValueError(why)
         problem.unit_share_bytes = _unit_share_bytes(problem.graph, problem.bucket_bytes)
         problem.prefetch = problem.prefetch and problem.zero_stage == 3 and bool(problem.dp_axes)
 
