@@ -50,6 +50,7 @@ def _model() -> torch.nn.Module:
 def _plan() -> str:
     from planner.hardware import A100_80G
     from planner.schemes.cdp import cdp_filter
+    from planner.schemes.tp import DP_AXIS
     from planner.search import search
     from planner.space import SearchSpace
     from planner.trace import trace
@@ -57,7 +58,7 @@ def _plan() -> str:
     heavy = {"aten.linear.default", "aten.cross_entropy_loss.default"}
     graph = trace(_model(), (torch.zeros(BATCH, 64),), {"targets": torch.zeros(BATCH, dtype=torch.int64)})
     result = search(graph, SearchSpace(devices=WORLD, dp=WORLD, zero=(0,), tp=("none",)), A100_80G, model_name="mlp-digits", optimizer="sgd",
-                    allow=cdp_filter(graph, base=lambda node, s: node.target not in heavy or "dp" in s.split_axes))
+                    allow=cdp_filter(graph, (DP_AXIS,), base=lambda node, s: node.target not in heavy or DP_AXIS in s.split_axes))
     assert result.best is not None
     return result.best.model_dump_json()
 
@@ -73,7 +74,7 @@ def _worker(rank: int, port: int, plan_json: str, mode: str, epochs: int, stages
     x, y, x_test, y_test = _data()
     plan = Plan.model_validate_json(plan_json)
     example = ((x[:BATCH],), {"targets": y[:BATCH]})
-    dp_axes = frozenset({"dp"}) if mode != "dp" else frozenset()
+    dp_axes = frozenset(plan.mesh_obj.dp_axes) if mode != "dp" else frozenset()
     pm = compile_plan(plan, _model(), *example, loss_partial_over=dp_axes)
     trainer = CDPTrainer(pm, num_stages=stages, rule=mode, optimizer_class=torch.optim.SGD, **SGD) if mode != "dp" else None  # type: ignore[arg-type]
     opt = torch.optim.SGD(pm.parameters(), **SGD) if trainer is None else None

@@ -62,6 +62,7 @@ def make_plan(
         model_fingerprint=fingerprint(graph),
         input_shapes=tuple(graph.nodes[n].out.shape for n in graph.input_names),
         mesh=problem.mesh.as_dict(),
+        mesh_roles=problem.mesh.roles_dict(),
         hardware=problem.hardware.name,
         tp=tp_family(problem, solution.assignment),
         zero_stage=problem.zero_stage,

@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import hashlib
 from collections import Counter
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from planner.buckets import DEFAULT_BUCKET_BYTES
 from planner.config import SearchConfig
 from planner.ir import InputRef, IRGraph
 from planner.layout import Spec, parse_spec
-from planner.mesh import Mesh
+from planner.mesh import AxisRole, Mesh, roles_from_names
 from planner.schemes.recompute import Recompute
 from planner.trace import match_layer
 
@@ -140,6 +140,8 @@ class Plan(_Frozen):
     model_fingerprint: str
     input_shapes: tuple[tuple[int, ...], ...]
     mesh: dict[str, int]
+    mesh_roles: dict[str, AxisRole] = Field(description="each mesh axis's role (planner.mesh.AxisRole), axes in mesh order; a plan saved "
+                                            "before plans stored roles gets the naming convention's (planner.mesh.roles_from_names)")
     hardware: str
     tp: TPFamily
     zero_stage: int = 0
@@ -175,9 +177,23 @@ class Plan(_Frozen):
                              "(planner report ... --save-plan FILE)")
         return v
 
+    @model_validator(mode="before")
+    @classmethod
+    def _roles_of_older_plans(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "mesh_roles" not in data and isinstance(data.get("mesh"), dict):
+            return {**data, "mesh_roles": dict(zip(data["mesh"], roles_from_names(data["mesh"]), strict=True))}
+        return data
+
+    @model_validator(mode="after")
+    def _roles_name_the_mesh_axes(self) -> Plan:
+        if list(self.mesh_roles) != list(self.mesh):
+            raise ValueError(f"mesh_roles names axes {list(self.mesh_roles)}; the plan's mesh has axes {list(self.mesh)} (one role per axis, "
+                             "in the same order)")
+        return self
+
     @property
     def mesh_obj(self) -> Mesh:
-        return Mesh.from_dict(self.mesh)
+        return Mesh.from_dict(self.mesh, self.mesh_roles)
 
     def node(self, name: str) -> NodePlan:
         for n in self.nodes:

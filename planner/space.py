@@ -48,7 +48,7 @@ class SearchSpace:
         for what, values in (("tensor-parallel family", self.tp), ("ZeRO stage", self.zero), ("CDP mode", self.cdp)):
             if not values:
                 raise ValueError(f"the search space names no {what}: give at least one (tp: {', '.join(ALL_TP)}; zero: 0-3; cdp: off, v1, v2)")
-        if not any(self.dp is None or m.degree("dp") == self.dp for f in self.tp for m in family_meshes(self.devices, f)):
+        if not any(self.dp is None or m.group_size(m.dp_axes) == self.dp for f in self.tp for m in family_meshes(self.devices, f)):
             raise ValueError(self._no_mesh())
         if min(self.zero) > 0 and (self.dp == 1 or self.devices == 1):
             stages = ",".join(map(str, self.zero))
@@ -94,7 +94,7 @@ def candidate_meshes(space: SearchSpace, batch: int) -> list[Candidate]:
         if family not in space.tp:
             continue
         for mesh in family_meshes(space.devices, family):
-            dp = mesh.degree("dp")
+            dp = mesh.group_size(mesh.dp_axes)
             if space.dp is not None and dp != space.dp:
                 continue
             for m in space.micro_batches:

@@ -193,7 +193,6 @@ def cdp_pipeline(rank: int, world: int, name: str, plan_json: str, rule: str, nu
     rank 0 also runs the serial reference of the rule."""
     import torch.distributed as dist
 
-    from planner.mesh import Mesh
     from planner.models import build_model
     from planner.plan import Plan
     from planner.runtime.cdp_pipeline import CDPPipeline
@@ -201,7 +200,7 @@ def cdp_pipeline(rank: int, world: int, name: str, plan_json: str, rule: str, nu
     from planner.runtime.groups import MeshGroups
 
     plan = Plan.model_validate_json(plan_json)
-    mesh = Mesh.from_dict(plan.mesh)
+    mesh = plan.mesh_obj
     one = MeshGroups(mesh, 0, mesh.coords(0))  # the single-device plan runs on this rank alone
     batches = _batches(name)
     pm = compile_plan(plan, build_model(name, dtype=torch.float64, seed=0), *_micro(batches[0], 0, 4), mesh_groups=one)

@@ -23,6 +23,7 @@ import torch
 from planner.hardware import A100_80G
 from planner.models import build_model, example_inputs
 from planner.schemes.cdp import cdp_filter
+from planner.schemes.tp import DP_AXIS
 from planner.search import search
 from planner.space import SearchSpace
 from planner.trace import trace
@@ -37,7 +38,7 @@ def _plan(name: str, dp: int, allow: Any, cdp: str = "off", stages: int = 4, zer
     args, kwargs = example_inputs(name, batch=BATCH, dtype=torch.float64)
     space = SearchSpace(devices=4, dp=dp, zero=(zero,), tp=("none",) if dp == 4 else ("1d",), cdp=(cdp,), cdp_stages=stages)
     graph = trace(model, args, kwargs)
-    result = search(graph, space, A100_80G, model_name=name, optimizer="sgd", allow=cdp_filter(graph, base=allow), front=False)
+    result = search(graph, space, A100_80G, model_name=name, optimizer="sgd", allow=cdp_filter(graph, (DP_AXIS,), base=allow), front=False)
     assert result.best is not None
     return result.best.model_dump_json()
 

@@ -35,6 +35,7 @@ from planner.hardware import A100_80G
 from planner.ir import IRGraph
 from planner.plan import Plan
 from planner.schemes.cdp import cdp_filter
+from planner.schemes.tp import DP_AXIS
 from planner.search import search
 from planner.space import SearchSpace
 from planner.trace import trace
@@ -90,7 +91,7 @@ def _cdp_plan(name: str, dtype: torch.dtype) -> Plan:
     same_math = dtype == torch.float64
     graph = _graph(name, dtype, CDP_BATCH if same_math else BATCH)
     space = SearchSpace(devices=4, dp=4, tp=("none",), zero=(0,), cdp=("v1",), cdp_stages=CDP_STAGES)
-    result = search(graph, space, A100_80G, model_name=name, optimizer="sgd" if same_math else "adamw", allow=cdp_filter(graph), front=False)
+    result = search(graph, space, A100_80G, model_name=name, optimizer="sgd" if same_math else "adamw", allow=cdp_filter(graph, (DP_AXIS,)), front=False)
     assert result.best is not None and result.best.cdp == "v1", (name, [c.reason for c in result.candidates])
     return result.best
 

@@ -1,15 +1,27 @@
-"""Specification of :class:`planner.mesh.Mesh`: named axes laid out row-major over global ranks."""
+"""Specification of :class:`planner.mesh.Mesh`: named axes laid out row-major over global ranks,
+each with a role (data or tensor) that plans store."""
 
 from __future__ import annotations
 
 import itertools
+import json
 import math
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from pydantic import ValidationError
 
-from planner.mesh import Mesh
+from planner.hardware import A100_80G
+from planner.mesh import AxisRole, Mesh, roles_from_names
+from planner.models import build_model, example_inputs
+from planner.plan import Plan
+from planner.problem import build_problem
+from planner.search import make_plan
+from planner.solve import solve
+from planner.trace import trace
+
+DATA, TENSOR = AxisRole.DATA, AxisRole.TENSOR
 
 # --------------------------------------------------------------------------- hypothesis inputs
 
@@ -149,11 +161,6 @@ def test_from_dict_and_as_dict_round_trip_in_axis_order() -> None:
     assert list(mesh.as_dict().items()) == [("dp", 4), ("tp", 2)]
 
 
-def test_axes_starting_with_dp_are_data_parallel() -> None:
-    mesh = Mesh(("dp", "x", "dp_outer", "tp"), (2, 1, 2, 2))
-    assert mesh.dp_axes == ("dp", "dp_outer")
-    assert mesh.tp_axes == ("x", "tp")
-    assert mesh.is_dp("dp_outer") and not mesh.is_dp("tp")
 
 
 def test_sort_axes_returns_mesh_order() -> None:
@@ -167,7 +174,79 @@ def test_str_lists_axes_with_degrees() -> None:
     assert str(Mesh(("dp", "tp"), (4, 2))) == "dp=4 x tp=2"
 
 
+# --------------------------------------------------------------------------- roles
+
+
+def test_roles_left_out_follow_the_naming_convention_dp_star_is_data_the_rest_tensor() -> None:
+    mesh = Mesh(("dp", "x", "dp_outer", "tp"), (2, 1, 2, 2))
+    assert mesh.roles == roles_from_names(mesh.axes) == (DATA, TENSOR, DATA, TENSOR)
+    assert mesh.dp_axes == ("dp", "dp_outer")
+    assert mesh.tp_axes == ("x", "tp")
+    assert mesh.is_dp("dp_outer") and not mesh.is_dp("tp")
+    assert Mesh.from_dict({"dp": 4, "tp": 2}).roles == (DATA, TENSOR)
+
+
+def test_roles_given_explicitly_are_honoured_whatever_the_names() -> None:
+    mesh = Mesh(("x", "dp2"), (2, 4), roles=(DATA, TENSOR))
+    assert mesh.dp_axes == ("x",) and mesh.tp_axes == ("dp2",)
+    assert mesh.role("x") is DATA and mesh.role("dp2") is TENSOR
+    assert mesh.is_dp("x") and not mesh.is_dp("dp2")
+
+
+def test_roles_given_as_their_plan_strings_become_axis_roles() -> None:
+    mesh = Mesh(("x", "y"), (2, 2), roles=("data", "tensor"))  # type: ignore[arg-type]
+    assert mesh.roles == (DATA, TENSOR) and all(type(r) is AxisRole for r in mesh.roles)
+    assert mesh == Mesh(("x", "y"), (2, 2), roles=(DATA, TENSOR))
+
+
+def test_from_dict_takes_roles_by_axis_in_the_meshs_axis_order() -> None:
+    mesh = Mesh.from_dict({"x": 2, "tp": 4}, {"tp": TENSOR, "x": DATA})
+    assert mesh == Mesh(("x", "tp"), (2, 4), roles=(DATA, TENSOR))
+    assert mesh.roles_dict() == {"x": DATA, "tp": TENSOR}
+
+
+def test_meshes_differing_only_in_roles_are_different_values_and_keys() -> None:
+    by_name = Mesh(("dp", "tp"), (2, 2))
+    swapped = Mesh(("dp", "tp"), (2, 2), roles=(TENSOR, DATA))
+    assert by_name == Mesh(("dp", "tp"), (2, 2), roles=(DATA, TENSOR))
+    assert hash(by_name) == hash(Mesh(("dp", "tp"), (2, 2), roles=(DATA, TENSOR)))
+    assert by_name != swapped and len({by_name: 1, swapped: 2}) == 2
+    assert swapped.sort_axes({"tp", "dp"}) == ("dp", "tp")  # lru_cached per mesh: roles do not change the order
+
+
+def test_str_marks_only_the_roles_the_names_do_not_give() -> None:
+    assert str(Mesh(("dp", "tp"), (4, 2), roles=(DATA, TENSOR))) == "dp=4 x tp=2"
+    assert str(Mesh(("x", "dp2"), (4, 2), roles=(DATA, TENSOR))) == "x=4(data) x dp2=2(tensor)"
+
+
 # --------------------------------------------------------------------------- errors
+
+
+def test_wrong_number_of_roles_error_quotes_both_counts() -> None:
+    with pytest.raises(ValueError, match=r"mesh axes \('dp', 'tp'\) are 2 but roles \('data',\) are 1: give one role per axis"):
+        Mesh(("dp", "tp"), (4, 2), roles=(DATA,))
+    with pytest.raises(ValueError, match=r"are 1 but roles \('data', 'tensor'\) are 2"):
+        Mesh(("dp",), (4,), roles=(DATA, TENSOR))
+
+
+def test_an_unknown_role_error_names_the_axis_and_the_roles() -> None:
+    with pytest.raises(ValueError, match=r"mesh axis 'pp' has role 'pipeline'; roles are data, tensor"):
+        Mesh(("dp", "pp"), (2, 2), roles=(DATA, "pipeline"))  # type: ignore[arg-type]
+
+
+def test_from_dict_roles_for_other_axes_error_names_them() -> None:
+    with pytest.raises(ValueError, match=r"mesh dp=4 x tp=2: roles are given for axes \['dp', 'pp'\]; none for \['tp'\]; \['pp'\] are not mesh axes"):
+        Mesh.from_dict({"dp": 4, "tp": 2}, {"dp": DATA, "pp": TENSOR})
+
+
+def test_role_of_an_unknown_axis_error_quotes_its_name() -> None:
+    mesh = Mesh(("dp", "tp"), (2, 2))
+    with pytest.raises(ValueError, match=r"no axis 'dp2'"):
+        mesh.role("dp2")
+    with pytest.raises(ValueError, match=r"no axis 'dp2'"):
+        mesh.is_dp("dp2")  # not read off the name: an axis the mesh lacks has no role
+
+
 
 
 def test_mismatched_lengths_error_quotes_both_tuples() -> None:
@@ -200,3 +279,55 @@ def test_unknown_axis_error_quotes_its_name() -> None:
 def test_groups_over_all_axes_is_one_group_of_all_ranks(mesh: Mesh) -> None:
     assert mesh.groups(mesh.axes) == [list(range(mesh.size))]
     assert mesh.groups(()) == [[r] for r in range(mesh.size)]
+
+
+# --------------------------------------------------------------------------- roles in plans
+
+
+def _plan_on(mesh: Mesh) -> Plan:
+    """mlp-tiny's fastest ZeRO-1 plan on ``mesh`` (ZeRO shards optimizer state over the DATA axes)."""
+    args, kwargs = example_inputs("mlp-tiny", batch=4)
+    graph = trace(build_model("mlp-tiny"), args, kwargs)
+    problem = build_problem(graph, mesh, A100_80G, zero_stage=1)
+    return make_plan(graph, problem, solve(problem, memory_budget=2**30), model_name="mlp-tiny", memory_budget=2**30)
+
+
+@pytest.fixture(scope="module")
+def x_y_plan() -> Plan:
+    return _plan_on(Mesh(("x", "y"), (2, 2), roles=(DATA, TENSOR)))
+
+
+def test_a_plan_round_trip_keeps_the_mesh_roles(x_y_plan: Plan) -> None:
+    assert x_y_plan.mesh == {"x": 2, "y": 2} and x_y_plan.mesh_roles == {"x": DATA, "y": TENSOR}
+    assert '"mesh_roles":{"x":"data","y":"tensor"}' in x_y_plan.model_dump_json()
+    again = Plan.model_validate_json(x_y_plan.model_dump_json())
+    assert again == x_y_plan
+    assert again.mesh_obj == Mesh(("x", "y"), (2, 2), roles=(DATA, TENSOR))
+
+
+def test_a_plan_prices_by_roles_not_names(x_y_plan: Plan) -> None:
+    """The same mesh named dp x tp: the same step time, peak memory and collectives (renamed)."""
+    by_name = _plan_on(Mesh(("dp", "tp"), (2, 2)))
+    assert (x_y_plan.step_time_s, x_y_plan.peak_memory_bytes) == (by_name.step_time_s, by_name.peak_memory_bytes)
+    rename = {"x": "dp", "y": "tp"}
+    assert {(k, tuple(rename[a] for a in axes), n, ph): c for (k, axes, n, ph), c in x_y_plan.priced_comms().items()} == by_name.priced_comms()
+    assert any("dp" in axes for (_, axes, _, _) in by_name.priced_comms())  # the data axis does carry collectives (the gradient sync)
+
+
+def test_a_plan_saved_before_plans_stored_roles_loads_with_the_naming_conventions(x_y_plan: Plan) -> None:
+    data = json.loads(x_y_plan.model_dump_json())
+    data["mesh"] = {"dp": 2, "y": 2}
+    del data["mesh_roles"]
+    old = Plan.model_validate(data)
+    assert old.mesh_roles == {"dp": DATA, "y": TENSOR}
+    assert old.mesh_obj == Mesh(("dp", "y"), (2, 2))
+
+
+def test_a_plan_whose_roles_name_other_axes_is_refused(x_y_plan: Plan) -> None:
+    data = json.loads(x_y_plan.model_dump_json())
+    data["mesh_roles"] = {"y": "tensor", "x": "data"}
+    with pytest.raises(ValidationError, match=r"mesh_roles names axes \['y', 'x'\]; the plan's mesh has axes \['x', 'y'\]"):
+        Plan.model_validate(data)
+    data["mesh_roles"] = {"x": "data", "y": "pipeline"}
+    with pytest.raises(ValidationError, match=r"mesh_roles\.y"):
+        Plan.model_validate(data)

@@ -99,8 +99,8 @@ def test_cdp_peak_rows_equal_the_evaluation_and_count_the_stage_buffers() -> Non
 
     graph = _graph("two-linear")
     for zero in (0, 1):
-        problem = build_problem(graph, Mesh(("dp", "tp"), (2, 2)), A100_80G, cdp="v1", cdp_stages=2, zero_stage=zero,
-                                allow=cdp_filter(graph))
+        mesh = Mesh(("dp", "tp"), (2, 2))
+        problem = build_problem(graph, mesh, A100_80G, cdp="v1", cdp_stages=2, zero_stage=zero, allow=cdp_filter(graph, mesh.dp_axes))
         keys = list(problem.groups)
         sizes = [len(problem.groups[k].strategies) for k in keys]
         assert len(problem.stage_sums) == 2 and len(problem.stage_ends) == 1

@@ -72,8 +72,10 @@ def partial_gradient_variants(node: Node, strategies: list[Strategy], dp_axes: t
     return strategies + extra
 
 
-def cdp_filter(graph: IRGraph, dp_axes: tuple[str, ...] = ("dp",), base: StrategyFilter | None = None) -> StrategyFilter:
-    """A strategy filter keeping only what CDP workers can run independently (module docstring)."""
+def cdp_filter(graph: IRGraph, dp_axes: tuple[str, ...], base: StrategyFilter | None = None) -> StrategyFilter:
+    """A strategy filter keeping only what CDP workers can run independently (module docstring),
+    over the data-parallel axes ``dp_axes`` (a mesh's ``dp_axes``; for the search's meshes, made
+    before it picks one, ``(planner.schemes.tp.DP_AXIS,)``)."""
     independent = batch_independent(graph)
     dp = set(dp_axes)
 

@@ -9,10 +9,11 @@ land on the fastest links. Each family's per-op strategies are the rules of :mod
 
 from __future__ import annotations
 
-from planner.mesh import Mesh
+from planner.mesh import AxisRole, Mesh
 from planner.plan import TPFamily
 from planner.terms import Problem
 
+DP_AXIS = "dp"  # the search's meshes: one data-parallel axis, outermost, then a family's tensor-parallel axes
 TP_AXES = {"1d": ("tp",), "2d": ("row", "col"), "3d": ("i", "j", "k")}
 
 
@@ -21,7 +22,7 @@ def family_meshes(devices: int, family: str) -> list[Mesh]:
     ``3d``: dp x i x j x k (q x q x q, q > 1). Tensor-parallel axes are the innermost, so they
     land on the fastest links (consecutive ranks share a node)."""
     if family == "none":
-        return [Mesh(("dp", "tp"), (devices, 1))]
+        return [_mesh(devices, TP_AXES["1d"], 1)]
     if family not in TP_AXES:
         raise ValueError(f"unknown tensor-parallel family {family!r}")
     axes = TP_AXES[family]
@@ -30,9 +31,14 @@ def family_meshes(devices: int, family: str) -> list[Mesh]:
     while q ** len(axes) <= devices:
         tp = q ** len(axes)
         if devices % tp == 0:
-            meshes.append(Mesh(("dp", *axes), (devices // tp, *([q] * len(axes)))))
+            meshes.append(_mesh(devices // tp, axes, q))
         q += 1
     return meshes
+
+
+def _mesh(dp: int, tp_axes: tuple[str, ...], q: int) -> Mesh:
+    """``dp`` x ``q`` per tensor-parallel axis, with the roles said, not read off the names."""
+    return Mesh((DP_AXIS, *tp_axes), (dp, *([q] * len(tp_axes))), roles=(AxisRole.DATA, *([AxisRole.TENSOR] * len(tp_axes))))
 
 
 def tp_family(problem: Problem, assignment: dict[str, int]) -> TPFamily:
