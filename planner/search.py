@@ -54,7 +54,6 @@ from planner.messages import (
 )
 from planner.plan import Plan
 from planner.problem import build_problem
-from planner.schemes import recompute as recompute_scheme
 from planner.schemes.cdp import PipelineEstimate, pipeline_estimate
 from planner.solve import (
     BudgetILP,
@@ -198,11 +197,7 @@ def search(
     budget = float(memory_budget if memory_budget is not None else hardware.device_memory)
     batch = batch_rows(graph)
     result = SearchResult(best=None, objective=objective, memory_budget=budget)
-    configs = candidate_meshes(space, batch)
-    if "selective" in space.recompute and not recompute_scheme.segments(graph, "selective"):
-        configs = [c if c.recompute != "selective" or c.reason else
-                   replace(c, reason="selective recomputation: no repeated layer of this model has an attention core (a softmax between "
-                                     "two matmuls of activations, or a fused scaled-dot-product attention)") for c in configs]
+    configs = candidate_meshes(space, batch, graph)
     if all(c.reason for c in configs):  # nothing to solve, and memory is not why: the user's options are
         reasons = list(dict.fromkeys(c.reason for c in configs))
         raise ValueError(f"no configuration of this search can run: {'; '.join(reasons[:4])}{' ...' if len(reasons) > 4 else ''} "

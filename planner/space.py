@@ -88,7 +88,10 @@ class Candidate:
         return {"zero_stage": self.zero, "cdp": self.cdp, "micro_batches": self.micro_batches, "recompute": self.recompute}
 
 
-def candidate_meshes(space: SearchSpace, batch: int) -> list[Candidate]:
+def candidate_meshes(space: SearchSpace, batch: int, graph: IRGraph | None = None) -> list[Candidate]:
+    """Every configuration of ``space`` for a global batch of ``batch`` rows, each pruned with its
+    reason where it cannot run (the batch does not split; a scheme refuses the combination or, given
+    the model's ``graph``, has nothing to act on: :meth:`planner.schemes.base.Scheme.unsupported`)."""
     out = []
     for family in ALL_TP:
         if family not in space.tp:
@@ -107,7 +110,7 @@ def candidate_meshes(space: SearchSpace, batch: int) -> list[Candidate]:
                     stages = [0]
                 for cdp, zero, recompute in itertools.product(space.cdp, stages, space.recompute):
                     cand = Candidate(mesh, family, zero, cdp, micro_batches=m, recompute=recompute)
-                    reason = next((why for why in (scheme.unsupported(mesh, cand.settings) for scheme in SCHEMES) if why), "")
+                    reason = next((why for why in (scheme.unsupported(mesh, cand.settings, graph) for scheme in SCHEMES) if why), "")
                     out.append(replace(cand, reason=reason))
     return out
 

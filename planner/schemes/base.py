@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
-    from planner.ir import Node
+    from planner.ir import IRGraph, Node
     from planner.mesh import Mesh
     from planner.peak import Var
     from planner.strategy import Comm, Strategy
@@ -93,9 +93,11 @@ class Scheme:
 
     name: ClassVar[str]
 
-    def unsupported(self, mesh: Mesh, settings: Settings) -> str:
+    def unsupported(self, mesh: Mesh, settings: Settings, graph: IRGraph | None = None) -> str:
         """Why this scheme cannot run ``settings`` on ``mesh`` ("" when it can): the search prunes
-        the configuration with this reason, and :meth:`configure` raises it."""
+        the configuration with this reason, and :meth:`configure` raises it. With ``graph`` (the
+        search's), also what the model lacks for it (a search prunes a setting that would change
+        nothing on this model)."""
         return ""
 
     def label(self, settings: Settings) -> str:

@@ -245,7 +245,7 @@ class CDP(Scheme):
 
     name = "cdp"
 
-    def unsupported(self, mesh: Mesh, settings: Settings) -> str:
+    def unsupported(self, mesh: Mesh, settings: Settings, graph: IRGraph | None = None) -> str:
         cdp, zero, micro_batches = settings["cdp"], settings["zero_stage"], settings["micro_batches"]
         if cdp == "off":
             return ""

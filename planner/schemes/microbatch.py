@@ -10,6 +10,7 @@ micro-batch (:mod:`planner.schemes.zero`).
 
 from __future__ import annotations
 
+from planner.ir import IRGraph
 from planner.mesh import Mesh
 from planner.schemes.base import Scheme, Settings
 from planner.terms import Problem
@@ -18,7 +19,7 @@ from planner.terms import Problem
 class MicroBatching(Scheme):
     name = "micro_batches"
 
-    def unsupported(self, mesh: Mesh, settings: Settings) -> str:
+    def unsupported(self, mesh: Mesh, settings: Settings, graph: IRGraph | None = None) -> str:
         m = settings["micro_batches"]
         return "" if m >= 1 else f"micro_batches must be >= 1, got {m}"
 

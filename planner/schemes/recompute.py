@@ -182,8 +182,12 @@ class Recomputation(Scheme):
 
     name = "recompute"
 
-    def unsupported(self, mesh: Mesh, settings: Settings) -> str:
-        return unsupported(settings["recompute"], settings["zero_stage"], settings["cdp"])
+    def unsupported(self, mesh: Mesh, settings: Settings, graph: IRGraph | None = None) -> str:
+        why = unsupported(settings["recompute"], settings["zero_stage"], settings["cdp"])
+        if not why and settings["recompute"] == "selective" and graph is not None and not segments(graph, "selective"):
+            why = ("selective recomputation: no repeated layer of this model has an attention core (a softmax between "
+                   "two matmuls of activations, or a fused scaled-dot-product attention)")
+        return why
 
     def label(self, settings: Settings) -> str:
         return f"recompute {settings['recompute']}" if settings["recompute"] != "none" else ""

@@ -132,7 +132,7 @@ class ZeRO(Scheme):
 
     name = "zero"
 
-    def unsupported(self, mesh: Mesh, settings: Settings) -> str:
+    def unsupported(self, mesh: Mesh, settings: Settings, graph: IRGraph | None = None) -> str:
         stage = settings["zero_stage"]
         return "" if stage in (0, 1, 2, 3) else f"ZeRO stages are 0, 1, 2 and 3; got zero_stage={stage}"
 
