@@ -33,6 +33,7 @@ import os
 import shlex
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -292,28 +293,41 @@ class Searched:
     config: SearchConfig
 
 
-# SearchConfig's fields the CLI sets, and the flags that set each (given flags win over --config FILE)
-_FLAGS = {"devices": ("--devices",), "hardware": ("--hardware",), "memory_budget": ("--memory",), "tp": ("--tp",), "zero": ("--zero",),
-          "cdp": ("--cdp",), "cdp_stages": ("--cdp-stages",), "dp": ("--dp",), "micro_batches": ("--micro-batches",),
-          "recompute": ("--recompute",), "objective": ("--objective",), "optimizer": ("--optimizer",), "master_dtype": ("--precision",),
-          "prefetch": ("--no-prefetch",), "front": ("--best-only",), "resolution": ("--resolution",), "max_points": ("--max-points",),
-          "time_limit_s": ("--time-limit",), "relative_gap": ("--gap",)}
+# SearchConfig's fields the CLI sets: the flag that sets each (given flags win over --config FILE)
+# and how the field's value is read off the parsed flags
+_FLAGS: dict[str, tuple[str, Callable[[argparse.Namespace], Any]]] = {
+    "devices": ("--devices", lambda a: a.devices),
+    "hardware": ("--hardware", lambda a: a.hardware),
+    "memory_budget": ("--memory", lambda a: a.memory),
+    "tp": ("--tp", lambda a: a.tp),
+    "zero": ("--zero", lambda a: a.zero),
+    "cdp": ("--cdp", lambda a: a.cdp),
+    "cdp_stages": ("--cdp-stages", lambda a: a.cdp_stages),
+    "dp": ("--dp", lambda a: a.dp),
+    "micro_batches": ("--micro-batches", lambda a: a.micro_batches),
+    "recompute": ("--recompute", lambda a: a.recompute),
+    "objective": ("--objective", lambda a: a.objective),
+    "optimizer": ("--optimizer", lambda a: a.optimizer),
+    "master_dtype": ("--precision", lambda a: PRECISIONS[a.precision][1]),
+    "prefetch": ("--no-prefetch", lambda a: not a.no_prefetch),
+    "front": ("--best-only", lambda a: not a.best_only),
+    "resolution": ("--resolution", lambda a: a.resolution),
+    "max_points": ("--max-points", lambda a: a.max_points),
+    "time_limit_s": ("--time-limit", lambda a: a.time_limit),
+    "relative_gap": ("--gap", lambda a: a.gap),
+}
 
 
 def search_config(args: argparse.Namespace) -> SearchConfig:
     """The flags as a :class:`SearchConfig`: over ``--config FILE`` when given (the flags written on
     the command line win; the others come from the file)."""
-    values = {"devices": args.devices, "hardware": args.hardware, "memory_budget": args.memory, "tp": args.tp, "zero": args.zero,
-              "cdp": args.cdp, "cdp_stages": args.cdp_stages, "dp": args.dp, "micro_batches": args.micro_batches, "recompute": args.recompute,
-              "objective": args.objective, "optimizer": args.optimizer, "master_dtype": PRECISIONS[args.precision][1],
-              "prefetch": not args.no_prefetch, "front": not args.best_only, "resolution": args.resolution, "max_points": args.max_points,
-              "time_limit_s": args.time_limit, "relative_gap": args.gap}
+    values = {key: read(args) for key, (_flag, read) in _FLAGS.items()}
     if args.config is None:
         if args.devices is None:
             raise ValueError("--devices is required (or --config FILE that names devices)")
         return SearchConfig.build("the options", **values)
     words = getattr(args, "argv", [])
-    given = {key for key, flags in _FLAGS.items() if any(w == f or w.startswith(f + "=") for w in words for f in flags)}
+    given = {key for key, (flag, _read) in _FLAGS.items() if any(w == flag or w.startswith(flag + "=") for w in words)}
     config = SearchConfig.load(args.config, **{key: values[key] for key in given})
     if config.master_dtype is not None and "master_dtype" not in given:
         raise ValueError(f"{args.config} plans mixed precision (master_dtype = {config.master_dtype!r}): give --precision bf16-mixed or "
