@@ -131,6 +131,8 @@ class SearchConfig(BaseModel):
                 key = ".".join(map(str, e["loc"])) or "<root>"
                 if e["type"] == "extra_forbidden":
                     problems.append(f"unknown key {key!r} (known: {', '.join(cls.model_fields)})")
+                elif not e["loc"]:  # a rule across keys (model_validator): its own words say which
+                    problems.append(str(e["msg"]).removeprefix("Value error, "))
                 else:
                     problems.append(f"{key} = {e.get('input')!r}: {e['msg']}")
             more = f" (and {exc.error_count() - 5} more)" if exc.error_count() > 5 else ""
