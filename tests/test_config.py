@@ -41,7 +41,7 @@ def test_bad_keys_and_values_are_named_with_what_there_is(tmp_path: Path) -> Non
     (tmp_path / "broken.toml").write_text("devices = \n")
     with pytest.raises(ValueError, match=r"broken\.toml is not TOML"):
         SearchConfig.load(tmp_path / "broken.toml")
-    with pytest.raises(ValueError, match="^the search configuration: dp = 3 does not divide devices = 8$"):  # a rule across keys, in its own words
+    with pytest.raises(ValueError, match=r"^the search configuration: dp = 3 does not divide devices = 8$"):  # a rule across keys, in its own words
         SearchConfig.build(devices=8, dp=3)
 
 
