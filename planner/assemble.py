@@ -31,7 +31,7 @@ def make_plan(
 ) -> Plan:
     nodes = []
     fallbacks = []
-    segment_of = recompute_scheme.segments(graph, problem.recompute)
+    segment_of = problem.segment_of  # (planner.schemes.recompute.segments, settled when the problem was built)
     number = {key: k for k, key in enumerate(dict.fromkeys(segment_of.values()))}
     ends = recompute_scheme.last_savers(graph, problem.recompute)
     for name, strategies in problem.choices.items():

@@ -128,6 +128,12 @@ class Mesh:
         return tuple(a for a, r in zip(self.axes, self.roles, strict=True) if r is AxisRole.DATA)
 
     @cached_property
+    def active_dp_axes(self) -> tuple[str, ...]:
+        """The ``DATA`` axes of degree > 1, in mesh order: the ones data parallelism (and ZeRO,
+        and CDP) actually splits over."""
+        return tuple(a for a in self.dp_axes if self.degree(a) > 1)
+
+    @cached_property
     def tp_axes(self) -> tuple[str, ...]:
         """The ``TENSOR`` axes, in mesh order."""
         return tuple(a for a, r in zip(self.axes, self.roles, strict=True) if r is AxisRole.TENSOR)

@@ -14,7 +14,7 @@ from planner.front import Point, dominated
 from planner.ir import IRGraph
 from planner.mesh import mesh_text
 from planner.plan import Plan
-from planner.schemes.base import Settings
+from planner.schemes.base import Settings, settings_of
 from planner.schemes.registry import SCHEMES
 from planner.space import Candidate, SearchSpace, batch_rows
 from planner.terms import Evaluation, Problem
@@ -74,8 +74,7 @@ def describe(plan: Plan | Point) -> str:
     """A plan's configuration, as :func:`label` names it."""
     if not isinstance(plan, Plan):
         return getattr(plan, "label", "another configuration's")
-    return label(mesh_text(plan.mesh), {"zero_stage": plan.zero_stage, "cdp": plan.cdp, "micro_batches": plan.micro_batches,
-                                        "recompute": plan.recompute})
+    return label(mesh_text(plan.mesh), settings_of(plan))
 
 
 def configuration_text(c: Candidate) -> str:

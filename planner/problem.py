@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import defaultdict
 from typing import cast
 
 from planner.buckets import DEFAULT_BUCKET_BYTES
@@ -73,8 +72,8 @@ def build_problem(
     ``allow(node, strategy)``, when given, pins choices: an anchor keeps only the strategies it
     accepts (a ValueError names the node if it accepts none)."""
     t0 = time.perf_counter()
-    instances: dict[str, int] = defaultdict(int, {template: len(nodes) for template, nodes in instances_of(graph).items()})
-    problem = Problem(mesh, hardware, graph, {}, {}, {}, conversions={}, holds={}, instances=dict(instances),
+    instances = {template: len(nodes) for template, nodes in instances_of(graph).items()}
+    problem = Problem(mesh, hardware, graph, {}, {}, {}, conversions={}, holds={}, instances=instances,
                       zero_stage=zero_stage, master_dtype=master_dtype, prefetch=prefetch, cdp=cdp,
                       cdp_stages=cdp_stages if cdp != "off" else 0, micro_batches=micro_batches, recompute=recompute, bucket_bytes=bucket_bytes)
     for scheme in SCHEMES:
@@ -139,7 +138,7 @@ def _choose(problem: Problem, op_anchors: dict[str, list[Strategy]], allow: Stra
                 raise ValueError(f"the strategy filter rejects every strategy of {node.name} ({node.target}); its options: {options}")
             strategies = kept
         if node.kind == "param":  # a parameter's gradient is a partial sum over the data-parallel axes it is not split over
-            dp = frozenset(problem.dp_axes)
+            dp = frozenset(problem.mesh.active_dp_axes)
             strategies = [
                 Strategy(s.algorithm, s.kernel, s.inputs, (Spec(s.outputs[0].layout, dp - s.outputs[0].layout.shard_axes),))  # type: ignore[union-attr]
                 for s in strategies

@@ -193,11 +193,6 @@ class Problem:
         return node.name in self.segment_of
 
     @property
-    def dp_axes(self) -> tuple[str, ...]:
-        """The data-parallel axes of degree > 1, in mesh order."""
-        return tuple(a for a in self.mesh.dp_axes if self.mesh.degree(a) > 1)
-
-    @property
     def in_units(self) -> bool:
         """ZeRO-3 gathers its parameters in units (planner.overlap; CDP never runs with ZeRO-3)."""
         return self.zero_stage == 3

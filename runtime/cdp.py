@@ -81,7 +81,7 @@ class CDPTrainer:
         if rule is None or num_stages is None:
             raise ValueError("the plan has no CDP mode: pass rule= (sync, v1, v2) and num_stages=, or plan with cdp=('v1',) / ('v2',)")
         mesh, mg = pm.mesh_groups.mesh, pm.mesh_groups
-        axes = [a for a in mesh.dp_axes if mesh.degree(a) > 1]
+        axes = mesh.active_dp_axes
         if len(axes) != 1:
             raise ValueError(f"CDP runs over one data-parallel axis; mesh {mesh} has {len(axes)} with degree > 1")
         if pm.plan.zero_stage not in (0, 1):

@@ -91,7 +91,7 @@ def compile_plan(
     recorder = CommRecorder()
     builder = _Builder(plan, graph, model, mg, recorder, dev)
     if plan.cdp != "off":  # CDP sums over the data-parallel axis itself (runtime.cdp)
-        loss_partial_over = loss_partial_over | {a for a in plan.mesh_obj.dp_axes if plan.mesh[a] > 1}
+        loss_partial_over = loss_partial_over | set(plan.mesh_obj.active_dp_axes)
     builder.loss_partial_over = loss_partial_over
     source = (weights if isinstance(weights, WeightSource) else open_weights(weights)) if weights is not None else None
     if source is not None:

@@ -160,8 +160,7 @@ class ParallelModule(torch.nn.Module):
 
     @property
     def dp_axes(self) -> tuple[str, ...]:
-        mesh = self.mesh_groups.mesh
-        return tuple(a for a in mesh.dp_axes if mesh.degree(a) > 1)
+        return self.mesh_groups.mesh.active_dp_axes
 
     @property
     def dp_degree(self) -> int:

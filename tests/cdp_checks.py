@@ -85,7 +85,7 @@ def cdp_train(rank: int, world: int, cases: list[tuple[str, str, str, int]]) -> 
         plan = Plan.model_validate_json(text)
         batches = _batches(name)
         model = build_model(name, dtype=torch.float64, seed=0)
-        dp_axes = frozenset(a for a in plan.mesh_obj.dp_axes if plan.mesh[a] > 1)
+        dp_axes = frozenset(plan.mesh_obj.active_dp_axes)
         report: dict[str, Any] = {"rule": rule}
         if rule == "dp":
             pm = compile_plan(plan, model, *batches[0])
@@ -157,7 +157,7 @@ def cdp_memory(rank: int, world: int, name: str, text: str, num_stages: int) -> 
 
     plan = Plan.model_validate_json(text)
     batch = _batches(name)[0]
-    dp_axes = frozenset(a for a in plan.mesh_obj.dp_axes if plan.mesh[a] > 1)
+    dp_axes = frozenset(plan.mesh_obj.active_dp_axes)
     pm = compile_plan(plan, build_model(name, dtype=torch.float64, seed=0), *batch, loss_partial_over=dp_axes)
     runner = StagedRunner(pm, cut_stages(pm.graph, num_stages))
     workers = 4

@@ -254,7 +254,7 @@ def measure_cdp_peak_memory(rank: int, world: int, cases: list[tuple[str, str]])
     for name, text in cases:
         plan = Plan.model_validate_json(text)
         batches = _batches(name, 4, torch.float32)
-        dp_axes = frozenset(a for a in plan.mesh_obj.dp_axes if plan.mesh[a] > 1)
+        dp_axes = frozenset(plan.mesh_obj.active_dp_axes)
         pm = _compiled_float32(name, plan, batches[0], graphs, loss_partial_over=dp_axes)
         trainer = CDPTrainer(pm, torch.optim.AdamW, lr=1e-3)
         local = [pm.shard_batch(*args, **kwargs) for args, kwargs in batches]

@@ -44,7 +44,7 @@ def _expand(ctx: RuleContext) -> list[Strategy]:
     broadcasts dim 0, the output split along it over the data-parallel axes (each rank expands to
     its own rows; the input's gradient, summed over those rows only, is partial over them)."""
     out = [follow(ctx, Spec(lay)) for lay in enumerate_layouts(ctx.in_shape(0), ctx.mesh)]
-    dp = tuple(a for a in ctx.mesh.dp_axes if ctx.mesh.degree(a) > 1)
+    dp = ctx.mesh.active_dp_axes
     shape = ctx.node.out.shape
     if dp and broadcasts_batch(ctx.node, ctx.graph) and shape[0] % ctx.mesh.group_size(dp) == 0:
         for s in list(out):
@@ -99,7 +99,7 @@ def _input_strategy(node: Node, mesh: Mesh) -> Strategy:
     """Each rank is fed its data-parallel shard of the batch: dim 0 split over the dp axes."""
     shape = node.out.shape
     dims: list[tuple[str, ...]] = [() for _ in shape]
-    dp = tuple(a for a in mesh.dp_axes if mesh.degree(a) > 1)
+    dp = mesh.active_dp_axes
     if shape and dp:
         if shape[0] % mesh.group_size(dp):
             raise ValueError(

@@ -142,7 +142,7 @@ def summa_strategies(ctx: RuleContext, batch: str, sizes: dict[str, int]) -> lis
         return []
     q = mesh.degree("row")
     o_dim, i_dim = ctx.in_shape(1)
-    dp = tuple(a for a in mesh.dp_axes if mesh.degree(a) > 1)
+    dp = mesh.active_dp_axes
     itemsize = ctx.in_meta(0).itemsize
     out = []
     for d in range(len(batch)):

@@ -86,6 +86,12 @@ class Tally:
 
 
 Settings = Mapping[str, Any]  # a configuration's scheme settings, by build_problem keyword
+SETTINGS = ("zero_stage", "cdp", "micro_batches", "recompute")  # those keywords: a Problem and a Plan hold them by these names
+
+
+def settings_of(holder: object) -> Settings:
+    """The scheme settings a :class:`planner.terms.Problem` or a :class:`planner.plan.Plan` holds."""
+    return {key: getattr(holder, key) for key in SETTINGS}
 
 
 class Scheme:

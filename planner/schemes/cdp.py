@@ -30,7 +30,7 @@ from planner.layout import Spec
 from planner.mesh import Mesh
 from planner.peak import Form
 from planner.rules.anchors import broadcasts_batch
-from planner.schemes.base import NodePrice, ParamPrice, Scheme, Settings, Tally
+from planner.schemes.base import NodePrice, ParamPrice, Scheme, Settings, Tally, settings_of
 from planner.schemes.zero import zero_param_terms
 from planner.stages import cut_stages
 from planner.strategy import Comm, Strategy
@@ -156,7 +156,7 @@ def cdp_messages(problem: Problem, assignment: dict[str, int]) -> list[Comm]:
     gradient buffer (the local shards of its parameters) once down the chain and once around the
     ring. Every rank but the last two sends exactly these; those send one per stage."""
     graph, mesh = problem.graph, problem.mesh
-    axes = tuple(a for a in mesh.dp_axes if mesh.degree(a) > 1)
+    axes = mesh.active_dp_axes
     sizes = [0] * problem.cdp_stages
     for node in graph.params:
         spec = problem.choices[node.name][assignment[problem.node_group[node.name]]].outputs[0]
@@ -168,7 +168,7 @@ def cdp_messages(problem: Problem, assignment: dict[str, int]) -> list[Comm]:
 def cdp_owner_bytes(problem: Problem, assignment: dict[str, int]) -> tuple[float, float]:
     """CDP with ZeRO: stage l's optimizer states and master copy live on worker l mod N.
     Returns (their average per worker, as the ILP priced them; the busiest worker's share)."""
-    n = problem.mesh.group_size(tuple(a for a in problem.mesh.dp_axes if problem.mesh.degree(a) > 1))
+    n = problem.mesh.group_size(problem.mesh.active_dp_axes)
     per_worker = [0.0] * n
     for node in problem.graph.params:
         owned = problem.cdp_owned[node.template][assignment[problem.node_group[node.name]]]
@@ -251,11 +251,10 @@ class CDP(Scheme):
             return ""
         if cdp not in ("v1", "v2"):
             return f"CDP modes are off, v1 and v2; got cdp={cdp!r}"
-        data_axes = [a for a in mesh.dp_axes if mesh.degree(a) > 1]
-        if not data_axes:
+        if not mesh.active_dp_axes:
             return "CDP runs over the data-parallel axis: needs dp > 1"
-        if len(data_axes) > 1:
-            return f"CDP runs over one data-parallel axis; mesh {mesh} has {len(data_axes)}"
+        if len(mesh.active_dp_axes) > 1:
+            return f"CDP runs over one data-parallel axis; mesh {mesh} has {len(mesh.active_dp_axes)}"
         if zero > 1:
             return f"CDP with ZeRO-{zero} is not built in the runtime; CDP runs with ZeRO 0 or 1"
         if micro_batches > 1:
@@ -266,7 +265,7 @@ class CDP(Scheme):
         return f"CDP {settings['cdp']}" if settings["cdp"] != "off" else ""
 
     def configure(self, problem: Problem) -> None:
-        why = self.unsupported(problem.mesh, {"cdp": problem.cdp, "zero_stage": problem.zero_stage, "micro_batches": problem.micro_batches})
+        why = self.unsupported(problem.mesh, settings_of(problem))
         if why:
             raise ValueError(why)
         if problem.cdp == "off":
@@ -277,7 +276,7 @@ class CDP(Scheme):
     def strategies(self, problem: Problem, anchors: dict[str, list[Strategy]], allow: StrategyFilter | None) -> StrategyFilter | None:
         if problem.cdp == "off":
             return allow
-        graph, dp_axes = problem.graph, problem.dp_axes
+        graph, dp_axes = problem.graph, problem.mesh.active_dp_axes
         for name in batch_independent(graph) & set(anchors):
             anchors[name] = partial_gradient_variants(graph.nodes[name], anchors[name], dp_axes)
         return cdp_filter(graph, dp_axes, base=allow)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from planner.ir import IRGraph
 from planner.mesh import Mesh
-from planner.schemes.base import Scheme, Settings
+from planner.schemes.base import Scheme, Settings, settings_of
 from planner.terms import Problem
 
 
@@ -27,6 +27,6 @@ class MicroBatching(Scheme):
         return f"x{settings['micro_batches']} micro-batches" if settings["micro_batches"] > 1 else ""
 
     def configure(self, problem: Problem) -> None:
-        why = self.unsupported(problem.mesh, {"micro_batches": problem.micro_batches})
+        why = self.unsupported(problem.mesh, settings_of(problem))
         if why:
             raise ValueError(why)

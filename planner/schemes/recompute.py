@@ -39,7 +39,7 @@ from planner.cost import comm_time, steps_comms
 from planner.ir import IRGraph, Node
 from planner.layout import spec_conversion
 from planner.mesh import Mesh
-from planner.schemes.base import NodePrice, Scheme, Settings
+from planner.schemes.base import NodePrice, Scheme, Settings, settings_of
 from planner.strategy import Comm, Strategy
 from planner.trace import match_layer
 
@@ -194,7 +194,7 @@ class Recomputation(Scheme):
 
     def configure(self, problem: Problem) -> None:
         check((problem.recompute,))
-        why = self.unsupported(problem.mesh, {"recompute": problem.recompute, "zero_stage": problem.zero_stage, "cdp": problem.cdp})
+        why = self.unsupported(problem.mesh, settings_of(problem))
         if why:
             raise ValueError(f"recompute={problem.recompute!r} with ZeRO-{problem.zero_stage}, CDP {problem.cdp}: {why}")
         problem.segment_of = segments(problem.graph, problem.recompute) if problem.recompute != "none" else {}

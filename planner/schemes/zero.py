@@ -28,7 +28,7 @@ from planner.mesh import Mesh
 from planner.overlap import unit_terms
 from planner.rules import RuleContext
 from planner.rules.variants import regather_variants
-from planner.schemes.base import NodePrice, ParamPrice, Scheme, Settings, Tally
+from planner.schemes.base import NodePrice, ParamPrice, Scheme, Settings, Tally, settings_of
 from planner.strategy import Comm, Strategy, dedupe
 from planner.terms import Problem, StrategyFilter
 from planner.trace import match_layer
@@ -108,7 +108,7 @@ def zero_param_terms(
 def stored_over_dp(node: Node, mesh: Mesh, strategies: list[Strategy]) -> list[Strategy]:
     """ZeRO-3's storage layouts of parameter ``node``: each of its (tensor-parallel) ``strategies``'
     layouts further split over the data-parallel axes, along the first dim that allows it."""
-    dp = tuple(a for a in mesh.dp_axes if mesh.degree(a) > 1)
+    dp = mesh.active_dp_axes
     out = []
     for s in strategies:
         lay = s.outputs[0].layout  # type: ignore[union-attr]
@@ -140,20 +140,20 @@ class ZeRO(Scheme):
         return f"ZeRO-{settings['zero_stage']}"
 
     def configure(self, problem: Problem) -> None:
-        why = self.unsupported(problem.mesh, {"zero_stage": problem.zero_stage})
+        why = self.unsupported(problem.mesh, settings_of(problem))
         if why:
             raise ValueError(why)
         problem.unit_share_bytes = _unit_share_bytes(problem.graph, problem.bucket_bytes)
-        problem.prefetch = problem.prefetch and problem.zero_stage == 3 and bool(problem.dp_axes)
+        problem.prefetch = problem.prefetch and problem.zero_stage == 3 and bool(problem.mesh.active_dp_axes)
 
     def strategies(self, problem: Problem, anchors: dict[str, list[Strategy]], allow: StrategyFilter | None) -> StrategyFilter | None:
-        if problem.zero_stage == 3 and problem.dp_axes:  # each parameter input may be gathered again in backward
+        if problem.zero_stage == 3 and problem.mesh.active_dp_axes:  # each parameter input may be gathered again in backward
             graph = problem.graph
             for name, strategies in anchors.items():
                 node = graph.nodes[name]
                 params: dict[int, int | None] = {p: None for p, ref in enumerate(node.inputs) if graph.nodes[ref.node].kind == "param"}
                 if params:
-                    anchors[name] = regather_variants(RuleContext(node, graph, problem.mesh), strategies, params, axes=problem.dp_axes,
+                    anchors[name] = regather_variants(RuleContext(node, graph, problem.mesh), strategies, params, axes=problem.mesh.active_dp_axes,
                                                       bucket_bytes=problem.unit_share_bytes)
         return allow
 
@@ -165,7 +165,7 @@ class ZeRO(Scheme):
         problem.packed_whole = most <= problem.bucket_bytes  # no gradient packed (most = 0) is whole too
         problem.sync_share_bytes = most if 0 < most <= problem.bucket_bytes else problem.bucket_bytes
         if problem.zero_stage == 1 and problem.collective_sync:
-            problem.zero1_reduce = zero1_reduce(problem.mesh, problem.hardware, problem.mesh.sort_axes(frozenset(problem.dp_axes)),
+            problem.zero1_reduce = zero1_reduce(problem.mesh, problem.hardware, problem.mesh.active_dp_axes,
                                                 min(most, problem.bucket_bytes))
         # ZeRO-3 hides its gathers its own way (units); with several micro-batches ZeRO-2's
         # reduce-scatters run beside every backward
