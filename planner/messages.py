@@ -15,6 +15,7 @@ from planner.ir import IRGraph
 from planner.mesh import mesh_text
 from planner.plan import Plan
 from planner.schemes.base import Settings, settings_of
+from planner.schemes.cdp import PipelineEstimate
 from planner.schemes.registry import SCHEMES
 from planner.space import Candidate, SearchSpace, batch_rows
 from planner.terms import Evaluation, Problem
@@ -98,9 +99,13 @@ def outcome_line(c: Candidate) -> str:
     return f"{need}, infeasible ({c.seconds:.1f} s)"
 
 
-def nothing_fits(space: SearchSpace, graph: IRGraph, budget: float, least: float, cand: Candidate, memory: dict[str, float]) -> str:
+def nothing_fits(space: SearchSpace, graph: IRGraph, budget: float, least: float, cand: Candidate, memory: dict[str, float],
+                 pipeline: PipelineEstimate | None = None) -> str:
     """No configuration fits ``budget``: the least memory any plan needs (``least``, on ``cand``,
-    made of ``memory``'s terms) and what would change it (``graph``: the traced batch's)."""
+    made of ``memory``'s terms) and what would change it (``graph``: the traced batch's).
+    ``pipeline``: CDP with its stages on different devices for these devices, the estimate that
+    needs least memory; CDP is advised only where it needs less than ``least`` (CDP over data
+    parallelism alone holds more per device than DP, not less)."""
     terms = sorted(memory.items(), key=lambda kv: -kv[1])
     parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in terms if v)
     state = memory["params"] + memory["grads"] + memory["optimizer"]
@@ -115,8 +120,10 @@ def nothing_fits(space: SearchSpace, graph: IRGraph, budget: float, least: float
         if space.recompute == ("none",) and graph.repeated:
             advice.append("activation recomputation (--recompute none,full: each repeated layer keeps only its input and runs "
                           "its forward again in backward)")
-        if all(m == "off" for m in space.cdp):
-            advice.append("CDP (--cdp v1: staggered micro-batches hold about half the activations)")
+    if pipeline is not None and pipeline.peak_memory < least:
+        advice.append(f"CDP with its {pipeline.stages} stages on different devices (runtime.cdp_pipeline.CDPPipeline, "
+                      f"{pipeline.per_stage} devices a stage: each holds its stage's parameters and the activations of its workers "
+                      f"in flight), estimated at {format_bytes(pipeline.peak_memory)} per device")
     advice.append(f"more devices (at least {least / budget:.1f}x the memory in all: more tensor or data parallelism spreads the "
                   f"{'parameter, gradient and optimizer state' if state >= memory['activations'] else 'activation'} bytes)")
     return (f"No plan on {space.devices} devices fits {format_bytes(budget)} per device. The least memory any plan needs is "

@@ -573,4 +573,10 @@ def least_memory_message(
     if best is None:
         return ""
     least, cand, memory = best
-    return nothing_fits(space, graphs[1], budget, least, cand, memory)
+    graph = graphs[1]
+    ops = sum(1 for n in graph.nodes.values() if n.kind == "op")
+    # CDP's one saving: with its stages on different devices (runtime.cdp_pipeline.CDPPipeline),
+    # a device holds only its stage's parameters and the activations of its workers in flight
+    pipelines = [pipeline_estimate(graph, hardware, workers=space.devices, stages=stages, optimizer=optimizer)
+                 for stages in (2, 4, 8) if stages <= ops and space.devices % stages == 0 and batch_rows(graph) % space.devices == 0]
+    return nothing_fits(space, graph, budget, least, cand, memory, min(pipelines, key=lambda e: e.peak_memory, default=None))

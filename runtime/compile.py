@@ -90,8 +90,9 @@ def compile_plan(
         keep_freed_memory()
     recorder = CommRecorder()
     builder = _Builder(plan, graph, model, mg, recorder, dev)
+    loss_partial_over = frozenset(loss_partial_over)  # any collection of axis names
     if plan.cdp != "off":  # CDP sums over the data-parallel axis itself (runtime.cdp)
-        loss_partial_over = loss_partial_over | set(plan.mesh_obj.active_dp_axes)
+        loss_partial_over |= set(plan.mesh_obj.active_dp_axes)
     builder.loss_partial_over = loss_partial_over
     source = (weights if isinstance(weights, WeightSource) else open_weights(weights)) if weights is not None else None
     if source is not None:

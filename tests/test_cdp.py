@@ -256,3 +256,66 @@ def test_the_pipeline_estimate_follows_the_cdp_memory_formula() -> None:
     assert total < n * sum(a_micro)  # DP holds every micro-batch's activations of every stage at its peak
     result = search(graph, SearchSpace(devices=16, tp=("none",), cdp=("v1",)), A100_80G, model_name="gpt2-small", front=False)
     assert [e.stages for e in result.pipelines] == [2, 4, 8]
+
+
+def test_cdp_hides_only_what_its_rule_lets_travel_beside_compute() -> None:
+    """planner.schemes.cdp.cdp_overlap, on gpt-tiny over dp=4 with a link half as able to overlap
+    as NCCL's (overlap_efficiency 0.5): v1 applies step t's sum after step t+1, so every message
+    may hide, at the hardware's efficiency (eta min(p2p, compute), as DP's bucketed sync); v2
+    applies it at the end of step t, so the ring of what is summed last waits: stage 0's sum
+    (without ZeRO) or every stage's new parameters (ZeRO-1) go N-1 hops, that many message times
+    on the step's critical path of which the rank's own sends are already counted."""
+    from planner.cost import comm_time
+    from planner.mesh import Mesh
+    from planner.problem import build_problem
+    from planner.schemes.cdp import stage_message_bytes
+    from planner.solve import solve
+    from planner.strategy import Comm
+
+    graph = trace(build_model("gpt-tiny", device="meta"), *example_inputs("gpt-tiny", batch=8, device="meta"))
+    hw = A100_80G.model_copy(update={"overlap_efficiency": 0.5})
+    mesh = Mesh(("dp", "tp"), (4, 1))
+    for zero in (0, 1):
+        ev, sizes = {}, {}
+        for rule in ("v1", "v2"):
+            problem = build_problem(graph, mesh, hw, cdp=rule, cdp_stages=4, zero_stage=zero)
+            solution = solve(problem, memory_budget=float("inf"))
+            ev[rule] = solution.evaluation
+            sizes[rule] = stage_message_bytes(problem, solution.assignment)
+        for rule, e in ev.items():
+            sends = [(c, n) for c, n in e.comms if c.kind == "send"]
+            assert sum(n for _, n in sends) == 2 * sum(1 for b in sizes[rule] if b)  # a chain and a ring message per stage
+            p2p = sum(comm_time(c, mesh, hw) * n for c, n in sends)
+            others = sum(comm_time(c, mesh, hw) * n for c, n in e.comms if c.kind != "send")
+            compute = e.compute_time
+            if rule == "v1":
+                assert e.comm_time == pytest.approx(p2p + others)
+                assert e.overlap_time == pytest.approx(0.5 * min(p2p, compute))
+                continue
+            t = [comm_time(Comm("send", ("dp",), b, "bwd"), mesh, hw) if b else 0.0 for b in sizes[rule]]
+            ring = t if zero == 1 else [next(x for x in t if x)]
+            own = sum(ring)
+            assert e.comm_time == pytest.approx(others + p2p - own + max(3 * max(ring), own))
+            assert e.overlap_time == pytest.approx(0.5 * min(p2p - own, compute))
+            assert e.step_time > ev["v1"].step_time  # the ring of the step's last sum is waited for
+
+
+def test_nothing_fits_advises_cdp_only_where_its_stages_on_devices_would_hold_less() -> None:
+    """The advice quotes the pipeline estimate (stages on different devices) and only where it needs
+    less than the least memory any plan needs; CDP over data parallelism alone holds more per
+    device than DP, so it is never advised for memory."""
+    from planner.messages import nothing_fits
+    from planner.schemes.cdp import pipeline_estimate
+    from planner.space import candidate_meshes
+    from planner.units import format_bytes
+
+    graph = trace(build_model("gpt-tiny", device="meta"), *example_inputs("gpt-tiny", batch=8, device="meta"))
+    space = SearchSpace(devices=4)
+    est = pipeline_estimate(graph, A100_80G, workers=4, stages=2)
+    cand = candidate_meshes(space, 8)[0]
+    memory = {"params": 1.0, "grads": 1.0, "optimizer": 2.0, "activations": 10.0, "transient": 0.0}
+    above = nothing_fits(space, graph, 1.0, 2 * est.peak_memory, cand, memory, est)
+    assert "CDP with its 2 stages on different devices" in above and format_bytes(est.peak_memory) in above
+    below = nothing_fits(space, graph, 1.0, est.peak_memory / 2, cand, memory, est)
+    assert "CDP" not in below
+    assert "CDP" not in nothing_fits(space, graph, 1.0, 2 * est.peak_memory, cand, memory, None)

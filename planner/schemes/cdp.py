@@ -151,18 +151,62 @@ def stage_buffers(problem: Problem) -> tuple[list[Form], list[str]]:
     return sums, [names[-1] for names in cut.stages[:-1]]
 
 
-def cdp_messages(problem: Problem, assignment: dict[str, int]) -> list[Comm]:
-    """The point-to-point messages of one step on a rank that sends the most: for each stage, its
-    gradient buffer (the local shards of its parameters) once down the chain and once around the
-    ring. Every rank but the last two sends exactly these; those send one per stage."""
-    graph, mesh = problem.graph, problem.mesh
-    axes = mesh.active_dp_axes
+def stage_message_bytes(problem: Problem, assignment: dict[str, int]) -> list[int]:
+    """Each stage's message on a rank: its gradient buffer (the local shards of its parameters;
+    with ZeRO the ring carries the stage's new parameters, the same bytes)."""
     sizes = [0] * problem.cdp_stages
-    for node in graph.params:
+    for node in problem.graph.params:
         spec = problem.choices[node.name][assignment[problem.node_group[node.name]]].outputs[0]
         assert spec is not None
-        sizes[problem.param_stage[node.name]] += node.out.nbytes // spec.layout.shard_factor(mesh)
-    return [Comm("send", axes, size, "bwd") for size in sizes for _ in range(2) if size]
+        sizes[problem.param_stage[node.name]] += node.out.nbytes // spec.layout.shard_factor(problem.mesh)
+    return sizes
+
+
+def cdp_messages(problem: Problem, assignment: dict[str, int]) -> list[Comm]:
+    """The point-to-point messages of one step on a rank that sends the most: for each stage, its
+    gradient buffer once down the chain and once around the ring. Every rank but the last two
+    sends exactly these; those send one per stage."""
+    axes = problem.mesh.active_dp_axes
+    return [Comm("send", axes, size, "bwd") for size in stage_message_bytes(problem, assignment) for _ in range(2) if size]
+
+
+def cdp_overlap(problem: Problem, assignment: dict[str, int], compute: float) -> tuple[float, float]:
+    """(seconds the busiest rank waits for messages beyond its own sends, seconds of its sends
+    hidden behind compute), as runtime.cdp.CDPTrainer runs them today.
+
+    The rank sends ``p2p`` seconds of messages (:func:`cdp_messages`). The chain's sends leave as
+    each stage's backward ends and overlap the backward still to run; the chain's receives stagger
+    the workers by about a message, once, so in steady state no worker waits on them. Where the
+    ring goes depends on the rule:
+
+    * ``v1`` applies step t's sum at the end of step t+1: the ring travels under the next step's
+      compute, and every message may hide;
+    * ``v2`` (and the runtime's ``sync``, which plans do not choose) applies step t's sum at the
+      end of step t (``CDPTrainer._apply``, ZeRO's ``_install``), so the ring of what is summed
+      last cannot hide: without ZeRO, the sum of the first stage with parameters (stage 0's
+      backward is the last) goes N-1 hops from its owner after the chain reaches it; with
+      ZeRO, the owners step and then send every stage's new parameters N-1 hops at once, this
+      rank sending one per stage it does not own last. The tail is max((N-1) m, the rank's own
+      ring sends), m the largest message of the ring in question.
+
+    What may hide is hidden at the hardware's ``overlap_efficiency`` (as DP's bucketed all-reduce
+    is, planner.overlap), and at most the step's compute: hidden = eta min(p2p - own tail sends,
+    compute). The tail adds its hops beyond this rank's own sends: they are waits, not sends."""
+    mesh, hw = problem.mesh, problem.hardware
+    sizes = stage_message_bytes(problem, assignment)
+    axes = mesh.active_dp_axes
+    n = mesh.group_size(axes)
+
+    def seconds(nbytes: int) -> float:
+        return comm_time(Comm("send", axes, nbytes, "bwd"), mesh, hw) if nbytes else 0.0
+
+    p2p = 2 * sum(seconds(b) for b in sizes)
+    if problem.cdp == "v1":
+        return 0.0, problem.overlap_efficiency * min(p2p, compute)
+    ring = sizes if problem.zero_stage == 1 else [next((b for b in sizes if b), 0)]  # ZeRO: every stage's parameters
+    own = sum(seconds(b) for b in ring)
+    tail = max((n - 1) * max(seconds(b) for b in ring), own)
+    return tail - own, problem.overlap_efficiency * min(p2p - own, compute)
 
 
 def cdp_owner_bytes(problem: Problem, assignment: dict[str, int]) -> tuple[float, float]:
@@ -327,17 +371,19 @@ class CDP(Scheme):
         mesh, hw = problem.mesh, problem.hardware
         # stage 0's partial sum arrives at the end of backward
         tally.step_transient = max(tally.step_transient, sum(v * tally.value(var) for var, v in problem.stage_sums[0].items()))
-        # the ILP priced a message pair per parameter; the runtime sends one pair per stage, and
-        # they travel while the workers compute (the chain runs during backward, the ring into the
-        # next step): only what exceeds the step's compute is exposed
+        # the ILP priced a message pair per parameter; the runtime sends one pair per stage, part
+        # of them while the workers compute (cdp_overlap: what the rule lets hide, and the ring's
+        # hops it waits for)
         per_param = sum(comm_time(c, mesh, hw) * n for c, n in tally.comms if c.kind == "send")
         tally.comms = [(c, n) for c, n in tally.comms if c.kind != "send"]
         messages = cdp_messages(problem, assignment)
         p2p = sum(comm_time(c, mesh, hw) for c in messages)
         tally.comms += [(c, 1) for c in messages]
-        tally.total += p2p - per_param
-        tally.comm_time += p2p - per_param
-        tally.hidden = min(p2p, tally.total - tally.comm_time)
+        compute = tally.total - tally.comm_time
+        waits, hidden = cdp_overlap(problem, assignment, compute)
+        tally.total += p2p - per_param + waits
+        tally.comm_time += p2p - per_param + waits
+        tally.hidden = hidden
         if problem.zero_stage == 1:
             average, busiest = cdp_owner_bytes(problem, assignment)
             tally.optimizer += busiest - average
