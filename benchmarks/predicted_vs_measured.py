@@ -5,8 +5,9 @@
 Without ``--hardware`` it first runs ``planner calibrate --quick`` (matmuls, op overhead, memory
 bandwidth, gloo collectives) and plans with that profile. For ``gpt-tiny`` and a small MLP, on 4
 gloo ranks (float32, AdamW), each plan (data parallelism with ZeRO 0/1/3, Megatron 1-D, pure
-1-D, 2-D, data x tensor parallelism with ZeRO-2) is compiled and trained; per rank it measures the
-peak of live tensor bytes over a step (runtime/memory.py: every storage alive, parameters,
+1-D, 2-D, data x tensor parallelism with ZeRO-2) is compiled and trained, and four CDP plans of
+the MLP (v1 and v2, ZeRO 0 and 1, trained by ``runtime.cdp.CDPTrainer``: step time only, in a
+table of their own); per rank it measures the peak of live tensor bytes over a step (runtime/memory.py: every storage alive, parameters,
 gradients, optimizer states, activations, buffers) and the median step time. Prints a table
 (predicted, measured, error) and, across plans, the Spearman rank correlation of step times and
 the median absolute error of each quantity.
@@ -40,6 +41,15 @@ CONFIGS = [  # (label, tp families, dp, zero)
 ]
 
 
+CDP_MODEL = "mlp-large"
+CDP_CONFIGS = [  # (label, zero, CDP rule): CDP over dp=4, 4 stages, trained by runtime.cdp.CDPTrainer
+    ("dp=4 cdp v1", 0, "v1"),
+    ("dp=4 cdp v2", 0, "v2"),
+    ("dp=4 zero1 cdp v1", 1, "v1"),
+    ("dp=4 zero1 cdp v2", 1, "v2"),
+]
+
+
 def _plans(hardware: Any) -> list[tuple[str, str, str]]:
     from planner.models import build_model, example_inputs
     from planner.search import search
@@ -53,6 +63,12 @@ def _plans(hardware: Any) -> list[tuple[str, str, str]]:
             result = search(graph, SearchSpace(devices=WORLD, tp=tp, dp=dp, zero=(zero,)), hardware, model_name=name)
             if result.best is not None:
                 out.append((name, label, result.best.model_dump_json()))
+    graph = trace(build_model(CDP_MODEL, seed=0), *example_inputs(CDP_MODEL, batch=MODELS[CDP_MODEL], seed=1))
+    for label, zero, rule in CDP_CONFIGS:
+        result = search(graph, SearchSpace(devices=WORLD, tp=("none",), dp=WORLD, zero=(zero,), cdp=(rule,), cdp_stages=4), hardware,
+                        model_name=CDP_MODEL)
+        if result.best is not None:
+            out.append((CDP_MODEL, label, result.best.model_dump_json()))
     return out
 
 
@@ -70,6 +86,7 @@ def _measure(rank: int, port: int, plans: list[tuple[str, str, str]], steps: int
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     from planner.models import build_model, example_inputs
     from planner.plan import Plan
+    from planner.runtime.cdp import CDPTrainer
     from planner.runtime.compile import compile_plan
     from planner.runtime.memory import LiveMemory
 
@@ -81,8 +98,23 @@ def _measure(rank: int, port: int, plans: list[tuple[str, str, str]], steps: int
         args, kwargs = example_inputs(name, batch=batch, seed=1)
         pm = compile_plan(plan, model, args, kwargs)
         del model
-        opt = pm.make_optimizer(torch.optim.AdamW, lr=1e-3)
         local_args, local_kwargs = pm.shard_batch(*args, **kwargs)
+        if plan.cdp != "off":  # step time only: CDP's memory is tested against its prediction in tests/test_cdp.py
+            trainer = CDPTrainer(pm, torch.optim.AdamW, lr=1e-3)
+            for _ in range(2):
+                trainer.step(*local_args, **local_kwargs)
+            times = []
+            for _ in range(steps):
+                dist.barrier()
+                t0 = time.perf_counter()
+                trainer.step(*local_args, **local_kwargs)
+                times.append(time.perf_counter() - t0)
+            trainer.finish()
+            rows.append({"model": name, "plan": label, "mesh": plan.mesh, "rank": rank, "seconds": statistics.median(times), "peak": None,
+                         "predicted_seconds": plan.step_time_s, "predicted_peak": plan.peak_memory_bytes})
+            dist.barrier()
+            continue
+        opt = pm.make_optimizer(torch.optim.AdamW, lr=1e-3)
 
         def step(pm: Any = pm, opt: Any = opt, local_args: Any = local_args, local_kwargs: Any = local_kwargs) -> None:
             loss = pm(*local_args, **local_kwargs)
@@ -164,7 +196,8 @@ def main() -> None:
         p.join()
     print(f"{'model':<10} {'plan':<20} {'mem predicted':>14} {'measured (max rank)':>20} {'error':>7} {'step predicted':>15} {'measured':>10} {'error':>7}")
     pred_t, meas_t, mem_err, t_err = [], [], [], []
-    for name, label, _ in plans:
+    cdp = {label for label, _, _ in CDP_CONFIGS}
+    for name, label, _ in [p for p in plans if p[1] not in cdp]:
         mine = [r for r in rows if r["model"] == name and r["plan"] == label]
         peak = max(r["peak"] for r in mine)
         secs = max(r["seconds"] for r in mine)
@@ -177,11 +210,20 @@ def main() -> None:
         meas_t.append(secs)
         print(f"{name:<10} {label:<20} {p_peak / 2**20:>11.2f} MiB {peak / 2**20:>17.2f} MiB {e_mem:>+7.1%} {p_secs * 1e3:>12.2f} ms {secs * 1e3:>7.2f} ms {e_t:>+7.1%}")
     for name in MODELS:
-        idx = [i for i, (n, _, _) in enumerate(plans) if n == name]
+        idx = [i for i, (n, label, _) in enumerate(plans) if n == name and label not in cdp]
         rho = _spearman([pred_t[i] for i in idx], [meas_t[i] for i in idx])
         print(f"{name}: step-time rank correlation (Spearman) {rho:.2f} over {len(idx)} plans")
     print(f"all: step-time rank correlation {_spearman(pred_t, meas_t):.2f}; median |error| memory {statistics.median(mem_err):.1%}, "
           f"step time {statistics.median(t_err):.1%}; plans within 10% memory: {sum(e <= 0.10 for e in mem_err)}/{len(mem_err)}")
+    cdp_err = []
+    print(f"\nCDP (runtime.cdp.CDPTrainer, {CDP_MODEL}, 4 stages): step time as planner.schemes.cdp.cdp_overlap prices it")
+    for name, label, _ in [p for p in plans if p[1] in cdp]:
+        mine = [r for r in rows if r["model"] == name and r["plan"] == label]
+        secs, p_secs = max(r["seconds"] for r in mine), mine[0]["predicted_seconds"]
+        cdp_err.append(abs((p_secs - secs) / secs))
+        print(f"{name:<10} {label:<20} {'':>14} {'':>20} {'':>7} {p_secs * 1e3:>12.2f} ms {secs * 1e3:>7.2f} ms {(p_secs - secs) / secs:>+7.1%}")
+    if cdp_err:
+        print(f"cdp: median |error| step time {statistics.median(cdp_err):.1%} over {len(cdp_err)} plans")
 
 
 if __name__ == "__main__":
