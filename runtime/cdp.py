@@ -8,11 +8,15 @@ them. This module is the schedule: which worker runs which stage when, and where
 
 Worker n of N (its coordinate on the data-parallel axis) runs forward stages 0..L-1 then backward
 L-1..0 on its micro-batch. When stage l's backward ends, its parameter gradients (one flat buffer)
-join a point-to-point chain: worker n receives the partial sum of workers 0..n-1 from n-1, adds its
-own and sends it to n+1; worker N-1 then holds the sum and passes it back around the ring
-(N-1 -> 0 -> 1 -> ... -> N-2). That is 2(N-1) messages per stage per step and no collective; the
-chain makes worker n wait for n-1 at each stage, which staggers the workers as CDP's uniform delay
-does, and the ring messages travel while later stages compute. Tensor-parallel collectives inside
+join a point-to-point chain that ends at the stage's owner o: it starts at o+1, and each worker
+receives the partial sum of the workers before it from its predecessor, adds its own and sends it
+on; o then holds the sum and passes it back around the ring (o -> o+1 -> ... -> o-1, mod N). That
+is 2(N-1) messages per stage per step and no collective; the chain makes a worker wait for its
+predecessor at each stage, which staggers the workers, and the ring messages travel while later
+stages compute. A worker sends a stage's buffer twice, but once where it is the owner or the
+worker before it: the owners differ from stage to stage so that the ranks send about the same
+bytes (:func:`planner.stages.stage_owners`; with one owner for all stages two ranks sent half
+what the others did). Tensor-parallel collectives inside
 a worker are unchanged (the TP ranks of a worker share its coordinate n).
 
 Memory (what planner.problem prices for CDP): a stage's gradients move into one flat buffer when
@@ -47,7 +51,7 @@ from planner.runtime import faults
 from planner.runtime.memory import SavedTensorMeter
 from planner.runtime.module import ParallelModule
 from planner.runtime.stages import MicroBatch, StagedRunner
-from planner.stages import cut_stages
+from planner.stages import cut_stages, stage_owners
 
 UpdateRule = Literal["sync", "v1", "v2"]
 
@@ -60,11 +64,11 @@ class CDPTrainer:
     backward, chain and ring messages, the update rule) and returns this worker's loss contribution
     (the global loss is their sum over the data-parallel axis).
 
-    With the plan's ``zero_stage == 1`` (CDP with ZeRO), stage l is owned by worker l mod N: only
-    the owner keeps its optimizer state (and a master copy of its parameters), the chain for stage
-    l ends at the owner, and what travels back around the ring is the owner's updated parameters,
-    not the summed gradient: the same 2(N-1) messages, optimizer states held 1/N on average.
-    Without ZeRO every worker updates every stage and the chain ends at worker N-1."""
+    With the plan's ``zero_stage == 1`` (CDP with ZeRO), only a stage's owner keeps its optimizer
+    state (and a master copy of its parameters), the owners chosen to even the state they hold
+    (:func:`planner.stages.stage_owners`), and what travels back around the ring is the owner's
+    updated parameters, not the summed gradient: the same 2(N-1) messages. Without ZeRO every
+    worker updates every stage and the owners even the bytes each rank sends."""
 
     def __init__(
         self,
@@ -96,6 +100,10 @@ class CDPTrainer:
         self.runner = StagedRunner(pm, cut_stages(pm.graph, num_stages))
         self.num_stages = self.runner.num_stages
         self.params = pm.local_parameters()
+        # each stage's owner, from the bytes of its buffer here (planner.stages.stage_owners: the
+        # ranks' sent bytes evened; with ZeRO, the optimizer state they hold)
+        sizes = [sum(self.params[a].numel() * self.params[a].element_size() for a in attrs) for attrs in self.runner.stage_params]
+        self.owners = stage_owners(sizes, self.num_workers, zero=self.zero)
         if self.zero:  # master copies of the owned stages' parameters, stepped by the optimizer
             self.masters = {a: torch.nn.Parameter(self.params[a].detach().clone()) for s in self.owned() for a in self.runner.stage_params[s]}
             self.optimizer = optimizer_class(list(self.masters.values()), **optimizer_kwargs) if self.masters else None
@@ -111,7 +119,7 @@ class CDPTrainer:
 
     def owner(self, stage: int) -> int:
         """The worker where stage ``stage``'s chain ends (and, with ZeRO, whose optimizer updates it)."""
-        return stage % self.num_workers if self.zero else self.num_workers - 1
+        return self.owners[stage]
 
     def owned(self) -> list[int]:
         return [s for s in range(self.num_stages) if self.runner.stage_params[s] and self.owner(s) == self.worker]

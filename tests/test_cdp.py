@@ -124,15 +124,20 @@ def test_each_stage_sends_2_n_minus_1_messages_a_step_and_no_collective(runs) ->
 
 
 def test_a_cdp_plan_prices_the_messages_the_busiest_rank_sends(runs) -> None:  # type: ignore[no-untyped-def]
-    """Plans made with cdp=v1/v2 run with the plan's own rule and stages; rank 0, which sends on
-    the chain and on the ring at every stage, sends exactly the messages the plan priced (bytes
-    per stage buffer, two per stage per step); the last two ranks of the chain send fewer."""
+    """Plans made with cdp=v1/v2 run with the plan's own rule and stages; the rank that sends the
+    most bytes sends exactly the messages the plan priced (a stage's buffer twice a step, once
+    where the rank owns the stage or is the worker before its owner). Without ZeRO, with as many
+    stages as workers, the ranks' sent bytes are within 10 % of each other
+    (planner.stages.stage_owners; with one owner for every stage two of the four ranks sent half
+    what the others did); with 2 stages on 4 workers two ranks own nothing (mlp-tiny: 1.32)."""
     for label in PLANNED:
+        ranks = runs[label]
+        sent = [sum(nbytes * c for _, _, nbytes, c in r["sends"]) for r in ranks]
+        busiest = ranks[max(range(len(ranks)), key=lambda r: (sent[r], -r))]
         if "zero" in label:
             continue
-        ranks = runs[label]
-        assert ranks[0]["sends_equal_priced"], (label, ranks[0]["sends"], ranks[0]["priced_sends"])
-        assert sum(c for *_, c in ranks[-1]["sends"]) < sum(c for *_, c in ranks[0]["sends"])
+        assert busiest["sends_equal_priced"], (label, busiest["sends"], busiest["priced_sends"])
+        assert max(sent) <= (1.10 if ranks[0]["stages"] >= ranks[0]["workers"] else 1.35) * min(sent), (label, sent)
 
 
 def test_cdp_with_zero_keeps_each_stages_optimizer_on_its_owner_as_predicted(runs) -> None:  # type: ignore[no-untyped-def]
@@ -163,8 +168,8 @@ def test_cdp_holds_constant_saved_bytes_equal_to_the_formula(model: str, stages:
 
 
 def test_the_planner_prices_cdp_as_a_search_dimension() -> None:
-    """gpt2-small on 8 devices, dp only: CDP's messages carry the DP gradient bytes (two per stage,
-    on the busiest rank), are hidden behind compute, and v1 / v2 hold one more gradient / parameter
+    """gpt2-small on 8 devices, dp only: CDP's messages carry the DP gradient bytes (up to two per
+    stage, on the busiest rank), are hidden behind compute, and v1 / v2 hold one more gradient / parameter
     copy; with ZeRO-1 only the stages' owners keep optimizer state; dp = 1 and ZeRO > 1 are pruned
     with a reason; the report states the one-step delay."""
     from planner.report import format_plan
@@ -182,8 +187,9 @@ def test_the_planner_prices_cdp_as_a_search_dimension() -> None:
     assert off is not None and v1 is not None and v2 is not None
     all_reduced = sum(c.nbytes * c.count for c in off.comms if c.kind == "all_reduce" and c.phase == "step")
     sends = [c for c in v1.comms if c.kind == "send"]
-    assert sum(c.count for c in sends) <= 2 * 8  # two per stage that owns parameters
-    assert sum(c.nbytes * c.count for c in sends) == 2 * all_reduced
+    assert sum(c.count for c in sends) <= 2 * 8  # two per stage that has parameters, one where the rank owns it or the next
+    # the busiest rank: every stage's buffer twice, but once for the stages it or the next worker owns
+    assert all_reduced < sum(c.nbytes * c.count for c in sends) < 2 * all_reduced
     assert not any(c.kind == "all_reduce" and c.phase == "step" for c in v1.comms)
     assert v1.overlap_time_s > 0 and v1.step_time_s < off.step_time_s
     assert v1.memory_breakdown.grads == 2 * off.memory_breakdown.grads
@@ -260,44 +266,70 @@ def test_the_pipeline_estimate_follows_the_cdp_memory_formula() -> None:
 
 def test_cdp_hides_only_what_its_rule_lets_travel_beside_compute() -> None:
     """planner.schemes.cdp.cdp_overlap, on gpt-tiny over dp=4 with a link half as able to overlap
-    as NCCL's (overlap_efficiency 0.5): v1 applies step t's sum after step t+1, so every message
-    may hide, at the hardware's efficiency (eta min(p2p, compute), as DP's bucketed sync); v2
-    applies it at the end of step t, so the ring of what is summed last waits: stage 0's sum
-    (without ZeRO) or every stage's new parameters (ZeRO-1) go N-1 hops, that many message times
-    on the step's critical path of which the rank's own sends are already counted."""
+    as NCCL's (overlap_efficiency 0.5), for the rank that sends the most: v1 applies step t's sum
+    after step t+1, so every message may hide, at the hardware's efficiency (eta min(p2p, compute),
+    as DP's bucketed sync); v2 applies it at the end of step t, so the ring of what is summed last
+    waits: the first stage with parameters' sum (without ZeRO) or every stage's new parameters
+    (ZeRO-1) go N-1 hops, that many message times on the step's critical path, of which the rank's
+    own ring sends are already counted."""
     from planner.cost import comm_time
     from planner.mesh import Mesh
     from planner.problem import build_problem
-    from planner.schemes.cdp import stage_message_bytes
+    from planner.schemes.cdp import busiest_rank, stage_message_bytes
     from planner.solve import solve
+    from planner.stages import stage_owners
     from planner.strategy import Comm
 
     graph = trace(build_model("gpt-tiny", device="meta"), *example_inputs("gpt-tiny", batch=8, device="meta"))
     hw = A100_80G.model_copy(update={"overlap_efficiency": 0.5})
     mesh = Mesh(("dp", "tp"), (4, 1))
     for zero in (0, 1):
-        ev, sizes = {}, {}
+        ev = {}
         for rule in ("v1", "v2"):
             problem = build_problem(graph, mesh, hw, cdp=rule, cdp_stages=4, zero_stage=zero)
             solution = solve(problem, memory_budget=float("inf"))
-            ev[rule] = solution.evaluation
-            sizes[rule] = stage_message_bytes(problem, solution.assignment)
-        for rule, e in ev.items():
+            e = ev[rule] = solution.evaluation
+            sizes = stage_message_bytes(problem, solution.assignment)
+            owners, rank = stage_owners(sizes, 4, zero=zero == 1), busiest_rank(problem, solution.assignment)
             sends = [(c, n) for c, n in e.comms if c.kind == "send"]
-            assert sum(n for _, n in sends) == 2 * sum(1 for b in sizes[rule] if b)  # a chain and a ring message per stage
+            # twice a stage, but once where the rank owns it or is the worker before its owner
+            assert sum(n for _, n in sends) == sum(1 if rank in (o, (o - 1) % 4) else 2 for o, b in zip(owners, sizes, strict=True) if b)
             p2p = sum(comm_time(c, mesh, hw) * n for c, n in sends)
             others = sum(comm_time(c, mesh, hw) * n for c, n in e.comms if c.kind != "send")
-            compute = e.compute_time
             if rule == "v1":
                 assert e.comm_time == pytest.approx(p2p + others)
-                assert e.overlap_time == pytest.approx(0.5 * min(p2p, compute))
+                assert e.overlap_time == pytest.approx(0.5 * min(p2p, e.compute_time))
                 continue
-            t = [comm_time(Comm("send", ("dp",), b, "bwd"), mesh, hw) if b else 0.0 for b in sizes[rule]]
-            ring = t if zero == 1 else [next(x for x in t if x)]
-            own = sum(ring)
-            assert e.comm_time == pytest.approx(others + p2p - own + max(3 * max(ring), own))
-            assert e.overlap_time == pytest.approx(0.5 * min(p2p - own, compute))
+            t = [comm_time(Comm("send", ("dp",), b, "bwd"), mesh, hw) for b in sizes]
+            ring = [s for s, b in enumerate(sizes) if b] if zero == 1 else [next(s for s, b in enumerate(sizes) if b)]
+            own = sum(t[s] for s in ring if rank != (owners[s] - 1) % 4)
+            assert e.comm_time == pytest.approx(others + p2p - own + max(3 * max(t[s] for s in ring), own))
+            assert e.overlap_time == pytest.approx(0.5 * min(p2p - own, e.compute_time))
             assert e.step_time > ev["v1"].step_time  # the ring of the step's last sum is waited for
+
+
+def test_cdp_stage_owners_even_the_ranks_sends_or_their_optimizer_state() -> None:
+    """planner.stages.stage_owners: one owner for every stage made two of four ranks send half what
+    the others did; the owners it picks send the same on stages of equal size and within 11 % on
+    these unequal ones (the best split of [130, 130, 130, 60] over 4 ranks is 640/710); with ZeRO
+    the owned bytes are evened instead (largest first)."""
+    from planner.stages import stage_owners
+
+    def sent(sizes: list[int], owners: tuple[int, ...], n: int) -> list[int]:
+        return [sum(b * (1 if r in (o, (o - 1) % n) else 2) for o, b in zip(owners, sizes, strict=True)) for r in range(n)]
+
+    for sizes, n, bound in (([100] * 4, 4, 1.0), ([100] * 8, 4, 1.0), ([100] * 4, 8, 1.0), ([130, 130, 130, 60], 4, 1.11),
+                            ([16, 64, 64, 80], 4, 1.11), ([209, 59, 63, 54, 43, 47, 0, 0], 4, 1.05), ([100, 50], 2, 1.0)):
+        got = sent(sizes, stage_owners(sizes, n, zero=False), n)
+        assert max(got) / min(got) <= bound, (sizes, n, got)
+        one_owner = sent(sizes, (n - 1,) * len(sizes), n)
+        assert max(got) <= max(one_owner)
+    assert stage_owners([80, 64, 64, 16], 4, zero=True) == (0, 1, 2, 3)
+    assert stage_owners([10, 10, 10, 10, 10, 10, 10, 10], 4, zero=True) == (0, 1, 2, 3, 0, 1, 2, 3)
+    held = [0] * 3
+    for s, o in enumerate(stage_owners([50, 40, 30, 20, 10], 3, zero=True)):
+        held[o] += [50, 40, 30, 20, 10][s]
+    assert max(held) == 50
 
 
 def test_nothing_fits_advises_cdp_only_where_its_stages_on_devices_would_hold_less() -> None:

@@ -32,7 +32,7 @@ from planner.peak import Form
 from planner.rules.anchors import broadcasts_batch
 from planner.schemes.base import NodePrice, ParamPrice, Scheme, Settings, Tally, settings_of
 from planner.schemes.zero import zero_param_terms
-from planner.stages import cut_stages
+from planner.stages import cut_stages, stage_owners
 from planner.strategy import Comm, Strategy
 from planner.terms import Problem, StrategyFilter
 
@@ -162,19 +162,36 @@ def stage_message_bytes(problem: Problem, assignment: dict[str, int]) -> list[in
     return sizes
 
 
+def rank_messages(problem: Problem, assignment: dict[str, int]) -> list[dict[int, int]]:
+    """Each rank's sends of one step: stage -> how many times it sends the stage's buffer (2: down
+    the chain and around the ring; 1 where it is the stage's owner, where the chain ends, or the
+    worker before it, where the ring ends), the owners of :func:`planner.stages.stage_owners` as
+    runtime.cdp.CDPTrainer chooses them. Stages without parameters send nothing."""
+    sizes = stage_message_bytes(problem, assignment)
+    n = problem.mesh.group_size(problem.mesh.active_dp_axes)
+    owners = stage_owners(sizes, n, zero=problem.zero_stage == 1)
+    return [{s: 1 if r in (owners[s], (owners[s] - 1) % n) else 2 for s, b in enumerate(sizes) if b} for r in range(n)]
+
+
+def busiest_rank(problem: Problem, assignment: dict[str, int]) -> int:
+    """The rank that sends the most bytes (:func:`rank_messages`; the lowest such rank)."""
+    sizes = stage_message_bytes(problem, assignment)
+    sends = rank_messages(problem, assignment)
+    return max(range(len(sends)), key=lambda r: (sum(sizes[s] * k for s, k in sends[r].items()), -r))
+
+
 def cdp_messages(problem: Problem, assignment: dict[str, int]) -> list[Comm]:
-    """The point-to-point messages of one step on a rank that sends the most: for each stage, its
-    gradient buffer once down the chain and once around the ring. Every rank but the last two
-    sends exactly these; those send one per stage."""
-    axes = problem.mesh.active_dp_axes
-    return [Comm("send", axes, size, "bwd") for size in stage_message_bytes(problem, assignment) for _ in range(2) if size]
+    """The point-to-point messages of one step on the rank that sends the most bytes."""
+    axes, sizes = problem.mesh.active_dp_axes, stage_message_bytes(problem, assignment)
+    sends = rank_messages(problem, assignment)[busiest_rank(problem, assignment)]
+    return [Comm("send", axes, sizes[s], "bwd") for s, k in sends.items() for _ in range(k)]
 
 
 def cdp_overlap(problem: Problem, assignment: dict[str, int], compute: float) -> tuple[float, float]:
     """(seconds the busiest rank waits for messages beyond its own sends, seconds of its sends
     hidden behind compute), as runtime.cdp.CDPTrainer runs them today.
 
-    The rank sends ``p2p`` seconds of messages (:func:`cdp_messages`). The chain's sends leave as
+    The busiest rank sends ``p2p`` seconds of messages (:func:`cdp_messages`). The chain's sends leave as
     each stage's backward ends and overlap the backward still to run; the chain's receives stagger
     the workers by about a message, once, so in steady state no worker waits on them. Where the
     ring goes depends on the rule:
@@ -186,8 +203,8 @@ def cdp_overlap(problem: Problem, assignment: dict[str, int], compute: float) ->
       last cannot hide: without ZeRO, the sum of the first stage with parameters (stage 0's
       backward is the last) goes N-1 hops from its owner after the chain reaches it; with
       ZeRO, the owners step and then send every stage's new parameters N-1 hops at once, this
-      rank sending one per stage it does not own last. The tail is max((N-1) m, the rank's own
-      ring sends), m the largest message of the ring in question.
+      rank sending on each ring but the ones that end at it. The tail is max((N-1) m, the rank's
+      own ring sends), m the largest message of the ring in question.
 
     What may hide is hidden at the hardware's ``overlap_efficiency`` (as DP's bucketed all-reduce
     is, planner.overlap), and at most the step's compute: hidden = eta min(p2p - own tail sends,
@@ -200,23 +217,30 @@ def cdp_overlap(problem: Problem, assignment: dict[str, int], compute: float) ->
     def seconds(nbytes: int) -> float:
         return comm_time(Comm("send", axes, nbytes, "bwd"), mesh, hw) if nbytes else 0.0
 
-    p2p = 2 * sum(seconds(b) for b in sizes)
+    rank = busiest_rank(problem, assignment)
+    sends = rank_messages(problem, assignment)[rank]
+    p2p = sum(seconds(sizes[s]) * k for s, k in sends.items())
     if problem.cdp == "v1":
         return 0.0, problem.overlap_efficiency * min(p2p, compute)
-    ring = sizes if problem.zero_stage == 1 else [next((b for b in sizes if b), 0)]  # ZeRO: every stage's parameters
-    own = sum(seconds(b) for b in ring)
-    tail = max((n - 1) * max(seconds(b) for b in ring), own)
+    # the ring that waits: ZeRO's every stage's new parameters, or else the sum of the first stage
+    # with parameters; this rank sends on a stage's ring unless it is the worker before its owner
+    owners = stage_owners(sizes, n, zero=problem.zero_stage == 1)
+    ring = list(sends) if problem.zero_stage == 1 else [min(sends)]
+    own = sum(seconds(sizes[s]) for s in ring if rank != (owners[s] - 1) % n)
+    tail = max((n - 1) * max(seconds(sizes[s]) for s in ring), own)
     return tail - own, problem.overlap_efficiency * min(p2p - own, compute)
 
 
 def cdp_owner_bytes(problem: Problem, assignment: dict[str, int]) -> tuple[float, float]:
-    """CDP with ZeRO: stage l's optimizer states and master copy live on worker l mod N.
+    """CDP with ZeRO: stage l's optimizer states and master copy live on its owner
+    (:func:`planner.stages.stage_owners`, as runtime.cdp.CDPTrainer chooses it).
     Returns (their average per worker, as the ILP priced them; the busiest worker's share)."""
     n = problem.mesh.group_size(problem.mesh.active_dp_axes)
+    owners = stage_owners(stage_message_bytes(problem, assignment), n, zero=True)
     per_worker = [0.0] * n
     for node in problem.graph.params:
         owned = problem.cdp_owned[node.template][assignment[problem.node_group[node.name]]]
-        per_worker[problem.param_stage[node.name] % n] += owned
+        per_worker[owners[problem.param_stage[node.name]]] += owned
     return sum(per_worker) / n, max(per_worker)
 
 
