@@ -218,8 +218,10 @@ def test_cdp_v1_equals_its_serial_update_rule_without_collectives(world: dict[st
         assert rep["param_error"] <= 1e-9, (name, rep["param_error"])
         for got, want in zip(rep["losses"], rep["ref_losses"], strict=True):
             assert abs(got - want) <= 1e-9 * abs(want), (name, got, want)
-        # rank 0 sends on the chain and on the ring at every stage: the messages the plan priced
-        assert rep["sends_equal_priced"], (name, rep["sends"], rep["priced_sends"])
+        # the rank that sends the most bytes sends the messages the plan priced (planner.stages.stage_owners)
+        sent = [sum(nbytes * c for _, _, nbytes, c in r["sends"]) for r in ranks]
+        busiest = ranks[max(range(len(ranks)), key=lambda r: (sent[r], -r))]
+        assert busiest["sends_equal_priced"], (name, busiest["sends"], busiest["priced_sends"])
         for rank, r in enumerate(ranks):
             assert r["dp_collectives"] == 0, (name, rank, r["dp_collective_bytes"])
 
