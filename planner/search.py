@@ -54,7 +54,7 @@ from planner.messages import (
 )
 from planner.plan import Plan
 from planner.problem import build_problem
-from planner.schemes.cdp import PipelineEstimate, pipeline_estimate
+from planner.schemes.cdp import PipelineEstimate, pipeline_estimates
 from planner.solve import (
     BudgetILP,
     InfeasibleBudget,
@@ -251,13 +251,8 @@ def search(
     else:
         _run_parallel(workers, order, finished, (problems, configs, bounds, budget, options))
     result.candidates = [outcome[k] for k in range(len(configs))]
-    if any(c != "off" for c in space.cdp) and batch % space.devices == 0:
-        ops = sum(1 for n in graph.nodes.values() if n.kind == "op")
-        result.pipelines = [
-            pipeline_estimate(graph, hardware, workers=space.devices, stages=stages, optimizer=optimizer)
-            for stages in (2, 4, 8)
-            if stages <= ops and space.devices % stages == 0  # runtime.cdp_pipeline.CDPPipeline needs L | N
-        ]
+    if any(c != "off" for c in space.cdp):
+        result.pipelines = pipeline_estimates(graph, hardware, devices=space.devices, batch=batch, optimizer=optimizer)
     result.front = merge(result.feasible, resolution if front else 0.0)  # spaced by the resolution (planner.front.merge)
     result.knee = knee(result.front)
     if result.front:
@@ -574,9 +569,7 @@ def least_memory_message(
         return ""
     least, cand, memory = best
     graph = graphs[1]
-    ops = sum(1 for n in graph.nodes.values() if n.kind == "op")
     # CDP's one saving: with its stages on different devices (runtime.cdp_pipeline.CDPPipeline),
     # a device holds only its stage's parameters and the activations of its workers in flight
-    pipelines = [pipeline_estimate(graph, hardware, workers=space.devices, stages=stages, optimizer=optimizer)
-                 for stages in (2, 4, 8) if stages <= ops and space.devices % stages == 0 and batch_rows(graph) % space.devices == 0]
+    pipelines = pipeline_estimates(graph, hardware, devices=space.devices, batch=batch_rows(graph), optimizer=optimizer)
     return nothing_fits(space, graph, budget, least, cand, memory, min(pipelines, key=lambda e: e.peak_memory, default=None))

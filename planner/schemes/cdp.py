@@ -279,6 +279,17 @@ class PipelineEstimate:
         return max(self.stage_memory)
 
 
+def pipeline_estimates(graph: IRGraph, hardware: HardwareProfile, *, devices: int, batch: int, optimizer: str = "adamw") -> list[PipelineEstimate]:
+    """CDP with its stages on ``devices`` devices, one worker per device, for 2, 4 and 8 stages where
+    runtime.cdp_pipeline.CDPPipeline can run them (L divides N, and N divides ``batch``, the traced
+    batch's rows)."""
+    if batch % devices:
+        return []
+    ops = sum(1 for n in graph.nodes.values() if n.kind == "op")
+    return [pipeline_estimate(graph, hardware, workers=devices, stages=stages, optimizer=optimizer)
+            for stages in (2, 4, 8) if stages <= ops and devices % stages == 0]
+
+
 def pipeline_estimate(graph: IRGraph, hardware: HardwareProfile, *, workers: int, stages: int, optimizer: str = "adamw") -> PipelineEstimate:
     cut = cut_stages(graph, stages)
     owner = parameter_stages(graph, stages)
