@@ -275,7 +275,7 @@ def test_cdp_hides_only_what_its_rule_lets_travel_beside_compute() -> None:
     from planner.cost import comm_time
     from planner.mesh import Mesh
     from planner.problem import build_problem
-    from planner.schemes.cdp import busiest_rank, stage_message_bytes
+    from planner.schemes.cdp import cdp_traffic, stage_message_bytes
     from planner.solve import solve
     from planner.stages import stage_owners
     from planner.strategy import Comm
@@ -290,7 +290,7 @@ def test_cdp_hides_only_what_its_rule_lets_travel_beside_compute() -> None:
             solution = solve(problem, memory_budget=float("inf"))
             e = ev[rule] = solution.evaluation
             sizes = stage_message_bytes(problem, solution.assignment)
-            owners, rank = stage_owners(sizes, 4, zero=zero == 1), busiest_rank(problem, solution.assignment)
+            owners, rank = stage_owners(sizes, 4, zero=zero == 1), cdp_traffic(problem, solution.assignment).rank
             sends = [(c, n) for c, n in e.comms if c.kind == "send"]
             # twice a stage, but once where the rank owns it or is the worker before its owner
             assert sum(n for _, n in sends) == sum(1 if rank in (o, (o - 1) % 4) else 2 for o, b in zip(owners, sizes, strict=True) if b)

@@ -162,36 +162,44 @@ def stage_message_bytes(problem: Problem, assignment: dict[str, int]) -> list[in
     return sizes
 
 
-def rank_messages(problem: Problem, assignment: dict[str, int]) -> list[dict[int, int]]:
-    """Each rank's sends of one step: stage -> how many times it sends the stage's buffer (2: down
-    the chain and around the ring; 1 where it is the stage's owner, where the chain ends, or the
-    worker before it, where the ring ends), the owners of :func:`planner.stages.stage_owners` as
-    runtime.cdp.CDPTrainer chooses them. Stages without parameters send nothing."""
+@dataclass(frozen=True)
+class Traffic:
+    """One step of CDP's point-to-point messages (runtime.cdp.CDPTrainer) on the rank that sends
+    the most bytes (the lowest such rank): each stage's buffer (:func:`stage_message_bytes`), its
+    owner (:func:`planner.stages.stage_owners`, as the runtime chooses it), and how many times the
+    rank sends each stage that has parameters: twice (down the chain and around the ring), once
+    where it owns the stage (the chain ends there) or is the worker before its owner (the ring
+    ends there)."""
+
+    sizes: tuple[int, ...]
+    owners: tuple[int, ...]
+    workers: int
+    rank: int
+    sends: dict[int, int]  # stage -> messages a step
+
+    def ring_ends_here(self, stage: int) -> bool:
+        return self.rank == (self.owners[stage] - 1) % self.workers
+
+
+def cdp_traffic(problem: Problem, assignment: dict[str, int]) -> Traffic:
     sizes = stage_message_bytes(problem, assignment)
     n = problem.mesh.group_size(problem.mesh.active_dp_axes)
     owners = stage_owners(sizes, n, zero=problem.zero_stage == 1)
-    return [{s: 1 if r in (owners[s], (owners[s] - 1) % n) else 2 for s, b in enumerate(sizes) if b} for r in range(n)]
+    per_rank = [{s: 1 if r in (owners[s], (owners[s] - 1) % n) else 2 for s, b in enumerate(sizes) if b} for r in range(n)]
+    rank = max(range(n), key=lambda r: (sum(sizes[s] * k for s, k in per_rank[r].items()), -r))
+    return Traffic(tuple(sizes), owners, n, rank, per_rank[rank])
 
 
-def busiest_rank(problem: Problem, assignment: dict[str, int]) -> int:
-    """The rank that sends the most bytes (:func:`rank_messages`; the lowest such rank)."""
-    sizes = stage_message_bytes(problem, assignment)
-    sends = rank_messages(problem, assignment)
-    return max(range(len(sends)), key=lambda r: (sum(sizes[s] * k for s, k in sends[r].items()), -r))
-
-
-def cdp_messages(problem: Problem, assignment: dict[str, int]) -> list[Comm]:
+def cdp_messages(problem: Problem, traffic: Traffic) -> list[Comm]:
     """The point-to-point messages of one step on the rank that sends the most bytes."""
-    axes, sizes = problem.mesh.active_dp_axes, stage_message_bytes(problem, assignment)
-    sends = rank_messages(problem, assignment)[busiest_rank(problem, assignment)]
-    return [Comm("send", axes, sizes[s], "bwd") for s, k in sends.items() for _ in range(k)]
+    return [Comm("send", problem.mesh.active_dp_axes, traffic.sizes[s], "bwd") for s, k in traffic.sends.items() for _ in range(k)]
 
 
-def cdp_overlap(problem: Problem, assignment: dict[str, int], compute: float) -> tuple[float, float]:
+def cdp_overlap(problem: Problem, traffic: Traffic, compute: float) -> tuple[float, float]:
     """(seconds the busiest rank waits for messages beyond its own sends, seconds of its sends
     hidden behind compute), as runtime.cdp.CDPTrainer runs them today.
 
-    The busiest rank sends ``p2p`` seconds of messages (:func:`cdp_messages`). The chain's sends leave as
+    The busiest rank (``traffic``) sends ``p2p`` seconds of messages (:func:`cdp_messages`). The chain's sends leave as
     each stage's backward ends and overlap the backward still to run; the chain's receives stagger
     the workers by about a message, once, so in steady state no worker waits on them. Where the
     ring goes depends on the rule:
@@ -209,39 +217,31 @@ def cdp_overlap(problem: Problem, assignment: dict[str, int], compute: float) ->
     What may hide is hidden at the hardware's ``overlap_efficiency`` (as DP's bucketed all-reduce
     is, planner.overlap), and at most the step's compute: hidden = eta min(p2p - own tail sends,
     compute). The tail adds its hops beyond this rank's own sends: they are waits, not sends."""
-    mesh, hw = problem.mesh, problem.hardware
-    sizes = stage_message_bytes(problem, assignment)
-    axes = mesh.active_dp_axes
-    n = mesh.group_size(axes)
+    mesh, hw, sizes, sends = problem.mesh, problem.hardware, traffic.sizes, traffic.sends
 
-    def seconds(nbytes: int) -> float:
-        return comm_time(Comm("send", axes, nbytes, "bwd"), mesh, hw) if nbytes else 0.0
+    def seconds(stage: int) -> float:
+        return comm_time(Comm("send", mesh.active_dp_axes, sizes[stage], "bwd"), mesh, hw)
 
-    rank = busiest_rank(problem, assignment)
-    sends = rank_messages(problem, assignment)[rank]
-    p2p = sum(seconds(sizes[s]) * k for s, k in sends.items())
+    p2p = sum(seconds(s) * k for s, k in sends.items())
     if problem.cdp == "v1":
         return 0.0, problem.overlap_efficiency * min(p2p, compute)
     # the ring that waits: ZeRO's every stage's new parameters, or else the sum of the first stage
-    # with parameters; this rank sends on a stage's ring unless it is the worker before its owner
-    owners = stage_owners(sizes, n, zero=problem.zero_stage == 1)
+    # with parameters; this rank sends on a stage's ring unless the ring ends here
     ring = list(sends) if problem.zero_stage == 1 else [min(sends)]
-    own = sum(seconds(sizes[s]) for s in ring if rank != (owners[s] - 1) % n)
-    tail = max((n - 1) * max(seconds(sizes[s]) for s in ring), own)
+    own = sum(seconds(s) for s in ring if not traffic.ring_ends_here(s))
+    tail = max((traffic.workers - 1) * max(seconds(s) for s in ring), own)
     return tail - own, problem.overlap_efficiency * min(p2p - own, compute)
 
 
-def cdp_owner_bytes(problem: Problem, assignment: dict[str, int]) -> tuple[float, float]:
+def cdp_owner_bytes(problem: Problem, assignment: dict[str, int], traffic: Traffic) -> tuple[float, float]:
     """CDP with ZeRO: stage l's optimizer states and master copy live on its owner
-    (:func:`planner.stages.stage_owners`, as runtime.cdp.CDPTrainer chooses it).
+    (``traffic.owners``, as runtime.cdp.CDPTrainer chooses them).
     Returns (their average per worker, as the ILP priced them; the busiest worker's share)."""
-    n = problem.mesh.group_size(problem.mesh.active_dp_axes)
-    owners = stage_owners(stage_message_bytes(problem, assignment), n, zero=True)
-    per_worker = [0.0] * n
+    per_worker = [0.0] * traffic.workers
     for node in problem.graph.params:
         owned = problem.cdp_owned[node.template][assignment[problem.node_group[node.name]]]
-        per_worker[owners[problem.param_stage[node.name]]] += owned
-    return sum(per_worker) / n, max(per_worker)
+        per_worker[traffic.owners[problem.param_stage[node.name]]] += owned
+    return sum(per_worker) / traffic.workers, max(per_worker)
 
 
 @dataclass(frozen=True)
@@ -411,14 +411,15 @@ class CDP(Scheme):
         # hops it waits for)
         per_param = sum(comm_time(c, mesh, hw) * n for c, n in tally.comms if c.kind == "send")
         tally.comms = [(c, n) for c, n in tally.comms if c.kind != "send"]
-        messages = cdp_messages(problem, assignment)
+        traffic = cdp_traffic(problem, assignment)
+        messages = cdp_messages(problem, traffic)
         p2p = sum(comm_time(c, mesh, hw) for c in messages)
         tally.comms += [(c, 1) for c in messages]
         compute = tally.total - tally.comm_time
-        waits, hidden = cdp_overlap(problem, assignment, compute)
+        waits, hidden = cdp_overlap(problem, traffic, compute)
         tally.total += p2p - per_param + waits
         tally.comm_time += p2p - per_param + waits
         tally.hidden = hidden
         if problem.zero_stage == 1:
-            average, busiest = cdp_owner_bytes(problem, assignment)
+            average, busiest = cdp_owner_bytes(problem, assignment, traffic)
             tally.optimizer += busiest - average
