@@ -16,12 +16,14 @@ the median absolute error of each quantity.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import socket
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -80,6 +82,19 @@ def _worker(rank: int, port: int, plans: list[tuple[str, str, str]], steps: int,
         raise
 
 
+def _median_step(step: Callable[[], Any], *, warmup: int, steps: int) -> float:
+    """The median of ``steps`` timed calls after ``warmup`` untimed ones, all ranks starting each together."""
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(steps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def _measure(rank: int, port: int, plans: list[tuple[str, str, str]], steps: int, out: Any) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -101,16 +116,9 @@ def _measure(rank: int, port: int, plans: list[tuple[str, str, str]], steps: int
         local_args, local_kwargs = pm.shard_batch(*args, **kwargs)
         if plan.cdp != "off":  # step time only: CDP's memory is tested against its prediction in tests/test_cdp.py
             trainer = CDPTrainer(pm, torch.optim.AdamW, lr=1e-3)
-            for _ in range(2):
-                trainer.step(*local_args, **local_kwargs)
-            times = []
-            for _ in range(steps):
-                dist.barrier()
-                t0 = time.perf_counter()
-                trainer.step(*local_args, **local_kwargs)
-                times.append(time.perf_counter() - t0)
+            seconds = _median_step(functools.partial(trainer.step, *local_args, **local_kwargs), warmup=2, steps=steps)
             trainer.finish()
-            rows.append({"model": name, "plan": label, "mesh": plan.mesh, "rank": rank, "seconds": statistics.median(times), "peak": None,
+            rows.append({"model": name, "plan": label, "mesh": plan.mesh, "rank": rank, "seconds": seconds, "peak": None,
                          "predicted_seconds": plan.step_time_s, "predicted_peak": plan.peak_memory_bytes})
             dist.barrier()
             continue
@@ -122,13 +130,7 @@ def _measure(rank: int, port: int, plans: list[tuple[str, str, str]], steps: int
             opt.step()
             opt.zero_grad(set_to_none=True)
 
-        step()  # optimizer states exist from here on
-        times = []
-        for _ in range(steps):
-            dist.barrier()
-            t0 = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - t0)
+        seconds = _median_step(step, warmup=1, steps=steps)  # optimizer states exist after the warm-up
         mem = LiveMemory()
         with mem:
             mem.track([list(pm.parameters()), [t for st in opt.state.values() for t in st.values()], local_args, local_kwargs])
@@ -136,7 +138,7 @@ def _measure(rank: int, port: int, plans: list[tuple[str, str, str]], steps: int
                 mem.track(list(pm.zero.shards.values()))
             mem.reset_peak()
             step()
-        rows.append({"model": name, "plan": label, "mesh": plan.mesh, "rank": rank, "seconds": statistics.median(times), "peak": mem.peak,
+        rows.append({"model": name, "plan": label, "mesh": plan.mesh, "rank": rank, "seconds": seconds, "peak": mem.peak,
                      "predicted_seconds": plan.step_time_s, "predicted_peak": plan.peak_memory_bytes})
         dist.barrier()
     out.put(rows)
