@@ -12,6 +12,7 @@ CDP's memory formula weighs: sum over workers at any time (N/L) sum_l (L - l) A_
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -114,3 +115,36 @@ def stage_owners(stage_bytes: Sequence[int], workers: int, *, zero: bool) -> tup
             sent[o] -= stage_bytes[s]
             sent[(o - 1) % workers] -= stage_bytes[s]
     return tuple(owners)
+
+
+def parameter_stages(graph: IRGraph, num_stages: int) -> dict[str, int]:
+    """Each parameter's stage: the earliest stage that reads it (its gradient is complete when that
+    stage's backward ends), as runtime/stages.py assigns them (StagedRunner.param_stage)."""
+    stage_of = cut_stages(graph, num_stages).stage_of()
+    consumers = graph.consumers()
+    return {
+        p.name: min((stage_of[c] for c, _ in consumers[p.name] if c in stage_of), default=0)
+        for p in graph.params
+    }
+
+
+def in_flight(workers: int, stages: int, stage: int) -> int:
+    """CDP with stages on different devices (runtime.cdp_pipeline.CDPPipeline): the most
+    micro-batches whose stage-``stage`` activations one device holds at once.
+
+    Stage l runs on D = ceil(N/L) devices, device j serving the workers n = j (mod D); worker n
+    holds its stage-l activations from its forward's start, 2Lk + n*delta + l, to its backward's
+    end, 2Lk + n*delta + 2L - l (delta = 2L/N time units). Counted on a clock of 1/s units, s =
+    N / gcd(2L, N), where every start and end is a whole tick. With L dividing N a device's L
+    workers arrive 2 units apart and it holds L - l; otherwise the arrivals are uneven and the
+    count is the largest over the devices and the step."""
+    if not 0 <= stage < stages:
+        raise ValueError(f"stage {stage} of {stages}")
+    devices = -(-workers // stages)
+    scale = workers // math.gcd(2 * stages, workers)
+    period, delta, held = 2 * stages * scale, 2 * stages * scale // workers, 2 * (stages - stage) * scale
+    most = 0
+    for column in range(devices):
+        starts = [(n * delta + stage * scale) % period for n in range(column, workers, devices)]
+        most = max(most, max(sum(1 for a in starts if (tick - a) % period < held) for tick in range(period)))
+    return most

@@ -20,37 +20,67 @@ from torch.utils._pytree import tree_flatten
 from planner.runtime import faults
 from planner.runtime.cdp import UpdateRule
 from planner.runtime.module import ParallelModule
-from planner.runtime.stages import MicroBatch, StagedRunner
-from planner.stages import cut_stages
+from planner.runtime.stages import MicroBatch, StagedRunner, getattr_path
+from planner.stages import cut_stages, parameter_stages
 
 
 class CDPPipeline:
     """CDP with model parallelism: stage l on its own devices (design.md section 6).
 
-    N workers (micro-batches), L stages (L dividing N), D = N/L devices per stage, L*D ranks: rank
-    l*D + j holds stage l and serves the workers n = j (mod D), so worker n's activations go
-    down column j of the grid and its gradients come back up it. Worker n does the forward of stage
-    l at 2Lk + n*delta + l and its backward at 2Lk + n*delta + 2L-1-l (delta = 2L/N); a device's
-    L workers then alternate forward and backward slots without ever colliding, so L*D devices do
-    what DP + MP needs N*L for. Each stage's gradient of step k is accumulated over its L workers
-    and summed over its D devices by the chain-and-ring (2(D-1) messages) as soon as the step's
-    last backward of that stage is done; the update rule decides which parameter version each
-    worker-step uses (v1: theta(k) for step k, with theta(1) = theta(0); v2: theta(k) on the stages
-    it is fresh for, theta(k-1) elsewhere), versions being separate tensors, since the workers of
-    two steps share a device at the same time.
+    N workers (micro-batches), L stages, D = ceil(N/L) devices per stage, L*D ranks: rank l*D + j
+    holds stage l and serves the workers n = j (mod D), so worker n's activations go down column j
+    of the grid and its gradients come back up it. Worker n does the forward of stage l at
+    2Lk + n*delta + l and its backward at 2Lk + n*delta + 2L-1-l (delta = 2L/N); where L divides N a
+    device's L workers alternate forward and backward slots without ever colliding, so L*D devices
+    do what DP + MP needs N*L for. Where L does not divide N (the paper's ceil(N/L) devices per
+    stage), a column serves floor or ceil of N/D workers whose slots are not a whole number of time
+    units apart: two of them may want the device at overlapping times, and it runs them one after
+    the other in clock order (every message a stage-step waits for was sent at an earlier tick of
+    the clock, so the order cannot deadlock); their activations in flight are
+    :func:`planner.stages.in_flight`'s. Each stage's gradient of step k is accumulated over its
+    workers and summed over its D devices by the chain-and-ring (2(D-1) messages) as soon as the
+    step's last backward of that stage is done; the update rule decides which parameter version
+    each worker-step uses (v1: theta(k) for step k, with theta(1) = theta(0); v2: theta(k) on the
+    stages it is fresh for, theta(k-1) elsewhere), versions being separate tensors, since the
+    workers of two steps share a device at the same time.
 
     ``pm`` is the model compiled for one device (a plan for one device, ``mesh_groups`` of that
-    one device); every rank builds it and keeps only its stage's parameters. ``run(batches)`` trains
-    on ``batches[k]`` (a full global batch per step, split in N micro-batches) and returns the
-    losses of the steps (on the ranks of the last stage; others return zeros).
+    one device). Built by :meth:`build` from a model on the meta device, each rank materialises
+    only its stage's parameters (the rest stay on meta); given a model built whole, each rank lets
+    the other stages' parameters go. ``run(batches)`` trains on ``batches[k]`` (a full global batch
+    per step, split in N micro-batches) and returns the losses of the steps (on the ranks of the
+    last stage; others return zeros).
     """
+
+    @classmethod
+    def build(cls, plan: Any, model: torch.nn.Module, example_args: tuple[Any, ...], example_kwargs: dict[str, Any] | None = None, *,
+              num_workers: int, num_stages: int, rule: UpdateRule, optimizer_class: type[torch.optim.Optimizer],
+              init: Any = None, **optimizer_kwargs: Any) -> CDPPipeline:
+        """Compile ``plan`` (one device's, for one micro-batch: ``example_*``) and make this rank's
+        pipeline. A ``model`` on the meta device (``init``: its initialiser, runtime.materialize)
+        is materialised only for this rank's stage: the parameters the stage's ops read first
+        (:func:`planner.stages.parameter_stages`)."""
+        from planner.runtime.compile import compile_plan
+        from planner.runtime.groups import MeshGroups
+        from planner.trace import trace
+
+        mesh = plan.mesh_obj
+        if mesh.size != 1:
+            raise ValueError(f"CDP with model parallelism compiles a plan for one device per stage; this plan's mesh is {mesh}")
+        graph = trace(model, example_args, dict(example_kwargs or {}))
+        stage = dist.get_rank() // -(-num_workers // num_stages)
+        owner = parameter_stages(graph, num_stages)
+        names = [n for p in graph.params if owner[p.name] == stage for n in p.param_names]
+        pm = compile_plan(plan, model, example_args, example_kwargs, mesh_groups=MeshGroups(mesh, 0, mesh.coords(0)), graph=graph,
+                          init=init, parameters=names)
+        return cls(pm, num_workers=num_workers, num_stages=num_stages, rule=rule, optimizer_class=optimizer_class, **optimizer_kwargs)
 
     def __init__(self, pm: ParallelModule, *, num_workers: int, num_stages: int, rule: UpdateRule,
                  optimizer_class: type[torch.optim.Optimizer], **optimizer_kwargs: Any) -> None:
         if rule not in ("v1", "v2"):
             raise ValueError(f"CDP with model parallelism runs update rule v1 or v2, not {rule!r} (sync would stall the pipeline)")
-        if num_workers % num_stages:
-            raise ValueError(f"CDP with model parallelism needs N divisible by L (else two workers meet on a device): N={num_workers}, L={num_stages}")
+        if num_workers < 1 or num_stages < 1:
+            raise ValueError(f"CDP with model parallelism needs N >= 1 workers and L >= 1 stages: N={num_workers}, L={num_stages}")
         self.pm, self.rule = pm, rule
         self.n_workers, self.n_stages = num_workers, num_stages
         self.per_stage = -(-num_workers // num_stages)  # D
@@ -74,10 +104,14 @@ class CDPPipeline:
             )
         self.attrs = self.runner.stage_params[self.stage]
         params = pm.local_parameters()
+        unmade = [pm.param_names[a][0] for a in self.attrs if params[a].is_meta]
+        if unmade:
+            raise ValueError(f"stage {self.stage}'s parameters {unmade[:3]} are on the meta device: compile with parameters= naming them "
+                             "(CDPPipeline.build does)")
         self.masters = {a: torch.nn.Parameter(params[a].detach().clone()) for a in self.attrs}
         with torch.no_grad():  # this rank keeps only its stage's parameters
             for a, p in params.items():
-                if a not in self.masters:
+                if a not in self.masters and not p.is_meta:
                     p.data = torch.empty(0, dtype=p.dtype)
         self.optimizer = optimizer_class(list(self.masters.values()), **optimizer_kwargs) if self.masters else None
         self.versions: dict[int, dict[str, torch.Tensor]] = {0: self._snapshot()}
@@ -107,6 +141,9 @@ class CDPPipeline:
         for args, kwargs in batches:
             flat, _ = tree_flatten((args, kwargs))
             tensors = [a for a in flat if isinstance(a, torch.Tensor)]
+            if any(t.shape[0] % n_w for t in tensors):
+                raise ValueError(f"a batch of {tensors[0].shape[0]} rows does not split into N={n_w} equal micro-batches: "
+                                 f"make the global batch a multiple of {n_w}")
             micro.append([tuple(t.chunk(n_w)[n] for t in tensors) for n in range(n_w)])
         meta = self._probe(micro[0][0])
         mine = [n for n in range(n_w) if n % self.per_stage == self.column]
@@ -116,9 +153,6 @@ class CDPPipeline:
                 events.setdefault(sc * (2 * big_l * k + stage) + n * delta, []).append(("fwd", n, k))
                 events.setdefault(sc * (2 * big_l * k + 2 * big_l - 1 - stage) + n * delta, []).append(("bwd", n, k))
             events.setdefault(sc * (2 * big_l * k + 2 * big_l - 1 - stage) + (n_w - 1) * delta, []).append(("sum", -1, k))
-        for tau, evs in events.items():
-            if sum(1 for e in evs if e[0] != "sum") > 1:
-                raise RuntimeError(f"two stage-steps on rank {self.rank} at tick {tau}: {evs}")  # L | N rules this out
         live: dict[tuple[int, int], MicroBatch] = {}
         grads: dict[int, dict[str, torch.Tensor]] = {}
         losses = [0.0] * steps
@@ -140,21 +174,30 @@ class CDPPipeline:
         return losses
 
     def _probe(self, inputs: tuple[torch.Tensor, ...]) -> dict[str, tuple[torch.Size, torch.dtype, bool]]:
-        """Shapes of the values crossing each cut, from one forward of the whole model here."""
-        full = {a: self.pm.graph_module.get_parameter(a) for a in self.pm.param_specs}
-        saved = {a: p.data for a, p in full.items()}
-        with torch.no_grad():
-            for a, p in full.items():  # the probe needs every stage: borrow this rank's masters' shapes
-                if p.numel() == 0:
-                    p.data = torch.zeros(self.pm.graph.nodes[_node_of(self.pm, a)].out.shape, dtype=p.dtype)
-        mb = self.runner.start(*inputs)
+        """Shapes of the values crossing each cut, from one forward of the whole model on the meta
+        device (every parameter and buffer as a meta tensor its shape: nothing is allocated, and
+        the stages this rank does not hold need no values)."""
+        gm = self.pm.graph_module
+        shapes = {}
+        for node in self.runner.sources:
+            if node.op == "get_attr":
+                target = str(node.target)
+                if target in self.pm.param_specs:  # its shape from the trace: this rank may have let its values go
+                    t = gm.get_parameter(target)
+                    shapes[target] = torch.empty(self._shape(target), dtype=t.dtype, device="meta").requires_grad_(t.requires_grad)
+                else:
+                    shapes[target] = getattr_path(gm, target).to("meta")
+        mb = MicroBatch(tuple(t.to("meta") for t in inputs), params=shapes)
         with torch.enable_grad():
             for s in range(self.n_stages):
                 self.runner.forward(mb, s)
-        meta = {name: (v.shape, v.dtype, v.requires_grad) for name, v in mb.values.items() if isinstance(v, torch.Tensor)}
-        for a, p in full.items():
-            p.data = saved[a]
-        return meta
+        return {name: (v.shape, v.dtype, v.requires_grad) for name, v in mb.values.items() if isinstance(v, torch.Tensor)}
+
+    def _shape(self, attr: str) -> torch.Size:
+        """A parameter's shape, as traced (one device's plan: its whole tensor)."""
+        names = self.pm.param_names[attr]
+        node = next(n for n in self.pm.graph.params if n.param_names == names)
+        return torch.Size(node.out.shape)
 
     def _forward(self, n: int, k: int, inputs: tuple[torch.Tensor, ...], meta: Any, sends: list[Any]) -> MicroBatch:
         stage = self.stage
@@ -242,9 +285,3 @@ class CDPPipeline:
         version = self.versions[self.steps_run]
         return {self.pm.param_names[a][0]: version[a].detach().clone() for a in self.attrs}
 
-
-def _node_of(pm: ParallelModule, attr: str) -> str:
-    for node in pm.graph.params:
-        if node.param_names == pm.param_names[attr]:
-            return node.name
-    raise KeyError(attr)

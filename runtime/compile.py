@@ -21,7 +21,7 @@ import itertools
 import operator
 import os
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
@@ -58,6 +58,7 @@ def compile_plan(
     init: Callable[[torch.nn.Module], None] | None = None,
     weights: str | os.PathLike[str] | WeightSource | None = None,
     device_mesh: Any = None,
+    parameters: Collection[str] | None = None,
 ) -> ParallelModule:
     """This rank's runnable module for ``plan``. ``example_*``: a full (global) batch, as planned.
 
@@ -68,7 +69,10 @@ def compile_plan(
     or checkpoint to take the parameters (and buffers) from (:mod:`runtime.weights`), each rank
     reading only its shards; a meta model then materialises only what the file lacks.
     ``device_mesh``: a torch DeviceMesh with the plan's axis names and degrees to run on (default:
-    one made with ``init_device_mesh``; ``pm.device_mesh`` either way).
+    one made with ``init_device_mesh``; ``pm.device_mesh`` either way). ``parameters``: with a meta
+    model, materialise only the parameters of these names (any of a tied weight's names); the others
+    stay on the meta device, shapes without values (a pipeline stage's rank holds only its stage's,
+    runtime.cdp_pipeline).
 
     ``loss_partial_over``: mesh axes over which the returned loss stays a partial sum (this rank's
     contribution) instead of being all-reduced; CDP sums over the data-parallel axis itself.
@@ -90,6 +94,7 @@ def compile_plan(
         keep_freed_memory()
     recorder = CommRecorder()
     builder = _Builder(plan, graph, model, mg, recorder, dev)
+    builder.only = frozenset(parameters) if parameters is not None else None
     loss_partial_over = frozenset(loss_partial_over)  # any collection of axis names
     if plan.cdp != "off":  # CDP sums over the data-parallel axis itself (runtime.cdp)
         loss_partial_over |= set(plan.mesh_obj.active_dp_axes)
@@ -215,6 +220,7 @@ class _Builder:
         self.origin: dict[str, str] = {}  # rank-local fx node -> the traced node it computes
         self.sites: dict[str, tuple[Convert, str]] = {}  # parameter gather sites (planner.overlap's names) -> (gather, parameter attribute)
         self.materialized: dict[str, torch.Tensor] = {}  # a meta model's parameters (this rank's shards) and buffers, by name
+        self.only: frozenset[str] | None = None  # a meta model's parameters to materialise (None: all)
 
     def _layouts(self) -> dict[str, Layout | None]:
         """Every name of each parameter the graph reads -> its stored layout; of each buffer -> None (whole)."""
@@ -236,7 +242,8 @@ class _Builder:
         :meth:`_param` stores it) and each buffer the graph reads, whole; those read from a file
         already are left out (``prune``: and the ops only they need)."""
         layouts = self._layouts()
-        wanted = {n for names in self._groups_of_names() if not any(m in self.materialized for m in names) for n in names}
+        wanted = {n for names in self._groups_of_names() if not any(m in self.materialized for m in names) and self._wanted(names, layouts)
+                  for n in names}
 
         def keep(name: str, full: torch.Tensor) -> None:
             layout = layouts[name]
@@ -244,6 +251,10 @@ class _Builder:
 
         if wanted:
             materialize(self.model, keep, init=init, names=wanted, prune=prune)
+
+    def _wanted(self, names: tuple[str, ...], layouts: dict[str, Layout | None]) -> bool:
+        """Whether a meta model's parameter (or buffer: always) of these names is materialised here."""
+        return self.only is None or layouts[names[0]] is None or any(n in self.only for n in names)
 
     def read_weights(self, source: WeightSource) -> None:
         """This rank's box of every parameter (and every buffer) ``source`` holds under one of its names."""
@@ -291,6 +302,8 @@ class _Builder:
         assert spec is not None
         full = self.model.get_parameter(node.param_names[0])
         mine = next((self.materialized[n] for n in node.param_names if n in self.materialized), None)
+        if mine is None and full.is_meta and self.only is not None and not any(n in self.only for n in node.param_names):
+            mine = torch.empty(spec.layout.local_shape(tuple(full.shape), self.mg.mesh), dtype=full.dtype, device="meta")  # not wanted here
         local = mine if mine is not None else self.shard(full.detach(), spec.layout).to(self.device).clone()
         attr = attr_name(node.name)
         self.root.register_parameter(attr, torch.nn.Parameter(local, requires_grad=full.requires_grad))

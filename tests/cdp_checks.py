@@ -12,10 +12,10 @@ BATCH = 8
 SGD: dict[str, Any] = {"lr": 0.1, "momentum": 0.9}
 
 
-def _batches(name: str) -> list[tuple[tuple[Any, ...], dict[str, Any]]]:
+def _batches(name: str, batch: int = BATCH) -> list[tuple[tuple[Any, ...], dict[str, Any]]]:
     from planner.models import example_inputs
 
-    return [example_inputs(name, batch=BATCH, dtype=torch.float64, seed=300 + i) for i in range(STEPS)]
+    return [example_inputs(name, batch=batch, dtype=torch.float64, seed=300 + i) for i in range(STEPS)]
 
 
 def _micro(batch: tuple[tuple[Any, ...], dict[str, Any]], n: int, workers: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -23,19 +23,23 @@ def _micro(batch: tuple[tuple[Any, ...], dict[str, Any]], n: int, workers: int) 
     return tuple(a.chunk(workers)[n] for a in args), {k: v.chunk(workers)[n] for k, v in kwargs.items()}
 
 
-def reference(name: str, rule: str, workers: int, num_stages: int, stage_of: dict[str, int]) -> tuple[list[float], dict[str, torch.Tensor]]:
+def reference(name: str, rule: str, workers: int, num_stages: int, stage_of: dict[str, int], batch: int = BATCH,
+              native: bool = False) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The update rule run serially in one process on the unsharded model: the N micro-batches one
-    after another, gradients summed in worker order, the rule applied as runtime/cdp.py states it."""
+    after another, gradients summed in worker order, the rule applied as runtime/cdp.py states it.
+    ``native``: the model initialised in float64 (tests.dist_checks.build_native), the CPU twin
+    of one built on meta."""
     from planner.models import build_model
     from planner.trace import loss_of
+    from tests.dist_checks import build_native
 
-    model = build_model(name, dtype=torch.float64, seed=0)
+    model = build_native(name, torch.float64) if native else build_model(name, dtype=torch.float64, seed=0)
     params = dict(model.named_parameters())
     opt = torch.optim.SGD(params.values(), **SGD)
     old: dict[str, torch.Tensor] | None = None
     previous: dict[str, torch.Tensor] | None = None
     losses = []
-    for batch in _batches(name):
+    for batch_inputs in _batches(name, batch):
         total: dict[str, torch.Tensor] = {}
         loss_sum = 0.0
         for n in range(workers):
@@ -46,7 +50,7 @@ def reference(name: str, rule: str, workers: int, num_stages: int, stage_of: dic
                         if stage_of[pname] * workers < (workers - 1 - n) * num_stages:
                             fresh[pname] = p.detach().clone()
                             p.copy_(old[pname])
-            args, kwargs = _micro(batch, n, workers)
+            args, kwargs = _micro(batch_inputs, n, workers)
             loss = loss_of(model(*args, **kwargs)) / workers
             grads = torch.autograd.grad(loss, list(params.values()), allow_unused=True)
             for (pname, p), g in zip(params.items(), grads, strict=True):
@@ -188,9 +192,11 @@ def cdp_memory(rank: int, world: int, name: str, text: str, num_stages: int) -> 
     }
 
 
-def cdp_pipeline(rank: int, world: int, name: str, plan_json: str, rule: str, num_stages: int) -> dict[str, Any]:
-    """CDP with model parallelism: N = 4 workers, L stages on L*ceil(N/L) = 4 ranks, 5 steps;
-    rank 0 also runs the serial reference of the rule."""
+def cdp_pipeline(rank: int, world: int, cases: list[tuple[str, str, str, int, int, int, bool]]) -> list[dict[str, Any]]:
+    """CDP with model parallelism, for each (model, one-device plan JSON, rule, N workers, L stages,
+    global batch, from meta): L*ceil(N/L) = 4 ranks, 5 steps; rank 0 also runs the serial reference
+    of the rule. From meta (runtime.cdp_pipeline.CDPPipeline.build), each rank materialises only its
+    stage's parameters: ``held`` counts the parameter elements its module holds off the meta device."""
     import torch.distributed as dist
 
     from planner.models import build_model
@@ -198,24 +204,39 @@ def cdp_pipeline(rank: int, world: int, name: str, plan_json: str, rule: str, nu
     from planner.runtime.cdp_pipeline import CDPPipeline
     from planner.runtime.compile import compile_plan
     from planner.runtime.groups import MeshGroups
+    from tests.dist_checks import build_native
 
-    plan = Plan.model_validate_json(plan_json)
-    mesh = plan.mesh_obj
-    one = MeshGroups(mesh, 0, mesh.coords(0))  # the single-device plan runs on this rank alone
-    batches = _batches(name)
-    pm = compile_plan(plan, build_model(name, dtype=torch.float64, seed=0), *_micro(batches[0], 0, 4), mesh_groups=one)
-    pipe = CDPPipeline(pm, num_workers=4, num_stages=num_stages, rule=rule, optimizer_class=torch.optim.SGD, **SGD)  # type: ignore[arg-type]
-    losses = torch.tensor(pipe.run(batches), dtype=torch.float64)
-    dist.all_reduce(losses)
-    parts: list[Any] = [None] * world
-    dist.all_gather_object(parts, {k: v.tolist() for k, v in pipe.stage_state().items()})
-    report: dict[str, Any] = {"losses": losses.tolist(), "messages": pipe.messages, "stage": pipe.stage}
-    if rank == 0:
-        final = {k: torch.tensor(v, dtype=torch.float64) for part in parts for k, v in part.items()}
-        stage_of = {n: pipe.runner.param_stage[attr] for attr, names in pm.param_names.items() for n in names}
-        ref_losses, ref_params = reference(name, rule, 4, num_stages, stage_of)
-        scale = max(v.abs().max().item() for v in ref_params.values())
-        report["ref_losses"] = ref_losses
-        report["param_error"] = max((final[k] - v).abs().max().item() for k, v in ref_params.items() if k in final) / scale
-        report["covered"] = sorted(final) == sorted(k for k in ref_params if k in final) and len(final) == len(ref_params)
-    return report
+    out = []
+    for name, plan_json, rule, workers, num_stages, batch, meta in cases:
+        plan = Plan.model_validate_json(plan_json)
+        batches = _batches(name, batch)
+        options: dict[str, Any] = {"num_workers": workers, "num_stages": num_stages, "rule": rule, "optimizer_class": torch.optim.SGD, **SGD}
+        if meta:
+            model = build_native(name, torch.float64, "meta")
+            torch.manual_seed(0)  # as before the CPU twin's construction: the replayed draws are its draws
+            pipe = CDPPipeline.build(plan, model, *_micro(batches[0], 0, workers), **options)
+        else:
+            mesh = plan.mesh_obj
+            one = MeshGroups(mesh, 0, mesh.coords(0))  # the single-device plan runs on this rank alone
+            pm = compile_plan(plan, build_model(name, dtype=torch.float64, seed=0), *_micro(batches[0], 0, workers), mesh_groups=one)
+            pipe = CDPPipeline(pm, **options)
+        pm = pipe.pm
+        held = sum(p.numel() for p in pm.graph_module.parameters() if not p.is_meta)
+        stage_elements = sum(m.numel() for m in pipe.masters.values())
+        losses = torch.tensor(pipe.run(batches), dtype=torch.float64)
+        dist.all_reduce(losses)
+        parts: list[Any] = [None] * world
+        dist.all_gather_object(parts, {k: v.tolist() for k, v in pipe.stage_state().items()})
+        report: dict[str, Any] = {"losses": losses.tolist(), "messages": pipe.messages, "stage": pipe.stage, "held": held,
+                                  "stage_elements": stage_elements, "meta": meta}
+        if rank == 0:
+            final = {k: torch.tensor(v, dtype=torch.float64) for part in parts for k, v in part.items()}
+            stage_of = {n: pipe.runner.param_stage[attr] for attr, names in pm.param_names.items() for n in names}
+            ref_losses, ref_params = reference(name, rule, workers, num_stages, stage_of, batch, native=meta)
+            scale = max(v.abs().max().item() for v in ref_params.values())
+            report["ref_losses"] = ref_losses
+            report["param_error"] = max((final[k] - v).abs().max().item() for k, v in ref_params.items() if k in final) / scale
+            report["covered"] = sorted(final) == sorted(k for k in ref_params if k in final) and len(final) == len(ref_params)
+            report["total_elements"] = sum(v.numel() for v in ref_params.values())
+        out.append(report)
+    return out

@@ -201,45 +201,82 @@ def test_the_planner_prices_cdp_as_a_search_dimension() -> None:
     assert "one-step gradient delay" in text and "CDPTrainer" in text
 
 
-def _one_device_plan(name: str) -> str:
+def _one_device_plan(name: str, micro_batch: int = BATCH // 4) -> str:
     model = build_model(name, dtype=torch.float64)
-    args, kwargs = example_inputs(name, batch=BATCH // 4, dtype=torch.float64)
+    args, kwargs = example_inputs(name, batch=micro_batch, dtype=torch.float64)
     result = search(trace(model, args, kwargs), SearchSpace(devices=1, tp=("none",)), A100_80G, model_name=name, optimizer="sgd", front=False)
     assert result.best is not None
     return result.best.model_dump_json()
 
 
+PIPELINES = {  # label: (model, rule, N workers, L stages, global batch, built on meta)
+    "mlp v1": ("mlp-tiny", "v1", 4, 2, BATCH, False), "mlp v2": ("mlp-tiny", "v2", 4, 2, BATCH, False),
+    "vit v1": ("vit-tiny", "v1", 4, 2, BATCH, False), "vit v2": ("vit-tiny", "v2", 4, 2, BATCH, False),
+    "mlp v2 L=4": ("mlp-tiny", "v2", 4, 4, BATCH, False),
+    "vit v2 from meta": ("vit-tiny", "v2", 4, 2, BATCH, True), "mlp v1 L=4 from meta": ("mlp-tiny", "v1", 4, 4, BATCH, True),
+    "mlp v2 N=2 L=4": ("mlp-tiny", "v2", 2, 4, BATCH, False),  # L does not divide N: D = 1 device per stage, 2 workers each
+    "vit v1 N=3 L=2": ("vit-tiny", "v1", 3, 2, 6, True),  # D = 2: one column serves workers 0 and 2, the other worker 1
+}
+
+
 @pytest.fixture(scope="module")
 def pipelines() -> dict[str, list[dict[str, Any]]]:
-    cases = {"mlp v1": ("mlp-tiny", "v1", 2), "mlp v2": ("mlp-tiny", "v2", 2), "vit v1": ("vit-tiny", "v1", 2), "vit v2": ("vit-tiny", "v2", 2),
-             "mlp v2 L=4": ("mlp-tiny", "v2", 4)}
-    out = {}
-    for label, (name, rule, stages) in cases.items():
-        out[label] = run_world(4, cdp_pipeline, name, _one_device_plan(name), rule, stages, timeout=600)
-    return out
+    cases = [(name, _one_device_plan(name, batch // n), rule, n, stages, batch, meta) for name, rule, n, stages, batch, meta in PIPELINES.values()]
+    ranks = run_world(4, cdp_pipeline, cases, timeout=900)
+    return {label: [r[i] for r in ranks] for i, label in enumerate(PIPELINES)}
 
 
 def test_cdp_with_model_parallelism_equals_the_serial_update_rules(pipelines) -> None:  # type: ignore[no-untyped-def]
-    """N = 4 micro-batches on L * N/L = 4 ranks: L = 2 (each stage on D = 2 devices, each device
-    serving 2 workers in alternating forward and backward slots) and L = 4 (D = 1): losses and
-    parameters after 5 steps equal the serial loops of v1 and v2 (1e-10), and each stage's
-    gradient is summed over its D devices with 2(D-1) messages per step."""
+    """N micro-batches on L * ceil(N/L) = 4 ranks: N = 4 with L = 2 (each stage on D = 2 devices,
+    each device serving 2 workers in alternating forward and backward slots) and L = 4 (D = 1), and
+    N = 2 with L = 4, N = 3 with L = 2, where L does not divide N: losses and parameters after 5
+    steps equal the serial loops of v1 and v2 (1e-10), and each stage's gradient is summed over its
+    D devices with 2(D-1) messages per step."""
     for label, ranks in pipelines.items():
         rep = ranks[0]
         assert rep["covered"], label
         assert rep["param_error"] <= 1e-10, (label, rep["param_error"])
         assert rep["losses"] == pytest.approx(rep["ref_losses"], rel=1e-10), label
-        per_stage = 4 // len({r["stage"] for r in ranks})  # D
+        workers, stages = PIPELINES[label][2], PIPELINES[label][3]
+        per_stage = -(-workers // stages)  # D
+        assert len({r["stage"] for r in ranks}) == stages and per_stage * stages == 4, label
         for step in range(5):
-            for stage in {r["stage"] for r in ranks}:
+            for stage in range(stages):
                 sums = sum(1 for r in ranks if r["stage"] == stage for (k, kind) in r["messages"] if k == step and kind in ("chain", "ring"))
                 assert sums == 2 * (per_stage - 1), (label, step, stage, sums)
+
+
+def test_cdp_with_model_parallelism_from_meta_materialises_only_each_ranks_stage(pipelines) -> None:  # type: ignore[no-untyped-def]
+    """Built from a model on the meta device (CDPPipeline.build), a rank's module holds off the
+    meta device exactly its stage's parameter elements, and the stages' together are the model's;
+    the values are the CPU build's (the rule test above compares them with the twin's run)."""
+    for label, ranks in pipelines.items():
+        if not ranks[0]["meta"]:
+            continue
+        total = ranks[0]["total_elements"]
+        for r in ranks:
+            assert r["held"] == r["stage_elements"] < total, (label, r["stage"], r["held"], r["stage_elements"], total)
+        per_stage = {r["stage"]: r["stage_elements"] for r in ranks}
+        assert sum(per_stage.values()) == total, (label, per_stage, total)
 
 
 def test_cdp_with_model_parallelism_refuses_a_weight_tied_across_stages() -> None:
     """gpt-tiny ties its LM head to the token embedding: stage 0 and the last stage both read it."""
     with pytest.raises(RuntimeError, match="read by stages \\[0, 1\\] \\(a tied weight\\?\\)"):
-        run_world(4, cdp_pipeline, "gpt-tiny", _one_device_plan("gpt-tiny"), "v1", 2, timeout=300)
+        run_world(4, cdp_pipeline, [("gpt-tiny", _one_device_plan("gpt-tiny"), "v1", 4, 2, BATCH, False)], timeout=300)
+
+
+def test_in_flight_counts_a_devices_micro_batches_between_forward_and_backward() -> None:
+    """planner.stages.in_flight: L - l where L divides N (a device's workers 2 time units apart);
+    where it does not, the count from the clock (N = 2, L = 4: one device per stage, its 2 workers
+    4 units apart; N = 3, L = 2: workers 0 and 2 share a device, 8/3 units apart)."""
+    from planner.stages import in_flight
+
+    for workers, stages in ((4, 2), (4, 4), (8, 4), (16, 4)):
+        assert [in_flight(workers, stages, st) for st in range(stages)] == [stages - st for st in range(stages)]
+    assert [in_flight(2, 4, st) for st in range(4)] == [2, 2, 1, 1]
+    assert [in_flight(3, 2, st) for st in range(2)] == [2, 2]
+    assert [in_flight(4, 1, 0)] == [1]
 
 
 def test_the_pipeline_estimate_follows_the_cdp_memory_formula() -> None:

@@ -32,7 +32,7 @@ from planner.peak import Form
 from planner.rules.anchors import broadcasts_batch
 from planner.schemes.base import NodePrice, ParamPrice, Scheme, Settings, Tally, settings_of
 from planner.schemes.zero import zero_param_terms
-from planner.stages import cut_stages, stage_owners
+from planner.stages import cut_stages, in_flight, parameter_stages, stage_owners
 from planner.strategy import Comm, Strategy
 from planner.terms import Problem, StrategyFilter
 
@@ -116,17 +116,6 @@ def _gradient_free(graph: IRGraph, name: str, index: int) -> bool:
     input in them); slicing it is local and its backward is nothing."""
     meta = graph.nodes[name].outputs[index]
     return meta is not None and not meta.is_float
-
-
-def parameter_stages(graph: IRGraph, num_stages: int) -> dict[str, int]:
-    """Each parameter's stage: the earliest stage that reads it (its gradient is complete when that
-    stage's backward ends), as runtime/stages.py assigns them (StagedRunner.param_stage)."""
-    stage_of = cut_stages(graph, num_stages).stage_of()
-    consumers = graph.consumers()
-    return {
-        p.name: min((stage_of[c] for c, _ in consumers[p.name] if c in stage_of), default=0)
-        for p in graph.params
-    }
 
 
 def stage_buffers(problem: Problem) -> tuple[list[Form], list[str]]:
@@ -252,9 +241,9 @@ class PipelineEstimate:
     devices per stage: L*D devices where data parallelism times L-way model parallelism needs N*L.
     A device of stage l holds the parameters of stage l (two versions in use plus the optimizer's
     master: 3 P_l), one gradient accumulator P_l, the optimizer states, and the saved activations
-    of the (L - l) of its workers that are between their forward and backward of stage l:
-    (L - l) A_l, A_l for one micro-batch; summed over the devices that is CDP's
-    (N/L) sum_l (L - l) A_l. Every device runs one stage-step per time unit; a step is 2L units of
+    of those of its workers that are between their forward and backward of stage l
+    (:func:`planner.stages.in_flight`: L - l of them where L divides N), A_l each for one
+    micro-batch; summed over the devices that is CDP's (N/L) sum_l (L - l) A_l. Every device runs one stage-step per time unit; a step is 2L units of
     the slowest stage-step (roofline, 1/N of the stage's FLOPs) plus the message carrying the
     values that cross its cut (1/N of their traced bytes, on the inter-node link: a bound); the
     gradient chain over the D devices of a stage overlaps the next step's compute."""
@@ -280,9 +269,9 @@ class PipelineEstimate:
 
 
 def pipeline_estimates(graph: IRGraph, hardware: HardwareProfile, *, devices: int, batch: int, optimizer: str = "adamw") -> list[PipelineEstimate]:
-    """CDP with its stages on ``devices`` devices, one worker per device, for 2, 4 and 8 stages where
-    runtime.cdp_pipeline.CDPPipeline can run them (L divides N, and N divides ``batch``, the traced
-    batch's rows)."""
+    """CDP with its stages on ``devices`` devices, one worker per device (N = ``devices``, which
+    must divide ``batch``, the traced batch's rows), for 2, 4 and 8 stages dividing N: a count of
+    workers L does not divide would need L*ceil(N/L) devices, more than ``devices``."""
     if batch % devices:
         return []
     ops = sum(1 for n in graph.nodes.values() if n.kind == "op")
@@ -307,7 +296,7 @@ def pipeline_estimate(graph: IRGraph, hardware: HardwareProfile, *, workers: int
         for cut_at in range(produced, max(later, default=produced)):
             crossing[cut_at] += sum(m.nbytes for m in graph.nodes[name].outputs if m is not None)
     for st in range(stages):
-        activations = (stages - st) * cut.saved_bytes[st] / workers
+        activations = in_flight(workers, stages, st) * cut.saved_bytes[st] / workers
         acts.append(activations)
         memory.append(3 * param_bytes[st] + param_bytes[st] * (1 + STATES_PER_VALUE[optimizer]) + activations)
         ops = [graph.nodes[name] for name in cut.stages[st]]
