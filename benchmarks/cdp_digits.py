@@ -147,18 +147,20 @@ def _worker(rank: int, port: int, plan_json: str, task: Task, mode: str, epochs:
         for start in range(0, len(x) - BATCH + 1, BATCH):
             idx = order[start : start + BATCH]
             args, kwargs = pm.shard_batch(x[idx], targets=y[idx])
-            if trainer is not None:
-                loss = torch.tensor(trainer.step(*args, **kwargs))
-                dist.all_reduce(loss)  # for the report only
+            if trainer is not None:  # this worker's share; summed after finish() (no collective between CDP's steps)
+                losses.append(trainer.step(*args, **kwargs))
             else:
                 assert opt is not None
                 loss = pm(*args, **kwargs)
                 loss.backward()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
-            losses.append(float(loss.detach()))
+                losses.append(float(loss.detach()))
     if trainer is not None:
         trainer.finish()
+        summed = torch.tensor(losses, dtype=torch.float64)
+        dist.all_reduce(summed)
+        losses = summed.tolist()
     seconds = time.perf_counter() - t0
     state = pm.full_state_dict()
     if rank == 0:

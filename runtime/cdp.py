@@ -6,52 +6,65 @@ graph (values crossing a cut enter the next stage as detached leaves; parameters
 each stage's backward runs alone, handing the gradients of its inputs to the stages that produced
 them. This module is the schedule: which worker runs which stage when, and where the gradients go.
 
-Worker n of N (its coordinate on the data-parallel axis) runs forward stages 0..L-1 then backward
-L-1..0 on its micro-batch. When stage l's backward ends, its parameter gradients (one flat buffer)
-join a point-to-point chain that ends at the stage's owner o: it starts at o+1, and each worker
-receives the partial sum of the workers before it from its predecessor, adds its own and sends it
-on; o then holds the sum and passes it back around the ring (o -> o+1 -> ... -> o-1, mod N). That
-is 2(N-1) messages per stage per step and no collective; the chain makes a worker wait for its
-predecessor at each stage, which staggers the workers, and the ring messages travel while later
-stages compute. A worker sends a stage's buffer twice, but once where it is the owner or the
-worker before it: the owners differ from stage to stage so that the ranks send about the same
-bytes (:func:`planner.stages.stage_owners`; with one owner for all stages two ranks sent half
-what the others did). Tensor-parallel collectives inside
-a worker are unchanged (the TP ranks of a worker share its coordinate n).
+**The clock** (:mod:`planner.cdp_clock`). Worker n of N (its coordinate on the data-parallel axis)
+runs its op j of step k (forward stages 0..L-1, then backward L-1..0) at 2Lk + j + n*2L/N, the
+paper's uniform delay, enforced by tokens: after each op a worker sends its successor an 8-byte
+token, and before each op it takes its predecessor's tokens up to the op the schedule puts before
+it. Every rank simulates the same schedule, so each knows before which of its ops to receive each
+message, to wait for each send, and to apply each stage's update; every wait is for something the
+schedule places on another rank's earlier op, so the waits cannot deadlock.
 
-Memory (what planner.problem prices for CDP): a stage's gradients move into one flat buffer when
-its backward ends and are let go; a worker past the chain's head receives the partial sum into a
-second buffer that size, adds it and lets it go; the ring's copy is received into the buffer the
-chain sent from, once that send has completed (gloo's point-to-point works report completion only
-through wait(), so on gloo the ring moves at the update, :meth:`CDPTrainer._settle`). A step's
-buffers go when their last send completes, at the update that uses them: under v1 one buffer per
-stage (the previous step's) is alive through each step, beside the step's own gradients. Each
-retiring send waits for its receiver to reach the same update; the receivers need nothing more
-from this worker by then, so the waits form no cycle.
+**The messages.** When stage l's backward ends, its parameter gradients move into one flat buffer
+(and are let go) and join a point-to-point chain that ends at the stage's owner o: it starts at
+o+1, each worker adds the partial sum of the workers before it (received into a second buffer,
+added and let go) and sends it on; o then holds the sum and passes it back around the ring
+(o -> o+1 -> ... -> o-1, mod N), each copy received into the buffer the chain sent from once that
+send has completed. That is 2(N-1) messages per stage per step and no collective. A worker sends a
+stage's buffer twice, but once where it owns the stage or is the worker before its owner: the
+owners differ from stage to stage so that the ranks send about the same bytes
+(:func:`planner.cdp_clock.schedule_owners`). A chain whose worker order wraps (o+1 > 0) reaches the
+workers before o+1 after they have moved on: they take the partial sum, on the clock, at an op of
+their next step. Tensor-parallel collectives inside a worker are unchanged (the TP ranks of a worker
+share its coordinate n).
 
-Update rules (theta(t) the parameters step t computes with, g(.) the gradient summed over workers):
+**Updates** (theta(t) the parameters step t computes with, g(t) step t's gradient summed over the
+workers; each stage has its own optimizer, stepped when the stage's update is due):
 
-* ``sync``:  theta(t+1) = theta(t) - lr g(theta(t))       (delta = 0: plain DP, through the chain)
-* ``v1``:    theta(t+1) = theta(t) - lr g(theta(t-1))     (g(theta(-1)) = 0: step 0 does not update)
+* ``sync``:  theta(t+1) = theta(t) - lr g(theta(t))       (no delay: plain DP, through the chain)
+* ``v1``:    theta(t+1) = theta(t) - lr g(theta(t-1))     (g(theta(-1)) = 0: step 0 does not update);
+             stage l's update from g(t) is applied just before step t+2's forward of l
 * ``v2``:    worker n computes stage l with theta_l(t) if l >= (N-1-n) L / N (fresh) and with
-             theta_l(t-1) otherwise (two versions kept per stage); theta(t+1) = theta(t) - lr g(t).
+             theta_l(t-1) otherwise; theta(t+1) = theta(t) - lr g(t). The update is applied just
+             before step t+1's forward of l where the worker is fresh, and otherwise just after step
+             t+1's backward of l: the worker computes that step with the parameters it has, and no
+             second copy is kept.
 
-"lr g" stands for the torch optimizer's step given that gradient (SGD, momentum, AdamW...).
+"lr g" stands for the torch optimizer's step given that gradient (SGD, momentum, AdamW...). With
+ZeRO-1, a stage's owner alone keeps the stage's optimizer state and a master copy of its parameters:
+it steps them when the chain's sum reaches it and sends the new parameters around the ring instead
+of the sum (the same messages); the other workers install them when the update is due.
+
+Memory (what planner.schemes.cdp prices): a stage's buffer lives from its backward until its update
+is applied and its sends have completed: under v1 one buffer per stage of the previous step is
+alive through each step beside the step's own gradients, under v2 until the fresh stage's forward
+or the stale stage's backward of the next step.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
 from torch.utils._pytree import tree_flatten
 
+from planner.cdp_clock import Clock, Message, OpActions, schedule_owners
 from planner.runtime import faults
 from planner.runtime.memory import SavedTensorMeter
 from planner.runtime.module import ParallelModule
 from planner.runtime.stages import MicroBatch, StagedRunner
-from planner.stages import cut_stages, stage_owners
+from planner.stages import cut_stages
 
 UpdateRule = Literal["sync", "v1", "v2"]
 
@@ -60,15 +73,21 @@ UpdateRule = Literal["sync", "v1", "v2"]
 
 
 class CDPTrainer:
-    """CDP training on this rank: ``loss = trainer.step(*local_inputs)`` runs one step (forward,
-    backward, chain and ring messages, the update rule) and returns this worker's loss contribution
-    (the global loss is their sum over the data-parallel axis).
+    """CDP training on this rank: ``loss = trainer.step(*local_inputs)`` runs one step (its 2L
+    stage ops on the clock, with the messages and updates due before each) and returns this
+    worker's loss contribution (the global loss is their sum over the data-parallel axis).
+    ``finish()`` after the last step completes the messages in flight and the updates that make
+    the parameters theta(K) after K steps. On the clock the workers are at different steps at once:
+    a rank's ``step`` may wait for its predecessor to have started the next one, so nothing that
+    waits for every rank (a barrier, a collective, a checkpoint) may run between steps, only after
+    ``finish()``.
 
     With the plan's ``zero_stage == 1`` (CDP with ZeRO), only a stage's owner keeps its optimizer
-    state (and a master copy of its parameters), the owners chosen to even the state they hold
-    (:func:`planner.stages.stage_owners`), and what travels back around the ring is the owner's
-    updated parameters, not the summed gradient: the same 2(N-1) messages. Without ZeRO every
-    worker updates every stage and the owners even the bytes each rank sends."""
+    state (and a master copy of its parameters), and what travels back around the ring is the
+    owner's updated parameters, not the summed gradient: the same 2(N-1) messages.
+
+    ``trace = True`` records, per op, (op index, start, end) on ``time.monotonic()`` in ``ops`` and,
+    per data message sent, (op index, time, message, bytes) in ``sent``."""
 
     def __init__(
         self,
@@ -100,20 +119,30 @@ class CDPTrainer:
         self.runner = StagedRunner(pm, cut_stages(pm.graph, num_stages))
         self.num_stages = self.runner.num_stages
         self.params = pm.local_parameters()
-        # each stage's owner, from the bytes of its buffer here (planner.stages.stage_owners: the
-        # ranks' sent bytes evened; with ZeRO, the optimizer state they hold)
         sizes = [sum(self.params[a].numel() * self.params[a].element_size() for a in attrs) for attrs in self.runner.stage_params]
-        self.owners = stage_owners(sizes, self.num_workers, zero=self.zero)
-        if self.zero:  # master copies of the owned stages' parameters, stepped by the optimizer
-            self.masters = {a: torch.nn.Parameter(self.params[a].detach().clone()) for s in self.owned() for a in self.runner.stage_params[s]}
-            self.optimizer = optimizer_class(list(self.masters.values()), **optimizer_kwargs) if self.masters else None
-        else:
-            self.masters = {}
-            self.optimizer = optimizer_class(list(self.params.values()), **optimizer_kwargs)
+        self.owners = schedule_owners(sizes, self.num_workers, rule, self.zero)
+        self.clock = Clock(self.num_workers, self.num_stages, self.owners, rule, [bool(a) for a in self.runner.stage_params], keep=self.worker)
+        self.optimizers: dict[int, torch.optim.Optimizer] = {}
+        self.masters: dict[str, torch.nn.Parameter] = {}
+        for stage, attrs in enumerate(self.runner.stage_params):
+            if not attrs:
+                continue
+            if not self.zero:
+                self.optimizers[stage] = optimizer_class([self.params[a] for a in attrs], **optimizer_kwargs)
+            elif self.owners[stage] == self.worker:  # master copies of the owned stages' parameters
+                masters = {a: torch.nn.Parameter(self.params[a].detach().clone()) for a in attrs}
+                self.masters.update(masters)
+                self.optimizers[stage] = optimizer_class(list(masters.values()), **optimizer_kwargs)
         self.step_index = 0
-        self._buffers: dict[tuple[int, int], StageBuffer] = {}  # (step, stage) -> its flat buffer here
-        self._old: dict[str, torch.Tensor] = {}
+        self.op = 0  # the next op on the clock (2L a step)
+        self._bufs: dict[tuple[int, int], torch.Tensor] = {}  # (step, stage) -> this rank's flat buffer
+        self._sending: dict[Message, tuple[Any, torch.Tensor]] = {}  # sends not yet waited for
+        self._tokens_in = -1
+        self._finished = False
         self.messages: list[tuple[int, int, str]] = []  # (step, stage, "chain"|"ring") sent by this rank
+        self.trace = False
+        self.ops: list[tuple[int, float, float]] = []
+        self.sent: list[tuple[int, float, Message, int]] = []
 
     # ---------------------------------------------------------------- roles
 
@@ -124,33 +153,41 @@ class CDPTrainer:
     def owned(self) -> list[int]:
         return [s for s in range(self.num_stages) if self.runner.stage_params[s] and self.owner(s) == self.worker]
 
-    def _position(self, stage: int) -> int:
-        """This worker's place in stage ``stage``'s chain (0 first, N-1 the owner); the ring runs
-        from the owner (place N-1) through places 0, 1, ..., N-2."""
-        return (self.worker - self.owner(stage) - 1) % self.num_workers
-
-    def _worker_at(self, stage: int, position: int) -> int:
-        return (self.owner(stage) + 1 + position) % self.num_workers
+    def uses_fresh(self, stage: int) -> bool:
+        """v2: worker n computes stage l with the newest parameters iff l >= (N-1-n) L / N."""
+        return self.clock.fresh(self.worker, stage)
 
     # ---------------------------------------------------------------- messages
 
     def _peer(self, worker: int) -> int:
         return self.pm.mesh_groups.peer(self.axis, worker)
 
-    def _tag(self, step: int, stage: int, kind: int) -> int:
-        return 4 * stage + 2 * (step % 2) + kind
+    def _tag(self, message: Message) -> int:
+        if message.kind == "token":
+            return 4 * self.num_stages
+        return 4 * message.stage + 2 * (message.step % 2) + (message.kind == "ring")
 
-    def _send(self, buf: torch.Tensor, worker: int, step: int, stage: int, kind: int) -> Any:
-        self.pm.recorder.add("send", (self.axis,), buf.numel() * buf.element_size(), "bwd")
-        self.messages.append((step, stage, "ring" if kind else "chain"))
-        return faults.isend(buf, self._peer(worker), self._tag(step, stage, kind), f"CDP {'ring' if kind else 'chain'} of stage {stage}'s gradient, step {step}")
+    def _what(self, message: Message) -> str:
+        return f"CDP {message.kind} of stage {message.stage}'s gradient, step {message.step}"
 
-    def _flat(self, stage: int, grads: bool) -> torch.Tensor:
+    def _send(self, message: Message, buf: torch.Tensor, *, record: bool = True) -> None:
+        nbytes = buf.numel() * buf.element_size()
+        if record:
+            self.pm.recorder.add("send", (self.axis,), nbytes, "bwd")
+        if message.kind != "token":
+            self.messages.append((message.step, message.stage, message.kind))
+            if self.trace:
+                self.sent.append((self.op, time.monotonic(), message, nbytes))
+        what = f"CDP token of op {message.step}" if message.kind == "token" else self._what(message)
+        self._sending[message] = (faults.isend(buf, self._peer(message.dst), self._tag(message), what), buf)
+
+    def _flat(self, stage: int) -> torch.Tensor:
+        """Stage ``stage``'s gradients as one buffer (the module's gradients let go)."""
         parts = []
         for attr in self.runner.stage_params[stage]:
             p = self.params[attr]
-            t = (p.grad if p.grad is not None else torch.zeros_like(p)) if grads else p.detach()
-            parts.append(t.reshape(-1))
+            parts.append((p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1))
+            p.grad = None
         return torch.cat(parts)
 
     def _unflat(self, stage: int, flat: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -161,202 +198,162 @@ class CDPTrainer:
             offset += p.numel()
         return out
 
-    def _reduce_stage(self, stage: int) -> None:
-        """Chain-sum stage ``stage``'s gradient toward its owner (the module's gradients of the
-        stage move into one flat buffer and are let go: the buffer is the stage's only copy)."""
-        big_n, t = self.num_workers, self.step_index
-        if not self.runner.stage_params[stage]:
-            return  # a stage without parameters sends nothing
-        buf = self._flat(stage, grads=True)
-        for attr in self.runner.stage_params[stage]:
-            self.params[attr].grad = None
-        position = self._position(stage)
-        if position > 0:
+    def _receive(self, acts: OpActions, message: Message, last: int) -> None:
+        """Receive ``message`` (a chain's partial sum, added to this rank's buffer; a ring's copy,
+        into the buffer the chain sent from) and pass on what the clock says."""
+        key = (message.step, message.stage)
+        onward = acts.forwards.get(message)
+        if message.step > last:  # after the last step: a message of a step that never ran
+            return
+        buf = self._bufs[key]
+        if message.kind == "chain":
             partial = torch.empty_like(buf)
-            faults.recv(partial, self._peer(self._worker_at(stage, position - 1)), self._tag(t, stage, 0), f"CDP chain of stage {stage}'s gradient, step {t}")
+            faults.recv(partial, self._peer(message.src), self._tag(message), self._what(message))
             buf.add_(partial)  # the same sum as partial + buf (IEEE addition commutes)
             del partial
-        record = StageBuffer(buf)
-        if position < big_n - 1:
-            record.chain = self._send(buf, self._worker_at(stage, position + 1), t, stage, 0)
-            record.source = self.owner(stage) if position == 0 else self._worker_at(stage, position - 1)
-        elif big_n > 1 and not self.zero:  # the owner: the sum itself goes around the ring
-            record.forward = self._send(buf, self._worker_at(stage, 0), t, stage, 1)
-        self._buffers[(t, stage)] = record
+            if self.zero and (onward is None or onward.kind == "ring"):  # the owner: the sum is final
+                self._owner_update(message.stage, buf)
+        else:
+            faults.recv(buf, self._peer(message.src), self._tag(message), self._what(message))
+        if onward is not None:
+            self._send(onward, buf)
 
-    def _receive_ring(self, key: tuple[int, int], record: StageBuffer) -> None:
-        """Post the ring's receive into the buffer the chain sent from (its send has completed)."""
-        record.chain = None
-        record.ring = faults.irecv(record.buf, self._peer(record.source), self._tag(key[0], key[1], 1), f"CDP ring of stage {key[1]}'s gradient, step {key[0]}")
+    def _owner_update(self, stage: int, buf: torch.Tensor) -> None:
+        """ZeRO: step the stage's masters with the summed gradient in ``buf``, then put the new
+        parameters in ``buf`` (what the ring carries)."""
+        for attr, g in self._unflat(stage, buf).items():
+            self.masters[attr].grad = g.clone()
+        self.optimizers[stage].step()
+        for attr in self.runner.stage_params[stage]:
+            self.masters[attr].grad = None
+        torch.cat([self.masters[a].detach().reshape(-1) for a in self.runner.stage_params[stage]], out=buf)
 
-    def _pass_on(self, key: tuple[int, int], record: StageBuffer) -> None:
-        """The ring's copy is in: send it on (the place before the owner is the last)."""
-        record.ring, record.source = None, -1
-        position = self._position(key[1])
-        if position < self.num_workers - 2:
-            record.forward = self._send(record.buf, self._worker_at(key[1], position + 1), key[0], key[1], 1)
-
-    def _progress(self) -> None:
-        """Move the ring on where messages have completed without waiting (NCCL reports completion;
-        gloo's point-to-point works report it only through wait(), so on gloo the ring moves in
-        :meth:`_settle`)."""
-        for key, record in sorted(self._buffers.items()):
-            if record.chain is not None and record.chain.is_completed():
-                self._receive_ring(key, record)
-            if record.ring is not None and record.ring.is_completed():
-                self._pass_on(key, record)
-
-    def _settle(self, step: int) -> dict[int, torch.Tensor]:
-        """Every stage's final buffer of ``step`` (the summed gradient; ZeRO: the new parameters),
-        its ring copy received and passed on."""
-        out = {}
-        for (t, stage), record in sorted(self._buffers.items()):
-            if t != step:
-                continue
-            if record.chain is not None:  # done: the ring's copy (below) comes after it
-                record.chain.wait()
-                self._receive_ring((t, stage), record)
-            if record.ring is not None:
-                record.ring.wait()
-                self._pass_on((t, stage), record)
-            out[stage] = record.buf
-        return out
-
-    def _retire(self, step: int) -> None:
-        """Let go of ``step``'s buffers once their last sends have completed (each waits for its
-        receiver to reach the end of the same step at the latest: no cycle, see the module)."""
-        for key in [k for k in self._buffers if k[0] == step]:
-            record = self._buffers.pop(key)
-            if record.forward is not None:
-                record.forward.wait()
-
-    # ---------------------------------------------------------------- updates
-
-    def _apply(self, step: int) -> None:
-        """Without ZeRO: give every parameter the summed gradient of ``step`` (views of the stage
-        buffers, no copies) and step."""
-        for stage, buf in self._settle(step).items():
-            for attr, g in self._unflat(stage, buf).items():
-                self.params[attr].grad = g
-        assert self.optimizer is not None
-        self.optimizer.step()
-        for p in self.params.values():
-            p.grad = None
-        self._retire(step)
-
-    def _owner_update(self, step: int) -> None:
-        """ZeRO: the owner steps its masters with the summed gradient of ``step`` and sends the new
-        parameters around the ring (tagged with ``step``), in the buffer the sum arrived in."""
-        for stage in self.owned():  # the chain ends here: the sum is final
-            for attr, g in self._unflat(stage, self._buffers[(step, stage)].buf).items():
-                self.masters[attr].grad = g
-        if self.optimizer is not None:
-            self.optimizer.step()
-        for m in self.masters.values():
-            m.grad = None
-        for stage in self.owned():
-            record = self._buffers[(step, stage)]
-            torch.cat([self.masters[a].detach().reshape(-1) for a in self.runner.stage_params[stage]], out=record.buf)
-            if self.num_workers > 1:
-                record.forward = self._send(record.buf, self._worker_at(stage, 0), step, stage, 1)
-
-    def _install(self, step: int) -> None:
-        """ZeRO: put the parameters sent around the ring after ``step`` (and the owned ones) in place."""
-        with torch.no_grad():
-            for stage, flat in self._settle(step).items():
-                for attr, value in self._unflat(stage, flat).items():
+    def _use(self, step: int, stage: int) -> None:
+        """Apply step ``step``'s update of stage ``stage`` (the sum's optimizer step; with ZeRO the
+        owner's new parameters) and let its buffer go (its sends keep it until they complete)."""
+        buf = self._bufs.pop((step, stage))
+        if self.zero:
+            with torch.no_grad():
+                for attr, value in self._unflat(stage, buf).items():
                     self.params[attr].copy_(value)
-        self._retire(step)
+            return
+        for attr, g in self._unflat(stage, buf).items():
+            self.params[attr].grad = g
+        self.optimizers[stage].step()
+        for attr in self.runner.stage_params[stage]:
+            self.params[attr].grad = None
 
-    # ---------------------------------------------------------------- v2 versions
+    def _before(self, last: int) -> OpActions:
+        """What the clock puts before this rank's next op: tokens, receives, send waits, updates.
+        ``last``: the last step that runs (after it, messages of later steps do not exist, and only
+        the updates that make theta(last + 1) are applied)."""
+        acts = self.clock.actions(self.worker, self.op)
+        pred = (self.worker - 1) % self.num_workers
+        for kind, item, _ in acts.log:
+            if kind == "tokens":
+                assert isinstance(item, int)
+                token = torch.empty(1, dtype=torch.int64)
+                for psi in range(self._tokens_in + 1, item + 1):
+                    faults.recv(token, self._peer(pred), self._tag(Message(psi, -1, "token", 0, pred, self.worker)), f"CDP token of op {psi}")
+                    assert int(token) == psi, (int(token), psi)
+                self._tokens_in = max(self._tokens_in, item)
+            elif kind == "wait":
+                assert isinstance(item, Message)
+                sending = self._sending.pop(item, None)
+                if sending is not None:
+                    sending[0].wait()
+            else:
+                assert isinstance(item, Message)
+                self._receive(acts, item, last)
+        keep = last - 1 if self.rule == "v1" else last  # theta(last + 1) takes these steps' updates
+        for step, stage in acts.uses:
+            if step <= keep:
+                self._use(step, stage)
+        return acts
 
-    def uses_fresh(self, stage: int) -> bool:
-        """v2: worker n computes stage l with the newest parameters iff l >= (N-1-n) L / N."""
-        return stage * self.num_workers >= (self.num_workers - 1 - self.worker) * self.num_stages
+    def _after(self, acts: OpActions, last: int, record: bool = True) -> None:
+        if acts.head is not None and acts.head.step <= last:
+            self._send(acts.head, self._bufs[(acts.head.step, acts.head.stage)])
+        if self.num_workers > 1:
+            token = Message(self.op, -1, "token", 0, self.worker, (self.worker + 1) % self.num_workers)
+            self._send(token, torch.tensor([self.op], dtype=torch.int64), record=record)
+        self.op += 1
 
-    def _swap_in_old(self) -> dict[str, torch.Tensor]:
-        fresh = {}
-        with torch.no_grad():
-            for stage in range(self.num_stages):
-                if self.uses_fresh(stage):
-                    continue
-                for attr in self.runner.stage_params[stage]:
-                    if attr in self._old:
-                        fresh[attr] = self.params[attr].detach().clone()
-                        self.params[attr].copy_(self._old[attr])
-        return fresh
+    def _op(self, run: Callable[[], None], last: int) -> None:
+        acts = self._before(last)
+        began = time.monotonic()
+        run()
+        if self.trace:
+            self.ops.append((self.op, began, time.monotonic()))
+        self._after(acts, last)
 
     # ---------------------------------------------------------------- the step
 
     def step(self, *args: Any, **kwargs: Any) -> float:
+        if self._finished:
+            raise RuntimeError("CDPTrainer.step after finish(): make a new trainer to train on")
         flat, _ = tree_flatten((args, kwargs))
         inputs = [a for a in flat if isinstance(a, torch.Tensor)]
-        t = self.step_index
-        fresh = self._swap_in_old() if self.rule == "v2" else {}
+        t, big_l, never = self.step_index, self.num_stages, 1 << 62
         mb = self.runner.start(*inputs)
-        for stage in range(self.num_stages):
-            self.runner.forward(mb, stage)
-            self._progress()
+        for stage in range(big_l):
+            self._op(lambda stage=stage: self.runner.forward(mb, stage), never)  # type: ignore[misc]
         assert mb.loss is not None
         loss = float(mb.loss.detach())
         for p in self.params.values():
             p.grad = None
-        for stage in reversed(range(self.num_stages)):
+
+        def backward(stage: int) -> None:
             self.runner.backward(mb, stage)
-            self._reduce_stage(stage)
-            self._progress()
-        with torch.no_grad():
-            for attr, value in fresh.items():
-                self.params[attr].copy_(value)
-        if self.rule == "v2":
-            self._old = {a: p.detach().clone() for a, p in self.params.items()}
-        if not self.zero:
-            if self.rule != "v1":
-                self._apply(t)
-            elif t > 0:
-                self._apply(t - 1)
-        elif self.rule == "v1":  # theta(t+1) was sent after step t-1; theta(t+2) leaves now
-            if t > 0:
-                self._install(t - 1)
-            self._owner_update(t)
-        else:
-            self._owner_update(t)
-            self._install(t)
+            if self.runner.stage_params[stage]:
+                self._bufs[(t, stage)] = self._flat(stage)
+                if self.zero and self.num_workers == 1:  # no chain: the sum is final here
+                    self._owner_update(stage, self._bufs[(t, stage)])
+
+        for stage in reversed(range(big_l)):
+            self._op(lambda stage=stage: backward(stage), never)  # type: ignore[misc]
         self.step_index += 1
         return loss
 
+    def finish(self) -> None:
+        """After the last step: run the clock's ops up to where every message of the steps run has
+        been received and waited for, without compute (their receives, sends and updates only), then
+        take the tokens left and wait for the last sends. The parameters are then theta(K), K the
+        steps run (v1: the update of step K-1 is not applied; it would make theta(K+1))."""
+        if self._finished:
+            return
+        self._finished = True
+        last = self.step_index - 1
+        if last < 0:
+            return
+        end = self.clock.drained_by(last)
+        while self.op < end:
+            acts = self._before(last)
+            self._after(acts, last, record=False)
+        if self.num_workers > 1:
+            # the successor's last ops wait for tokens of ops past ``end``: send them, then take ours
+            succ = (self.worker + 1) % self.num_workers
+            for psi in range(end, end + self.clock.lead - 1):
+                self._send(Message(psi, -1, "token", 0, self.worker, succ), torch.tensor([psi], dtype=torch.int64), record=False)
+            pred = (self.worker - 1) % self.num_workers
+            token = torch.empty(1, dtype=torch.int64)
+            for psi in range(self._tokens_in + 1, max(end, end + self.clock.lead - 1)):
+                faults.recv(token, self._peer(pred), self._tag(Message(psi, -1, "token", 0, pred, self.worker)), f"CDP token of op {psi}")
+            self._tokens_in = max(end, end + self.clock.lead - 1) - 1
+        for work, _ in self._sending.values():
+            work.wait()
+        self._sending.clear()
+        self._bufs.clear()
+
     def held_bytes(self) -> dict[str, int]:
-        """Bytes this rank holds between steps: parameters (with v2's previous version) and the
-        optimizer (its states and, with ZeRO, the masters of the stages it owns)."""
+        """Bytes this rank holds between steps: parameters and the optimizers (their states and,
+        with ZeRO, the masters of the stages it owns)."""
         def size(tensors: Any) -> int:
             return sum(t.numel() * t.element_size() for t in tensors)
 
-        states = [t for st in (self.optimizer.state.values() if self.optimizer is not None else ()) for t in st.values()
+        states = [t for opt in self.optimizers.values() for st in opt.state.values() for t in st.values()
                   if isinstance(t, torch.Tensor) and t.dim() > 0]
-        return {
-            "params": size(self.params.values()) + size(self._old.values()),
-            "optimizer": size(states) + size(self.masters.values()),
-        }
-
-    def finish(self) -> None:
-        """Complete outstanding messages (call once after the last step)."""
-        for step in sorted({t for t, _ in self._buffers}):
-            self._settle(step)
-            self._retire(step)
-
-
-@dataclass
-class StageBuffer:
-    """One stage's flat buffer of one step on this rank and the messages on it: the chain's sum
-    sent on (``chain``), then the ring's copy received into the same buffer (``ring``, from
-    ``source``; posted once the chain's send has completed, so one buffer serves both) and passed
-    on (``forward``). The buffer is let go when its last send completes (CDPTrainer._retire)."""
-
-    buf: torch.Tensor
-    chain: Any = None
-    ring: Any = None
-    forward: Any = None
-    source: int = -1  # the worker the ring's copy comes from; -1: nothing to receive
+        return {"params": size(self.params.values()), "optimizer": size(states) + size(self.masters.values())}
 
 
 # --------------------------------------------------------------------------- memory, in one process

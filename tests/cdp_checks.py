@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from typing import Any
 
@@ -112,6 +113,7 @@ def cdp_train(rank: int, world: int, cases: list[tuple[str, str, str, int]]) -> 
             trainer = CDPTrainer(pm, torch.optim.SGD, num_stages=num_stages, rule=rule, **SGD)  # type: ignore[arg-type]
         pm.recorder.records.clear()
         pm.recorder.enabled = True
+        trainer.trace = True
         local_losses = [trainer.step(*pm.shard_batch(*args, **kwargs)[0], **pm.shard_batch(*args, **kwargs)[1]) for args, kwargs in batches]
         trainer.finish()
         pm.recorder.enabled = False
@@ -137,6 +139,12 @@ def cdp_train(rank: int, world: int, cases: list[tuple[str, str, str, int]]) -> 
             "stages": trainer.num_stages,
             "param_stages": [st for st in range(trainer.num_stages) if trainer.runner.stage_params[st]],
             "workers": trainer.num_workers,
+            "worker": trainer.worker,
+            "trainer_rule": trainer.rule,
+            "owners": list(trainer.owners),
+            "has_params": [bool(a) for a in trainer.runner.stage_params],
+            "ops": trainer.ops,
+            "sent": [(op, tuple(dataclasses.astuple(m)), nbytes) for op, _, m, nbytes in trainer.sent],
         }
         if rank == 0:
             ref_losses, ref_params = reference(name, trainer.rule, trainer.num_workers, trainer.num_stages, stage_of)

@@ -15,11 +15,13 @@ memory CDP saves, on 4 gloo ranks in float64 with SGD-momentum over 5 steps.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
 import torch
 
+from planner.cdp_clock import TOKEN_BYTES
 from planner.hardware import A100_80G
 from planner.models import build_model, example_inputs
 from planner.schemes.cdp import cdp_filter
@@ -27,7 +29,7 @@ from planner.schemes.tp import DP_AXIS
 from planner.search import search
 from planner.space import SearchSpace
 from planner.trace import trace
-from tests.cdp_checks import BATCH, cdp_memory, cdp_pipeline, cdp_train
+from tests.cdp_checks import BATCH, STEPS, cdp_memory, cdp_pipeline, cdp_train
 from tests.harness import run_world
 from tests.test_same_math import data_parallel, megatron_dp
 
@@ -107,6 +109,8 @@ def test_the_delayed_rules_really_differ_from_dp(runs) -> None:  # type: ignore[
 
 
 def test_each_stage_sends_2_n_minus_1_messages_a_step_and_no_collective(runs) -> None:  # type: ignore[no-untyped-def]
+    """Per stage per step 2(N-1) buffers sent over all ranks, no collective over the data-parallel
+    axis, and nothing else sent but the clock's tokens."""
     for label, ranks in runs.items():
         if ranks[0]["rule"] == "dp":
             continue
@@ -120,7 +124,37 @@ def test_each_stage_sends_2_n_minus_1_messages_a_step_and_no_collective(runs) ->
                 assert sent == expected, (label, step, stage, sent)
         for r in ranks:
             assert r["dp_collectives"] == 0, (label, r["dp_collective_bytes"])
-            assert r["sends_recorded"] == len(r["messages"]), label
+            # besides the stage buffers, the clock's token after each of a step's 2L ops (planner.cdp_clock)
+            assert r["sends_recorded"] == len(r["messages"]) + 5 * 2 * stages, label
+
+
+def test_the_runtime_runs_cdps_clock(runs) -> None:  # type: ignore[no-untyped-def]
+    """On 4 ranks (dp=4, L = 2 and 4, v1, v2, ZeRO-1), each rank sends exactly the stage buffers the
+    clock (planner.cdp_clock) puts at each of its ops, in that order, through finish(); and no op
+    starts (time.monotonic, one clock for every process here) before its predecessor's op that the
+    schedule puts before it has ended: the paper's uniform delay is enforced, not left to chance."""
+    from planner.cdp_clock import Clock
+
+    for label in ("mlp v1", "mlp v2", "gpt v1", "gpt v2", "gpt planned v2", "gpt planned v2 zero", "mlp planned v1 zero"):
+        ranks = runs[label]
+        rep = ranks[0]
+        workers, stages = rep["workers"], rep["stages"]
+        clock = Clock(workers, stages, rep["owners"], rep["trainer_rule"], rep["has_params"])
+        end = clock.drained_by(STEPS - 1)
+        planned: dict[int, list[tuple[int, tuple[Any, ...]]]] = {n: [] for n in range(workers)}
+        for op in range(end):
+            for n in range(workers):
+                planned[n] += [(op, dataclasses.astuple(m)) for m in clock.actions(n, op).sends if m.step < STEPS]
+        ops = {}
+        for r in ranks:
+            assert [(op, tuple(m)) for op, m, _ in r["sent"]] == planned[r["worker"]], (label, r["worker"])
+            ops[r["worker"]] = {op: (start, stop) for op, start, stop in r["ops"]}
+        assert all(len(ops[n]) == 2 * stages * STEPS for n in ops), label
+        for n in ops:
+            for op, (start, _) in ops[n].items():
+                gate = clock.gate(n, op)
+                if gate in ops[(n - 1) % workers]:  # (the predecessor's ops after its last step run in finish(), unstamped)
+                    assert start >= ops[(n - 1) % workers][gate][1], (label, n, op, gate)
 
 
 def test_a_cdp_plan_prices_the_messages_the_busiest_rank_sends(runs) -> None:  # type: ignore[no-untyped-def]
@@ -170,7 +204,7 @@ def test_cdp_holds_constant_saved_bytes_equal_to_the_formula(model: str, stages:
 def test_the_planner_prices_cdp_as_a_search_dimension() -> None:
     """gpt2-small on 8 devices, dp only: CDP's messages carry the DP gradient bytes (up to two per
     stage, on the busiest rank), are hidden behind compute, and v1 / v2 hold one more gradient / parameter
-    copy; with ZeRO-1 only the stages' owners keep optimizer state; dp = 1 and ZeRO > 1 are pruned
+    copy (v2's update waits for its use, no second parameter version); with ZeRO-1 only the stages' owners keep optimizer state; dp = 1 and ZeRO > 1 are pruned
     with a reason; the report states the one-step delay."""
     from planner.report import format_plan
 
@@ -186,14 +220,17 @@ def test_the_planner_prices_cdp_as_a_search_dimension() -> None:
     off, v1, v2 = (plans[("dp=8 x tp=1", 0, mode)] for mode in ("off", "v1", "v2"))
     assert off is not None and v1 is not None and v2 is not None
     all_reduced = sum(c.nbytes * c.count for c in off.comms if c.kind == "all_reduce" and c.phase == "step")
-    sends = [c for c in v1.comms if c.kind == "send"]
+    tokens = [c for c in v1.comms if c.kind == "send" and c.nbytes == TOKEN_BYTES]
+    assert sum(c.count for c in tokens) == 2 * 8  # the clock's token after each of the 2L ops
+    sends = [c for c in v1.comms if c.kind == "send" and c.nbytes != TOKEN_BYTES]
     assert sum(c.count for c in sends) <= 2 * 8  # two per stage that has parameters, one where the rank owns it or the next
     # the busiest rank: every stage's buffer twice, but once for the stages it or the next worker owns
     assert all_reduced < sum(c.nbytes * c.count for c in sends) < 2 * all_reduced
     assert not any(c.kind == "all_reduce" and c.phase == "step" for c in v1.comms)
     assert v1.overlap_time_s > 0 and v1.step_time_s < off.step_time_s
     assert v1.memory_breakdown.grads == 2 * off.memory_breakdown.grads
-    assert v2.memory_breakdown.params == 2 * off.memory_breakdown.params
+    # v2 keeps no second parameter version: its update waits, so it holds v1's extra buffer
+    assert v2.memory_breakdown.params == off.memory_breakdown.params and v2.memory_breakdown.grads == 2 * off.memory_breakdown.grads
     zero = plans[("dp=8 x tp=1", 1, "v1")]
     # owners only; the owner of stage 0 (embedding + tied LM head) is the busiest: 0.66 of all states
     assert zero is not None and zero.memory_breakdown.optimizer < off.memory_breakdown.optimizer
@@ -303,46 +340,35 @@ def test_the_pipeline_estimate_follows_the_cdp_memory_formula() -> None:
 
 def test_cdp_hides_only_what_its_rule_lets_travel_beside_compute() -> None:
     """planner.schemes.cdp.cdp_overlap, on gpt-tiny over dp=4 with a link half as able to overlap
-    as NCCL's (overlap_efficiency 0.5), for the rank that sends the most: v1 applies step t's sum
-    after step t+1, so every message may hide, at the hardware's efficiency (eta min(p2p, compute),
-    as DP's bucketed sync); v2 applies it at the end of step t, so the ring of what is summed last
-    waits: the first stage with parameters' sum (without ZeRO) or every stage's new parameters
-    (ZeRO-1) go N-1 hops, that many message times on the step's critical path, of which the rank's
-    own ring sends are already counted."""
+    as NCCL's (overlap_efficiency 0.5), for the rank that sends the most: on CDP's clock v1 and v2
+    both apply a stage's update when due, after the messages had ops to travel in (the clock holds
+    its schedule with these owners), so every message may hide, at the hardware's efficiency
+    (eta min(p2p, compute), as DP's bucketed sync); the rank sends its stage buffers (twice a
+    stage, once where it owns it or is the worker before its owner) and the 2L tokens."""
+    from planner.cdp_clock import schedule_owners
     from planner.cost import comm_time
     from planner.mesh import Mesh
     from planner.problem import build_problem
     from planner.schemes.cdp import cdp_traffic, stage_message_bytes
     from planner.solve import solve
-    from planner.stages import stage_owners
-    from planner.strategy import Comm
 
     graph = trace(build_model("gpt-tiny", device="meta"), *example_inputs("gpt-tiny", batch=8, device="meta"))
     hw = A100_80G.model_copy(update={"overlap_efficiency": 0.5})
     mesh = Mesh(("dp", "tp"), (4, 1))
     for zero in (0, 1):
-        ev = {}
         for rule in ("v1", "v2"):
             problem = build_problem(graph, mesh, hw, cdp=rule, cdp_stages=4, zero_stage=zero)
             solution = solve(problem, memory_budget=float("inf"))
-            e = ev[rule] = solution.evaluation
+            e = solution.evaluation
             sizes = stage_message_bytes(problem, solution.assignment)
-            owners, rank = stage_owners(sizes, 4, zero=zero == 1), cdp_traffic(problem, solution.assignment).rank
-            sends = [(c, n) for c, n in e.comms if c.kind == "send"]
-            # twice a stage, but once where the rank owns it or is the worker before its owner
+            owners, rank = schedule_owners(sizes, 4, rule, zero == 1), cdp_traffic(problem, solution.assignment).rank
+            sends = [(c, n) for c, n in e.comms if c.kind == "send" and c.nbytes != TOKEN_BYTES]
             assert sum(n for _, n in sends) == sum(1 if rank in (o, (o - 1) % 4) else 2 for o, b in zip(owners, sizes, strict=True) if b)
-            p2p = sum(comm_time(c, mesh, hw) * n for c, n in sends)
+            assert sum(n for c, n in e.comms if c.kind == "send" and c.nbytes == TOKEN_BYTES) == 2 * 4
+            p2p = sum(comm_time(c, mesh, hw) * n for c, n in e.comms if c.kind == "send")
             others = sum(comm_time(c, mesh, hw) * n for c, n in e.comms if c.kind != "send")
-            if rule == "v1":
-                assert e.comm_time == pytest.approx(p2p + others)
-                assert e.overlap_time == pytest.approx(0.5 * min(p2p, e.compute_time))
-                continue
-            t = [comm_time(Comm("send", ("dp",), b, "bwd"), mesh, hw) for b in sizes]
-            ring = [s for s, b in enumerate(sizes) if b] if zero == 1 else [next(s for s, b in enumerate(sizes) if b)]
-            own = sum(t[s] for s in ring if rank != (owners[s] - 1) % 4)
-            assert e.comm_time == pytest.approx(others + p2p - own + max(3 * max(t[s] for s in ring), own))
-            assert e.overlap_time == pytest.approx(0.5 * min(p2p - own, e.compute_time))
-            assert e.step_time > ev["v1"].step_time  # the ring of the step's last sum is waited for
+            assert e.comm_time == pytest.approx(p2p + others), (zero, rule)
+            assert e.overlap_time == pytest.approx(0.5 * min(p2p, e.compute_time)), (zero, rule)
 
 
 def test_cdp_stage_owners_even_the_ranks_sends_or_their_optimizer_state() -> None:

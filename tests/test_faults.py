@@ -85,9 +85,8 @@ def _cdp_fault(rank: int, world: int, plan: str) -> dict[str, Any]:
     trainer = CDPTrainer(pm, torch.optim.SGD, lr=0.1)  # the plan's CDP v1, 2 stages
     local_args, local_kwargs = pm.shard_batch(*args, **kwargs)
     trainer.step(*local_args, **local_kwargs)
-    # every rank through the first step before the victim leaves (a rank that heads a stage's
-    # chain does not wait for the others in it, and could leave with their messages in flight)
-    dist.barrier()
+    # no barrier here: on CDP's clock the workers are at different steps at once (a rank's step may
+    # wait for its predecessor's next one), so only the clock's own messages may order them
     if rank == VICTIM:
         dist.destroy_process_group()
         return {"left": True}

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from planner.cdp_clock import TOKEN_BYTES, schedule_owners
 from planner.cost import STATES_PER_VALUE, comm_time
 from planner.hardware import HardwareProfile
 from planner.ir import IRGraph, Node
@@ -32,7 +33,7 @@ from planner.peak import Form
 from planner.rules.anchors import broadcasts_batch
 from planner.schemes.base import NodePrice, ParamPrice, Scheme, Settings, Tally, settings_of
 from planner.schemes.zero import zero_param_terms
-from planner.stages import cut_stages, in_flight, parameter_stages, stage_owners
+from planner.stages import cut_stages, in_flight, parameter_stages
 from planner.strategy import Comm, Strategy
 from planner.terms import Problem, StrategyFilter
 
@@ -155,16 +156,18 @@ def stage_message_bytes(problem: Problem, assignment: dict[str, int]) -> list[in
 class Traffic:
     """One step of CDP's point-to-point messages (runtime.cdp.CDPTrainer) on the rank that sends
     the most bytes (the lowest such rank): each stage's buffer (:func:`stage_message_bytes`), its
-    owner (:func:`planner.stages.stage_owners`, as the runtime chooses it), and how many times the
+    owner (:func:`planner.cdp_clock.schedule_owners`, as the runtime chooses it), and how many times the
     rank sends each stage that has parameters: twice (down the chain and around the ring), once
     where it owns the stage (the chain ends there) or is the worker before its owner (the ring
-    ends there)."""
+    ends there); besides, every rank sends its successor a token after each of its 2L stage ops
+    (planner.cdp_clock, ``tokens``)."""
 
     sizes: tuple[int, ...]
     owners: tuple[int, ...]
     workers: int
     rank: int
     sends: dict[int, int]  # stage -> messages a step
+    tokens: int  # the clock's tokens a step
 
     def ring_ends_here(self, stage: int) -> bool:
         return self.rank == (self.owners[stage] - 1) % self.workers
@@ -173,53 +176,37 @@ class Traffic:
 def cdp_traffic(problem: Problem, assignment: dict[str, int]) -> Traffic:
     sizes = stage_message_bytes(problem, assignment)
     n = problem.mesh.group_size(problem.mesh.active_dp_axes)
-    owners = stage_owners(sizes, n, zero=problem.zero_stage == 1)
+    owners = schedule_owners(sizes, n, problem.cdp, problem.zero_stage == 1)
     per_rank = [{s: 1 if r in (owners[s], (owners[s] - 1) % n) else 2 for s, b in enumerate(sizes) if b} for r in range(n)]
     rank = max(range(n), key=lambda r: (sum(sizes[s] * k for s, k in per_rank[r].items()), -r))
-    return Traffic(tuple(sizes), owners, n, rank, per_rank[rank])
+    return Traffic(tuple(sizes), owners, n, rank, per_rank[rank], 2 * len(sizes) if n > 1 else 0)
 
 
 def cdp_messages(problem: Problem, traffic: Traffic) -> list[Comm]:
-    """The point-to-point messages of one step on the rank that sends the most bytes."""
-    return [Comm("send", problem.mesh.active_dp_axes, traffic.sizes[s], "bwd") for s, k in traffic.sends.items() for _ in range(k)]
+    """The point-to-point messages of one step on the rank that sends the most bytes: its stage
+    buffers, then the clock's tokens."""
+    axes = problem.mesh.active_dp_axes
+    return [*(Comm("send", axes, traffic.sizes[s], "bwd") for s, k in traffic.sends.items() for _ in range(k)),
+            *(Comm("send", axes, TOKEN_BYTES, "bwd") for _ in range(traffic.tokens))]
 
 
 def cdp_overlap(problem: Problem, traffic: Traffic, compute: float) -> tuple[float, float]:
     """(seconds the busiest rank waits for messages beyond its own sends, seconds of its sends
-    hidden behind compute), as runtime.cdp.CDPTrainer runs them today.
+    hidden behind compute), as runtime.cdp.CDPTrainer runs them on CDP's clock (planner.cdp_clock).
 
-    The busiest rank (``traffic``) sends ``p2p`` seconds of messages (:func:`cdp_messages`). The chain's sends leave as
-    each stage's backward ends and overlap the backward still to run; the chain's receives stagger
-    the workers by about a message, once, so in steady state no worker waits on them. Where the
-    ring goes depends on the rule:
-
-    * ``v1`` applies step t's sum at the end of step t+1: the ring travels under the next step's
-      compute, and every message may hide;
-    * ``v2`` (and the runtime's ``sync``, which plans do not choose) applies step t's sum at the
-      end of step t (``CDPTrainer._apply``, ZeRO's ``_install``), so the ring of what is summed
-      last cannot hide: without ZeRO, the sum of the first stage with parameters (stage 0's
-      backward is the last) goes N-1 hops from its owner after the chain reaches it; with
-      ZeRO, the owners step and then send every stage's new parameters N-1 hops at once, this
-      rank sending on each ring but the ones that end at it. The tail is max((N-1) m, the rank's
-      own ring sends), m the largest message of the ring in question.
-
-    What may hide is hidden at the hardware's ``overlap_efficiency`` (as DP's bucketed all-reduce
-    is, planner.overlap), and at most the step's compute: hidden = eta min(p2p - own tail sends,
-    compute). The tail adds its hops beyond this rank's own sends: they are waits, not sends."""
-    mesh, hw, sizes, sends = problem.mesh, problem.hardware, traffic.sizes, traffic.sends
-
-    def seconds(stage: int) -> float:
-        return comm_time(Comm("send", mesh.active_dp_axes, sizes[stage], "bwd"), mesh, hw)
-
-    p2p = sum(seconds(s) * k for s, k in sends.items())
-    if problem.cdp == "v1":
-        return 0.0, problem.overlap_efficiency * min(p2p, compute)
-    # the ring that waits: ZeRO's every stage's new parameters, or else the sum of the first stage
-    # with parameters; this rank sends on a stage's ring unless the ring ends here
-    ring = list(sends) if problem.zero_stage == 1 else [min(sends)]
-    own = sum(seconds(s) for s in ring if not traffic.ring_ends_here(s))
-    tail = max((traffic.workers - 1) * max(seconds(s) for s in ring), own)
-    return tail - own, problem.overlap_efficiency * min(p2p - own, compute)
+    The busiest rank (``traffic``) sends ``p2p`` seconds of messages (:func:`cdp_messages`). On the
+    clock every message leaves at an op boundary and is taken at the receiver's first boundary
+    after it, and each stage's update is applied when due: v1's two steps after its gradient, v2's
+    at the next step's forward of the stage where the worker is fresh (the paper's rule puts at
+    least one op between the last worker's backward and that forward) and after the next step's
+    backward elsewhere. With the owners :func:`planner.cdp_clock.schedule_owners` picks, the
+    schedule holds with messages taking no time (the clock's own check), so the messages travel
+    while the workers compute: every one may hide, at the hardware's ``overlap_efficiency`` (as
+    DP's bucketed all-reduce does, planner.overlap), and at most the step's compute. What the
+    messages' own time does to a fresh stage's slack is not modelled: no wait is added."""
+    mesh, hw = problem.mesh, problem.hardware
+    p2p = sum(comm_time(c, mesh, hw) for c in cdp_messages(problem, traffic))
+    return 0.0, problem.overlap_efficiency * min(p2p, compute)
 
 
 def cdp_owner_bytes(problem: Problem, assignment: dict[str, int], traffic: Traffic) -> tuple[float, float]:
@@ -363,15 +350,12 @@ class CDP(Scheme):
             owned = states + params
             problem.cdp_owned.setdefault(node.name, [0.0] * len(problem.choices[node.name]))[index] = owned
             states = owned / problem.mesh.group_size(spec.grad_partial)
-        if problem.cdp == "v2":
-            params += params  # the previous parameter version
-            price.versions = 2
-        else:
-            # v1: the previous step's buffer (its summed gradient, applied one step late; ZeRO:
-            # the parameters the owner sent, installed one step late), alive through the whole
-            # step, beside this step's gradient
-            price.held = params
-            grads += params
+        # the previous step's buffer (its summed gradient, applied late: v1 at step t+2's forward of
+        # the stage, v2 at step t+1's forward where the worker is fresh and after its backward where
+        # stale; ZeRO: the parameters the owner sent, installed then), alive through the step beside
+        # this step's gradient (runtime.cdp: v2 keeps no second parameter version, its update waits)
+        price.held = params
+        grads += params
         price.params, price.grads, price.states = params, grads, states
 
     def price_op(self, problem: Problem, node: Node, strategy: Strategy, price: NodePrice) -> None:

@@ -1,0 +1,380 @@
+"""CDP's clock (Fournier & Oyallon 2024; design.md section 6): when each worker runs each stage op,
+and at which op each message is received and each send waited for, worked out alike on every rank.
+
+**The schedule.** N workers, L stages; a step is 2L stage ops (forward 0..L-1, then backward
+L-1..0). Worker n's op j of step k, global index phi = 2Lk + j, is due at time phi + n*delta,
+delta = 2L/N time units (the paper's uniform delay): its forward of stage l at 2Lk + n*delta + l,
+its backward at 2Lk + n*delta + 2L-1-l. Times are counted in ticks, s = N / gcd(2L, N) to a time
+unit, so every due time is a whole tick.
+
+**Enforced by tokens.** After each op a worker sends its successor a token (8 bytes); before op
+phi, worker n receives its predecessor's tokens up to the last op due to end by phi's due time:
+index phi - 1 + floor(2L/N) (worker 0 follows worker N-1 one step behind: 2L less). No worker
+starts an op before its predecessor has done what the schedule puts before it.
+
+**Messages at op boundaries.** A stage's gradient buffer is summed along a chain ending at the
+stage's owner and passed back around the ring (runtime.cdp). Every blocking wait of a rank happens
+just before one of its ops ("at op phi"), and only for something attached to an op of another
+rank that ends no later than phi starts (on this clock): a message sent at or after that op, a
+receive posted there (a send's completion, which on gloo needs the receiver's receive). Start
+times are strictly earlier along every such dependency, so the waits cannot form a cycle. The
+clock simulates the schedule in start-time order (an op starts at its due time, or later when
+what it must wait for ends later: a rule's update whose ring has not come round, the stretch
+``sync`` needs) and receives each message at the first op of its receiver that starts after the
+message's op ends and where it can be taken (a chain's partial sum after the receiver's own
+backward of the stage; a ring's copy after the receiver's chain send completed, since it arrives
+in the same buffer); a send is waited for at the first op of its sender that starts after the
+receive's op ends.
+
+**Updates** (theta(t) the parameters step t computes with, g(t) step t's summed gradient):
+``sync`` applies g(t) to stage l before step t+1's forward of l; ``v1`` before step t+2's;
+``v2`` before step t+1's forward of l where the worker is fresh on l (l >= (N-1-n) L / N) and
+otherwise just after step t+1's backward of l (the worker computes step t+1 with theta_l(t) there,
+the paper's second version, and needs no copy of it: the update waits).
+
+Every rank runs the same simulation, so each knows, for each of its ops, which tokens to take,
+which messages to receive, which sends to wait for and which stage updates to apply
+(:meth:`Clock.actions`).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from planner.stages import stage_owners
+
+TOKEN_BYTES = 8
+
+
+@dataclass(frozen=True, order=True)
+class Message:
+    """A point-to-point message of the schedule. ``kind`` "chain": the partial sum of stage
+    ``stage``'s gradient of step ``step`` from chain place ``place`` to place + 1; "ring": the
+    final buffer (sum, or with ZeRO the owner's new parameters) from ring place ``place`` to
+    place + 1 (place 0 is the owner); "token": worker ``src`` has done op ``step``."""
+
+    step: int
+    stage: int
+    kind: str
+    place: int
+    src: int
+    dst: int
+
+
+@dataclass
+class OpActions:
+    """What worker ``worker`` does just before its op ``op`` and when it starts on the clock (ticks)."""
+
+    worker: int
+    op: int
+    start: int
+    # in order, each at a tick <= start: ("recv", message, tick) receive it (and pass on what
+    # ``forwards`` says), ("wait", message, tick) wait for this send to complete, ("tokens", k,
+    # tick) receive the predecessor's tokens up to op k
+    log: list[tuple[str, Message | int, int]] = field(default_factory=list)
+    uses: list[tuple[int, int]] = field(default_factory=list)  # (step, stage) updates applied, after the log
+    forwards: dict[Message, Message] = field(default_factory=dict)  # a receive -> the message it sends on, at once
+    head: Message | None = None  # after the op (a backward): the chain this worker heads
+
+    @property
+    def receives(self) -> list[Message]:
+        return [m for kind, m, _ in self.log if kind == "recv"]  # type: ignore[misc]
+
+    @property
+    def send_waits(self) -> list[Message]:
+        return [m for kind, m, _ in self.log if kind == "wait"]  # type: ignore[misc]
+
+    @property
+    def sends(self) -> list[Message]:
+        """The data messages this op sends: those its receives pass on, then its chain's head."""
+        return [*self.forwards.values(), *([self.head] if self.head is not None else [])]
+
+
+@dataclass
+class _Msg:
+    message: Message
+    avail: int  # the tick it is sent at (after an op: the op's end); the receiver may take it from then
+    recv_end: int = -1  # the tick its receive is posted at (the sender may wait for the send from then)
+
+
+class Clock:
+    """CDP's schedule for ``workers`` workers and ``stages`` stages (module docstring)."""
+
+    def __init__(self, workers: int, stages: int, owners: Sequence[int], rule: str, has_params: Sequence[bool], keep: int | None = None) -> None:
+        """``keep``: the worker whose ops' actions are kept for :meth:`actions` (None: every worker's)."""
+        if rule not in ("sync", "v1", "v2"):
+            raise ValueError(f"unknown CDP update rule {rule!r}; use sync, v1 or v2")
+        if len(owners) != stages or len(has_params) != stages:
+            raise ValueError(f"{stages} stages need {stages} owners and flags, got {len(owners)} and {len(has_params)}")
+        self.workers, self.stages, self.owners, self.rule = workers, stages, tuple(owners), rule
+        self.has_params = tuple(has_params)
+        if rule == "sync":  # every stage's sum before the next step's forward: no delay (DP through the chain)
+            self.scale, self.delta, self.lead = 1, 0, 0
+        else:
+            self.scale = workers // math.gcd(2 * stages, workers)  # ticks per time unit
+            self.delta = 2 * stages * self.scale // workers  # the uniform delay, in ticks
+            self.lead = 2 * stages // workers  # ops a worker's predecessor is ahead by, whole
+        self.period = 2 * stages
+        self._start: dict[tuple[int, int], int] = {}
+        self._done: dict[tuple[int, int], OpActions] = {}
+        self._queue: list[tuple[int, int, int, int]] = []
+        self._seq = 0
+        self._parked: set[int] = set()
+        self._boundary = {n: _Boundary(0, self.due(n, 0), OpActions(n, 0, -1)) for n in range(workers)}
+        for n in range(workers):
+            self._push(n, self.due(n, 0))
+        self._msgs: dict[Message, _Msg] = {}
+        self._incoming: list[list[Message]] = [[] for _ in range(workers)]  # created, not yet received
+        self._outgoing: list[list[Message]] = [[] for _ in range(workers)]  # sent, not yet waited for
+        self._final: dict[tuple[int, int, int], int] = {}  # (worker, step, stage) -> op its buffer became final at
+        self._chain_done: set[tuple[int, int, int]] = set()  # (worker, step, stage): its chain send waited for
+        self._tokens_taken = [-1] * workers
+        self.keep = keep
+        self.messages_per_step = 2 * (workers - 1) * sum(has_params)
+        self._closed: dict[int, int] = {}  # step -> its data messages received and waited for
+        self._touched: dict[int, int] = {}  # step -> the last op index any of its messages was received or waited for at
+
+    # ---------------------------------------------------------------- the schedule's shape
+
+    def due(self, worker: int, op: int) -> int:
+        return op * self.scale + worker * self.delta
+
+    def place(self, stage: int, worker: int) -> int:
+        """``worker``'s place in stage ``stage``'s chain (0 first, N-1 the owner)."""
+        return (worker - self.owners[stage] - 1) % self.workers
+
+    def at_place(self, stage: int, place: int) -> int:
+        return (self.owners[stage] + 1 + place) % self.workers
+
+    def ring_next(self, stage: int, worker: int) -> int | None:
+        """Who ``worker`` passes stage ``stage``'s final buffer to: the ring runs from the owner
+        through chain places 0, 1, ..., N-2."""
+        place = self.place(stage, worker)
+        if place == self.workers - 2:
+            return None
+        return self.at_place(stage, 0 if place == self.workers - 1 else place + 1)
+
+    def gate(self, worker: int, op: int) -> int:
+        """The predecessor's last op that must be done before ``worker``'s op ``op`` (-1: none)."""
+        if self.workers == 1:
+            return -1
+        need = op - 1 + self.lead - (self.period if worker == 0 else 0)
+        return max(need, -1)
+
+    def fresh(self, worker: int, stage: int) -> bool:
+        """v2: worker n computes stage l with the newest parameters iff l >= (N-1-n) L / N."""
+        return stage * self.workers >= (self.workers - 1 - worker) * self.stages
+
+    def backward_op(self, step: int, stage: int) -> int:
+        return self.period * step + self.period - 1 - stage
+
+    def uses_at(self, worker: int, op: int) -> list[tuple[int, int]]:
+        """The (step, stage) updates ``worker`` applies just before op ``op`` (module docstring)."""
+        step, j = divmod(op, self.period)
+        big_l, out = self.stages, []
+        if j < big_l:  # the forward of stage j
+            if self.rule == "sync" or (self.rule == "v2" and self.fresh(worker, j)):
+                out.append((step - 1, j))
+            elif self.rule == "v1":
+                out.append((step - 2, j))
+            elif j == 0:  # v2, stale on stage 0: step t's update after step t+1's backward of 0
+                out.append((step - 2, 0))
+        elif self.rule == "v2" and j > big_l and not self.fresh(worker, self.period - j):
+            out.append((step - 1, self.period - j))  # just after step t+1's backward of stage 2L - j
+        return [(t, stage) for t, stage in out if t >= 0 and self.has_params[stage]]
+
+    # ---------------------------------------------------------------- answers
+
+    def actions(self, worker: int, op: int) -> OpActions:
+        """What ``worker`` does before its op ``op`` (simulating as far as needed; ops are asked for
+        in order on each rank, and forgotten once asked for)."""
+        while (worker, op) not in self._done:
+            self._advance()
+        return self._done.pop((worker, op))
+
+    def drained_by(self, last_step: int) -> int:
+        """The op index by which every worker has received and waited for every message of steps
+        <= ``last_step`` (all 2(N-1) per stage), and passed every update theta(last_step + 1) needs:
+        after its last step a rank runs the ops before it without compute (runtime.cdp)."""
+        while any(self._closed.get(t, 0) < self.messages_per_step for t in range(last_step + 1)):
+            self._advance()
+        return max(self.period * (last_step + 2) + 1, max((self._touched.get(t, 0) for t in range(last_step + 1)), default=0) + 1)
+
+    # ---------------------------------------------------------------- the simulation
+
+    def _advance(self) -> None:
+        """Process the worker whose clock is earliest: its next boundary's services, then its op."""
+        if not self._queue:
+            raise RuntimeError(f"CDP's clock is stuck: workers {sorted(self._parked)} wait for each other at ops "
+                               f"{[self._boundary[n].op for n in sorted(self._parked)]} (a bug in the schedule)")
+        tick, phase, n, _ = heapq.heappop(self._queue)
+        b = self._boundary[n]
+        b.now = max(b.now, tick)
+        changed = self._serve(n, b)
+        if b.blocked is None and phase == 0:  # ops start once everything due at this tick is served
+            self._push(n, b.now, phase=1)
+        elif b.blocked is None:
+            self._run(n, b)
+            changed = True
+        elif b.blocked > b.now:
+            self._push(n, b.blocked)
+        else:
+            self._parked.add(n)
+        if changed:  # what it did may let a parked worker on, from now
+            for m in sorted(self._parked):
+                self._parked.discard(m)
+                self._boundary[m].now = max(self._boundary[m].now, b.now)
+                self._push(m, self._boundary[m].now)
+
+    def _push(self, worker: int, tick: int, phase: int = 0) -> None:
+        self._seq += 1
+        heapq.heappush(self._queue, (tick, phase, worker, self._seq))
+
+    def _end(self, worker: int, op: int) -> int | None:
+        start = self._start.get((worker, op))
+        return None if start is None else start + self.scale
+
+    def _send(self, message: Message, avail: int) -> None:
+        self._msgs[message] = _Msg(message, avail)
+        self._incoming[message.dst].append(message)
+        self._outgoing[message.src].append(message)
+
+    def _serve(self, n: int, b: _Boundary) -> bool:
+        """Do what worker ``n`` can do at ``b.now`` before its op ``b.op``: wait for the sends whose
+        receive is posted, receive (and pass on) what has arrived, take the tokens once its
+        predecessor's op has ended. Sets ``b.blocked``: None when the op can start now, else the
+        tick to look again at (b.now: when something else changes)."""
+        acts, now, op, big_n = b.acts, b.now, b.op, self.workers
+        did, progress = False, True
+        while progress:
+            progress = False
+            for message in list(self._outgoing[n]):  # sends whose receive is posted
+                m = self._msgs[message]
+                if 0 <= m.recv_end <= now:
+                    acts.log.append(("wait", message, now))
+                    self._outgoing[n].remove(message)
+                    del self._msgs[message]
+                    if message.kind != "token":
+                        self._closed[message.step] = self._closed.get(message.step, 0) + 1
+                        self._touched[message.step] = max(self._touched.get(message.step, 0), op)
+                    if message.kind == "chain":
+                        self._chain_done.add((n, message.step, message.stage))
+                    progress = did = True
+            for message in sorted(m for m in self._incoming[n] if m.kind != "token"):  # what has arrived
+                m = self._msgs[message]
+                if m.avail > now:
+                    continue
+                if message.kind == "chain" and self.backward_op(message.step, message.stage) >= op:
+                    continue  # the partial sum is added to this worker's own gradient, made at its backward
+                if message.kind == "ring" and (n, message.step, message.stage) not in self._chain_done:
+                    continue  # it arrives in the buffer the chain sent from, once that send has completed
+                self._receive(n, b, message)
+                progress = did = True
+        gate_end: int | None = now
+        if not b.gated:
+            gate = self.gate(n, op)
+            if gate > self._tokens_taken[n]:
+                gate_end = self._end((n - 1) % big_n, gate)
+                if gate_end is not None and gate_end <= now:
+                    pred = (n - 1) % big_n
+                    for psi in range(self._tokens_taken[n] + 1, gate + 1):
+                        m = self._msgs[Message(psi, -1, "token", 0, pred, n)]
+                        m.recv_end = now
+                        self._incoming[n].remove(m.message)
+                    self._tokens_taken[n] = gate
+                    acts.log.append(("tokens", gate, now))
+                    did = True
+                    b.gated = True
+            else:
+                b.gated = True
+        later = [m.avail for m in (self._msgs[k] for k in self._incoming[n] if k.kind != "token") if m.avail > now]
+        if not b.gated:
+            b.blocked = min([*later, gate_end]) if gate_end is not None else (min(later) if later else now)
+        elif any((n, t, stage) not in self._final for t, stage in self.uses_at(n, op)):
+            b.blocked = min(later) if later else now
+        else:
+            b.blocked = None
+        return did
+
+    def _receive(self, n: int, b: _Boundary, message: Message) -> None:
+        m = self._msgs[message]
+        m.recv_end = b.now
+        self._incoming[n].remove(message)
+        b.acts.log.append(("recv", message, b.now))
+        step, stage, big_n = message.step, message.stage, self.workers
+        self._touched[step] = max(self._touched.get(step, 0), b.op)
+        onward: Message | None = None
+        if message.kind == "chain" and message.place + 1 < big_n - 1:
+            onward = Message(step, stage, "chain", message.place + 1, n, (n + 1) % big_n)
+        else:  # the owner's sum, or the ring's copy: final here, and passed on
+            self._final[(n, step, stage)] = b.op
+            after = self.ring_next(stage, n)
+            if after is not None:
+                onward = Message(step, stage, "ring", 0 if message.kind == "chain" else message.place + 1, n, after)
+        if onward is not None:
+            self._send(onward, b.now)
+            b.acts.forwards[message] = onward
+
+    def _run(self, n: int, b: _Boundary) -> None:
+        """Worker ``n``'s op ``b.op`` starts at ``b.now``: its updates, the op, then (after a
+        backward) the chain it heads and, after every op, its token."""
+        op, tick, big_n, acts = b.op, b.now, self.workers, b.acts
+        self._start[(n, op)] = tick
+        acts.start = tick
+        end = tick + self.scale
+        acts.uses = self.uses_at(n, op)
+        step, j = divmod(op, self.period)
+        if j >= self.stages and self.has_params[self.period - 1 - j]:
+            stage = self.period - 1 - j
+            if big_n == 1:
+                self._final[(n, step, stage)] = op
+            elif self.place(stage, n) == 0:
+                acts.head = Message(step, stage, "chain", 0, n, (n + 1) % big_n)
+                self._send(acts.head, end)
+        if big_n > 1:
+            self._send(Message(op, -1, "token", 0, n, (n + 1) % big_n), end)
+        if self.keep is None or self.keep == n:
+            self._done[(n, op)] = acts
+        if op % self.period == 0:  # forget what no later op looks at
+            for old in [k for k in self._start if k[0] == n and k[1] < op - 4 * self.period]:
+                del self._start[old]
+            for done in [k for k in self._final if k[0] == n and k[1] < step - 3]:
+                del self._final[done]
+        self._boundary[n] = _Boundary(op + 1, max(self.due(n, op + 1), end), OpActions(n, op + 1, -1))
+        self._push(n, self._boundary[n].now)
+
+
+@dataclass
+class _Boundary:
+    """A worker between two ops: the op it is about to run, its clock, and what it has done."""
+
+    op: int
+    now: int
+    acts: OpActions
+    gated: bool = False
+    blocked: int | None = None
+
+
+def schedule_owners(sizes: Sequence[int], workers: int, rule: str, zero: bool) -> tuple[int, ...]:
+    """Each stage's owner (where its chain ends) for CDPTrainer: :func:`planner.stages.stage_owners`
+    (the ranks' sent bytes, or with ZeRO their optimizer state, evened), unless under ``v2`` those
+    owners stretch the schedule (a fresh stage's ring not round in time, on the clock's ideal
+    messages: N = 8, L = 4 does), where the chain ends at worker N-1 for every stage, as in the
+    paper (every sum complete when the last worker's backward of the stage is)."""
+    balanced = stage_owners(sizes, workers, zero=zero)
+    if rule != "v2" or workers == 1:
+        return balanced
+    has = [b > 0 for b in sizes]
+    return balanced if _stretch(workers, len(sizes), balanced, rule, has) == 0 else tuple([workers - 1] * len(sizes))
+
+
+def _stretch(workers: int, stages: int, owners: Sequence[int], rule: str, has_params: Sequence[bool], steps: int = 8) -> int:
+    """Ticks a step of the clock runs over its due length in steady state (0: the schedule holds;
+    the first steps may settle into a constant lag)."""
+    clock = Clock(workers, stages, owners, rule, has_params)
+    lag = {(n, op): clock.actions(n, op).start - clock.due(n, op) for op in range(2 * stages * steps) for n in range(workers)}
+    last, before = 2 * stages * (steps - 1), 2 * stages * (steps - 2)
+    return max(lag[(n, last)] - lag[(n, before)] for n in range(workers))

@@ -1,0 +1,136 @@
+"""planner.cdp_clock: CDP's schedule as the paper runs it, checked on the clock itself (no process).
+
+* the uniform delay: worker n's op j of step k is due at 2Lk + j + n*2L/N time units and, once
+  the first steps have settled, starts a constant lag after it: the same lag for every op of every
+  worker where 2L/N is a whole number of ops (then the schedule is exactly the paper's), a lag per
+  worker otherwise (N = 3, 6 or 8 against L = 2 or 4: the step's period holds, the offsets
+  between workers are 2L/N give or take a few ticks);
+* the tokens: no op starts before its predecessor's op the schedule puts before it has ended;
+* every wait (a receive, a send's completion, a token) is for something that happened at an
+  earlier or the same tick on its rank's clock, so the runtime that follows it cannot deadlock;
+* each stage's update is applied where its rule says, once per worker;
+* each rank's sends are spread over the step.
+The runtime follows this clock op by op (tests/test_cdp.py checks the ranks' sends and timestamps).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from planner.cdp_clock import Clock, Message, OpActions, schedule_owners
+
+CONFIGS = [(4, 4), (4, 2), (2, 4), (8, 4), (4, 8), (3, 2), (8, 2), (1, 3), (6, 4)]
+STEPS = 12
+
+
+def _run(workers: int, stages: int, rule: str, sizes: list[int] | None = None) -> tuple[Clock, dict[tuple[int, int], OpActions]]:
+    sizes = sizes or [100] * stages
+    clock = Clock(workers, stages, schedule_owners(sizes, workers, rule, False), rule, [b > 0 for b in sizes])
+    return clock, {(n, op): clock.actions(n, op) for op in range(2 * stages * STEPS) for n in range(workers)}
+
+
+@pytest.mark.parametrize("rule", ["v1", "v2", "sync"])
+def test_the_schedule_is_the_papers_uniform_delay(rule: str) -> None:
+    for workers, stages in CONFIGS:
+        clock, acts = _run(workers, stages, rule)
+        delay = 0 if rule == "sync" else 2 * stages / workers  # sync is DP through the chain: no delay
+        for (n, op), a in acts.items():
+            step, j = divmod(op, 2 * stages)
+            assert clock.due(n, op) / clock.scale == pytest.approx(2 * stages * step + j + n * delay)
+            assert a.start >= clock.due(n, op)
+        lag = {(n, op): a.start - clock.due(n, op) for (n, op), a in acts.items()}
+        late = [(n, op) for n, op in lag if op >= 2 * stages * (STEPS - 3)]
+        assert all(lag[(n, op)] == lag[(n, op - 2 * stages)] for n, op in late), (workers, stages, rule)  # the step's period holds
+        if rule == "sync" or (2 * stages) % workers == 0:  # the delay a whole number of ops: one lag for every op of every worker
+            assert len({lag[key] for key in late}) == 1, (workers, stages, rule)
+
+
+@pytest.mark.parametrize("rule", ["v1", "v2", "sync"])
+def test_tokens_keep_each_worker_behind_its_predecessor(rule: str) -> None:
+    for workers, stages in CONFIGS:
+        clock, acts = _run(workers, stages, rule)
+        if workers == 1:
+            continue
+        for (n, op), a in acts.items():
+            gate = clock.gate(n, op)
+            if gate >= 0 and ((n - 1) % workers, gate) in acts:
+                pred = acts[((n - 1) % workers, gate)]
+                assert a.start >= pred.start + clock.scale, (workers, stages, n, op)
+                # and the gate is the predecessor's last op due to end by this op's due time
+                assert clock.due((n - 1) % workers, gate + 1) + clock.scale > clock.due(n, op) - (2 * stages * clock.scale if n == 0 else 0)
+
+
+@pytest.mark.parametrize("rule", ["v1", "v2", "sync"])
+def test_every_wait_is_for_something_earlier_on_the_clock(rule: str) -> None:
+    for workers, stages in CONFIGS:
+        clock, acts = _run(workers, stages, rule)
+        posted: dict[Message, int] = {}  # message -> the tick its sender posted it
+        received: dict[Message, int] = {}
+        for a in acts.values():
+            for kind, item, tick in a.log:
+                assert tick <= a.start
+                if kind == "recv":
+                    assert isinstance(item, Message)
+                    received[item] = tick
+                    if item in a.forwards:
+                        posted[a.forwards[item]] = tick
+            if a.head is not None:
+                posted[a.head] = a.start + clock.scale
+        for (n, _op), a in acts.items():
+            ticks = [tick for _, _, tick in a.log]
+            assert ticks == sorted(ticks)
+            for kind, item, tick in a.log:
+                if kind == "recv" and item in posted:  # (its sender, ahead, may post it at an op not asked for here)
+                    assert posted[item] <= tick, (workers, stages, item)  # type: ignore[index]
+                elif kind == "wait" and isinstance(item, Message) and item in received:  # (a receiver ahead may take it at an op not asked for here)
+                    assert received[item] <= tick, (workers, stages, item)
+                elif kind == "tokens" and ((n - 1) % workers, item) in acts:
+                    assert acts[((n - 1) % workers, item)].start + clock.scale <= tick  # type: ignore[index]
+
+
+@pytest.mark.parametrize("rule", ["v1", "v2", "sync"])
+def test_each_update_is_applied_where_its_rule_says(rule: str) -> None:
+    for workers, stages in CONFIGS:
+        clock, acts = _run(workers, stages, rule)
+        big_l = stages
+        for n in range(workers):
+            used = {(t, stage): op for (m, op), a in acts.items() if m == n for t, stage in a.uses}
+            for t in range(STEPS - 2):
+                for stage in range(stages):
+                    if rule == "v1":
+                        want = 2 * big_l * (t + 2) + stage
+                    elif rule == "sync" or clock.fresh(n, stage):
+                        want = 2 * big_l * (t + 1) + stage  # before step t+1's forward of the stage
+                    else:
+                        want = 2 * big_l * (t + 1) + 2 * big_l - stage  # just after step t+1's backward of it
+                    assert used[(t, stage)] == want, (workers, stages, rule, n, t, stage)
+
+
+def test_each_ranks_sends_are_spread_over_the_step() -> None:
+    """Stages of equal size: no 1/L of a steady step carries more than 2/L of a rank's bytes where
+    N <= L (a stage's buffer leaves a rank at most twice a step, at the boundaries of the ops the
+    clock spreads them over). Where N > L the wrapped chains bunch a little: 4/7 at N = 8, L = 4
+    (2/L = 1/2), and 0.36 at N = L = 8 (2/L = 1/4) under v1's rotated owners."""
+    for workers, stages, bound in ((4, 4, 0.5), (2, 4, 0.5), (4, 8, 0.25), (4, 2, 1.0), (8, 4, 4 / 7), (8, 8, 0.36)):
+        for rule in ("v1", "v2"):
+            clock, acts = _run(workers, stages, rule)
+            period, window = 2 * stages * clock.scale, 2 * clock.scale
+            for n in range(workers):
+                sends = []
+                for op in range(2 * stages * STEPS):
+                    a = acts[(n, op)]
+                    sends += [(tick, 100) for kind, item, tick in a.log if kind == "recv" and item in a.forwards]
+                    sends += [(a.start + clock.scale, 100)] if a.head is not None else []
+                lo = acts[(n, 2 * stages * (STEPS - 3))].start
+                total = sum(b for t, b in sends if lo <= t < lo + period)
+                worst = max(sum(b for t, b in sends if t0 <= t < t0 + window) for t0 in range(lo, lo + period))
+                assert worst <= bound * total + 1e-9, (workers, stages, rule, n, worst / total)
+
+
+def test_v2_keeps_the_balanced_owners_unless_they_stretch_the_schedule() -> None:
+    """v2's fresh stages need their sum before the next step's forward; with rotated owners the
+    ring of a wrapped chain comes round late at N = 8, L = 4, so there every chain ends at worker
+    N-1, as in the paper; v1 (two steps of slack) keeps the balanced owners."""
+    assert schedule_owners([100] * 4, 8, "v2", False) == (7, 7, 7, 7)
+    assert schedule_owners([100] * 4, 8, "v1", False) == (0, 2, 4, 6)
+    assert schedule_owners([100] * 4, 4, "v2", False) == (0, 2, 0, 2)
