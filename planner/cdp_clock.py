@@ -23,14 +23,17 @@ what it must wait for ends later: a rule's update whose ring has not come round,
 ``sync`` needs) and receives each message at the first op of its receiver that starts after the
 message's op ends and where it can be taken (a chain's partial sum after the receiver's own
 backward of the stage; a ring's copy after the receiver's chain send completed, since it arrives
-in the same buffer); a send is waited for at the first op of its sender that starts after the
-receive's op ends.
+in the same buffer): there its receive is posted, and the message is taken (waited for) at once,
+except under v1, whose ring copies are taken an op later where that keeps the schedule
+(:func:`ring_hold`), travelling while the receiver computes; a send is waited for at the first op of its sender that starts
+after its receiver took it.
 
 **Updates** (theta(t) the parameters step t computes with, g(t) step t's summed gradient):
-``sync`` applies g(t) to stage l before step t+1's forward of l; ``v1`` before step t+2's;
-``v2`` before step t+1's forward of l where the worker is fresh on l (l >= (N-1-n) L / N) and
-otherwise just after step t+1's backward of l (the worker computes step t+1 with theta_l(t) there,
-the paper's second version, and needs no copy of it: the update waits).
+``sync`` applies g(t) at step t+1's start; ``v1`` at step t+2's start; ``v2`` just before step
+t+1's forward of stage l where the worker is fresh on l (l >= (N-1-n) L / N), and otherwise at step
+t+2's start (the worker computes step t+1 with theta_l(t) there, the paper's second version, and
+needs no copy of it: the update waits). At a step's start the previous step's activations are
+gone, so the optimizer's temporaries meet none, as in data parallelism.
 
 Every rank runs the same simulation, so each knows, for each of its ops, which tokens to take,
 which messages to receive, which sends to wait for and which stage updates to apply
@@ -41,7 +44,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from planner.stages import stage_owners
@@ -71,12 +74,15 @@ class OpActions:
     worker: int
     op: int
     start: int
-    # in order, each at a tick <= start: ("recv", message, tick) receive it (and pass on what
-    # ``forwards`` says), ("wait", message, tick) wait for this send to complete, ("tokens", k,
-    # tick) receive the predecessor's tokens up to op k
+    # in order, each at a tick <= start: ("post", message, tick) post its receive (it travels
+    # while this worker computes), ("recv", message, tick) wait for it (an op after the post at
+    # the earliest) and pass on what ``forwards`` says, ("wait", message, tick) wait for this send
+    # to complete, ("tokens", k, tick) receive the predecessor's tokens up to op k
     log: list[tuple[str, Message | int, int]] = field(default_factory=list)
     uses: list[tuple[int, int]] = field(default_factory=list)  # (step, stage) updates applied, after the log
     forwards: dict[Message, Message] = field(default_factory=dict)  # a receive -> the message it sends on, at once
+    log_order: list[int] = field(default_factory=list)  # each log entry's place in the simulation's order
+    order: int = -1  # the op's place in it
     head: Message | None = None  # after the op (a backward): the chain this worker heads
 
     @property
@@ -96,15 +102,18 @@ class OpActions:
 @dataclass
 class _Msg:
     message: Message
-    avail: int  # the tick it is sent at (after an op: the op's end); the receiver may take it from then
-    recv_end: int = -1  # the tick its receive is posted at (the sender may wait for the send from then)
+    avail: int  # the tick it is sent at (after an op: the op's end); the receiver may post its receive from then
+    posted: int = -1  # the tick the receiver posted its receive at; it takes the message an op later
+    recv_end: int = -1  # the tick the receiver took it at (the sender may wait for the send from then)
 
 
 class Clock:
     """CDP's schedule for ``workers`` workers and ``stages`` stages (module docstring)."""
 
-    def __init__(self, workers: int, stages: int, owners: Sequence[int], rule: str, has_params: Sequence[bool], keep: int | None = None) -> None:
-        """``keep``: the worker whose ops' actions are kept for :meth:`actions` (None: every worker's)."""
+    def __init__(self, workers: int, stages: int, owners: Sequence[int], rule: str, has_params: Sequence[bool], keep: int | None = None,
+                 hold: bool = False) -> None:
+        """``keep``: the worker whose ops' actions are kept for :meth:`actions` (None: every worker's).
+        ``hold``: v1's ring copies are taken an op after their receive is posted (:func:`ring_hold`)."""
         if rule not in ("sync", "v1", "v2"):
             raise ValueError(f"unknown CDP update rule {rule!r}; use sync, v1 or v2")
         if len(owners) != stages or len(has_params) != stages:
@@ -118,6 +127,8 @@ class Clock:
             self.delta = 2 * stages * self.scale // workers  # the uniform delay, in ticks
             self.lead = 2 * stages // workers  # ops a worker's predecessor is ahead by, whole
         self.period = 2 * stages
+        self._order = 0  # every action and op numbered in the order the simulation does them
+        self.hold = self.scale if hold and rule == "v1" else 0  # ticks between posting a ring's receive and taking it
         self._start: dict[tuple[int, int], int] = {}
         self._done: dict[tuple[int, int], OpActions] = {}
         self._queue: list[tuple[int, int, int, int]] = []
@@ -172,18 +183,21 @@ class Clock:
         return self.period * step + self.period - 1 - stage
 
     def uses_at(self, worker: int, op: int) -> list[tuple[int, int]]:
-        """The (step, stage) updates ``worker`` applies just before op ``op`` (module docstring)."""
+        """The (step, stage) updates ``worker`` applies just before op ``op`` (module docstring):
+        at a step's start, when the previous step's activations are gone (the optimizer's
+        temporaries then meet no activation, as in data parallelism), except v2's fresh stages,
+        which need theirs before their forward."""
         step, j = divmod(op, self.period)
-        big_l, out = self.stages, []
-        if j < big_l:  # the forward of stage j
-            if self.rule == "sync" or (self.rule == "v2" and self.fresh(worker, j)):
-                out.append((step - 1, j))
+        out = []
+        if j == 0:
+            if self.rule == "sync":
+                out += [(step - 1, stage) for stage in range(self.stages)]
             elif self.rule == "v1":
-                out.append((step - 2, j))
-            elif j == 0:  # v2, stale on stage 0: step t's update after step t+1's backward of 0
-                out.append((step - 2, 0))
-        elif self.rule == "v2" and j > big_l and not self.fresh(worker, self.period - j):
-            out.append((step - 1, self.period - j))  # just after step t+1's backward of stage 2L - j
+                out += [(step - 2, stage) for stage in range(self.stages)]
+            else:  # v2's stale stages: step t's update at step t+2's start, after step t+1 ran with theta(t)
+                out += [(step - 2, stage) for stage in range(self.stages) if not self.fresh(worker, stage)]
+        if self.rule == "v2" and j < self.stages and self.fresh(worker, j):
+            out.append((step - 1, j))  # just before step t+1's forward of the stage
         return [(t, stage) for t, stage in out if t >= 0 and self.has_params[stage]]
 
     # ---------------------------------------------------------------- answers
@@ -254,7 +268,7 @@ class Clock:
             for message in list(self._outgoing[n]):  # sends whose receive is posted
                 m = self._msgs[message]
                 if 0 <= m.recv_end <= now:
-                    acts.log.append(("wait", message, now))
+                    self._log(acts, ("wait", message, now))
                     self._outgoing[n].remove(message)
                     del self._msgs[message]
                     if message.kind != "token":
@@ -263,16 +277,21 @@ class Clock:
                     if message.kind == "chain":
                         self._chain_done.add((n, message.step, message.stage))
                     progress = did = True
-            for message in sorted(m for m in self._incoming[n] if m.kind != "token"):  # what has arrived
+            for message in sorted(m for m in self._incoming[n] if m.kind != "token"):  # what has been sent here
                 m = self._msgs[message]
                 if m.avail > now:
                     continue
-                if message.kind == "chain" and self.backward_op(message.step, message.stage) >= op:
-                    continue  # the partial sum is added to this worker's own gradient, made at its backward
-                if message.kind == "ring" and (n, message.step, message.stage) not in self._chain_done:
-                    continue  # it arrives in the buffer the chain sent from, once that send has completed
-                self._receive(n, b, message)
-                progress = did = True
+                if m.posted < 0:
+                    if message.kind == "chain" and self.backward_op(message.step, message.stage) >= op:
+                        continue  # the partial sum is added to this worker's own gradient, made at its backward
+                    if message.kind == "ring" and (n, message.step, message.stage) not in self._chain_done:
+                        continue  # it arrives in the buffer the chain sent from, once that send has completed
+                    m.posted = now  # its receive is posted: it travels while this worker computes
+                    self._log(acts, ("post", message, now))
+                    progress = did = True
+                if m.posted + self._hold(message) <= now:  # taken (and passed on)
+                    self._receive(n, b, message)
+                    progress = did = True
         gate_end: int | None = now
         if not b.gated:
             gate = self.gate(n, op)
@@ -285,12 +304,13 @@ class Clock:
                         m.recv_end = now
                         self._incoming[n].remove(m.message)
                     self._tokens_taken[n] = gate
-                    acts.log.append(("tokens", gate, now))
+                    self._log(acts, ("tokens", gate, now))
                     did = True
                     b.gated = True
             else:
                 b.gated = True
-        later = [m.avail for m in (self._msgs[k] for k in self._incoming[n] if k.kind != "token") if m.avail > now]
+        pending = [self._msgs[k] for k in self._incoming[n] if k.kind != "token"]
+        later = [t for m in pending for t in (m.avail, m.posted + self._hold(m.message) if m.posted >= 0 else -1) if t > now]
         if not b.gated:
             b.blocked = min([*later, gate_end]) if gate_end is not None else (min(later) if later else now)
         elif any((n, t, stage) not in self._final for t, stage in self.uses_at(n, op)):
@@ -299,11 +319,23 @@ class Clock:
             b.blocked = None
         return did
 
+    def _hold(self, message: Message) -> int:
+        """Ticks between posting the receive of ``message`` and taking it: with ``hold``, v1's ring
+        copies travel for an op of the receiver's compute (v1 uses them a step later); a chain's
+        partial sum is taken at once (it arrives ops after it left, while the receiver ran its own
+        ops), and so are v2's and sync's ring copies (fresh stages need them soon)."""
+        return self.hold if message.kind == "ring" else 0
+
+    def _log(self, acts: OpActions, entry: tuple[str, Message | int, int]) -> None:
+        self._order += 1
+        acts.log.append(entry)
+        acts.log_order.append(self._order)
+
     def _receive(self, n: int, b: _Boundary, message: Message) -> None:
         m = self._msgs[message]
         m.recv_end = b.now
         self._incoming[n].remove(message)
-        b.acts.log.append(("recv", message, b.now))
+        self._log(b.acts, ("recv", message, b.now))
         step, stage, big_n = message.step, message.stage, self.workers
         self._touched[step] = max(self._touched.get(step, 0), b.op)
         onward: Message | None = None
@@ -324,6 +356,8 @@ class Clock:
         op, tick, big_n, acts = b.op, b.now, self.workers, b.acts
         self._start[(n, op)] = tick
         acts.start = tick
+        self._order += 1
+        acts.order = self._order
         end = tick + self.scale
         acts.uses = self.uses_at(n, op)
         step, j = divmod(op, self.period)
@@ -371,10 +405,68 @@ def schedule_owners(sizes: Sequence[int], workers: int, rule: str, zero: bool) -
     return balanced if _stretch(workers, len(sizes), balanced, rule, has) == 0 else tuple([workers - 1] * len(sizes))
 
 
-def _stretch(workers: int, stages: int, owners: Sequence[int], rule: str, has_params: Sequence[bool], steps: int = 8) -> int:
-    """Ticks a step of the clock runs over its due length in steady state (0: the schedule holds;
-    the first steps may settle into a constant lag)."""
-    clock = Clock(workers, stages, owners, rule, has_params)
+def ring_hold(workers: int, stages: int, owners: Sequence[int], rule: str, has_params: Sequence[bool]) -> bool:
+    """Whether v1's ring copies may travel for an op before their receivers take them: where the
+    clock's schedule still holds with it (a ring of N-1 hops an op each, and the wraps, within v1's
+    step of slack; not at N = 8, L = 4)."""
+    return rule == "v1" and workers > 1 and _stretch(workers, stages, owners, rule, has_params, hold=True) == 0
+
+
+def _stretch(workers: int, stages: int, owners: Sequence[int], rule: str, has_params: Sequence[bool], steps: int = 12, hold: bool = False) -> int:
+    """Ticks the clock's steps run over their due length in steady state, over its last three
+    simulated steps (0: the schedule holds; the first steps may settle into a constant lag)."""
+    clock = Clock(workers, stages, owners, rule, has_params, hold=hold)
     lag = {(n, op): clock.actions(n, op).start - clock.due(n, op) for op in range(2 * stages * steps) for n in range(workers)}
-    last, before = 2 * stages * (steps - 1), 2 * stages * (steps - 2)
+    last, before = 2 * stages * (steps - 1), 2 * stages * (steps - 4)
     return max(lag[(n, last)] - lag[(n, before)] for n in range(workers))
+
+
+def step_period(workers: int, stages: int, owners: Sequence[int], rule: str, has_params: Sequence[bool],
+                durations: Sequence[float], latency: Callable[[Message], float], steps: int = 8, hold: bool = False) -> float:
+    """Seconds a step takes as runtime.cdp.CDPTrainer runs the clock, once it has settled (the
+    planner's price of CDP, planner.schemes.cdp): the clock's actions replayed in seconds, in the
+    order the clock does them, each rank blocking where the clock puts its waits. ``durations``:
+    seconds of op j of a step (2L); ``latency(message)``: seconds a message takes from its send
+    (a token's too, from its op's end). A receive ends when the message has arrived; a send's
+    wait when its receiver has it; a token wait when the predecessor's op has ended and its token
+    arrived; an op starts when its actions are done. Returns the slowest worker's time over its
+    last two simulated steps, halved."""
+    clock = Clock(workers, stages, owners, rule, has_params, hold=hold)
+    period = 2 * stages
+    # two steps more than measured: a worker ahead of another in the clock's order runs ops of a later step
+    acts = [(n, op, clock.actions(n, op)) for op in range(period * (steps + 2)) for n in range(workers)]
+    events: list[tuple[int, int, int, int]] = []  # (order, worker, op, log index; -1: the op itself)
+    for n, op, a in acts:
+        events += [(order, n, op, i) for i, order in enumerate(a.log_order)]
+        events.append((a.order, n, op, -1))
+    by_key = {(n, op): a for n, op, a in acts}
+    now = [0.0] * workers
+    sent: dict[Message, float] = {}
+    taken: dict[Message, float] = {}
+    ends: dict[tuple[int, int], float] = {}
+    starts: dict[tuple[int, int], float] = {}
+    for _, n, op, i in sorted(events):
+        a = by_key[(n, op)]
+        if i < 0:  # the op: then the chain it heads leaves
+            starts[(n, op)] = now[n]
+            now[n] += durations[op % period]
+            ends[(n, op)] = now[n]
+            if a.head is not None:
+                sent[a.head] = now[n]
+            continue
+        kind, item, _ = a.log[i]
+        if kind == "tokens":
+            pred = (n - 1) % workers
+            last = int(item)  # type: ignore[arg-type]
+            now[n] = max(now[n], ends.get((pred, last), now[n]) + latency(Message(last, -1, "token", 0, pred, n)))
+        elif kind == "recv":  # (a "post" only starts the receive: the message moves from its send)
+            assert isinstance(item, Message)
+            now[n] = max(now[n], sent.get(item, now[n]) + latency(item))
+            taken[item] = now[n]
+            if item in a.forwards:
+                sent[a.forwards[item]] = now[n]
+        elif kind == "wait" and isinstance(item, Message) and item.kind != "token":  # a send's completion: its receive
+            now[n] = max(now[n], taken.get(item, now[n]))
+    # (beyond the measured ops, what an op waits for may not have been replayed: it is not measured)
+    last_op, first_op = period * (steps - 1), period * (steps - 3)
+    return max(starts[(n, last_op)] - starts[(n, first_op)] for n in range(workers)) / 2

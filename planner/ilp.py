@@ -302,7 +302,10 @@ class Model:
             if term.cost and (uses[key] > 1 or any(gu == gv for gu, _, gv, _ in term.conditions)):
                 self.y[key] = self.lp.var(f"y_{k}", 0.0, 1.0)
             for m, (gu, iu, gv, iv) in enumerate(term.conditions):
-                if gu == gv and key in self.y:
+                if gu == gv and term.forbidden:  # a strategy that converts its own tensor this way may not be chosen
+                    for i in iu & iv:
+                        self.lp.upper[self.x[gu][i]] = 0.0
+                elif gu == gv and key in self.y:
                     self._row(f"conversion_{k}_{m}", GE, 0.0, [(self.y[key], 1.0)], self._ones(gu, iu & iv, -1.0))
         for k, edge in enumerate(p.edges.values()):
             e = {(a, b): self.lp.var(f"e_{k}_{m}") for m, (a, b) in enumerate((a, b) for a in edge.src_sets for b in edge.dst_sets)}
@@ -313,6 +316,8 @@ class Model:
             for b, iv in edge.dst_sets.items():
                 self._row(f"edge_{k}_dst_{b}", EQ, 0.0, ((e[(a, b)], 1.0) for a in edge.src_sets), self._ones(edge.group_v, iv, -1.0))
             for pair, keys in edge.conversions.items():
+                if any(p.conversions[key].forbidden for key in keys):  # the pair may not be chosen
+                    self.lp.upper[e[pair]] = 0.0
                 for key in keys:
                     if key in self.y:
                         self._row(f"edge_{k}_conv", GE, 0.0, [(self.y[key], 1.0), (e[pair], -1.0)])

@@ -30,8 +30,10 @@ def larger_text(resolution: float) -> str:
 def relaxation_infeasible(done: Candidate, budget: float, seconds: float) -> Candidate:
     """The configuration, when even its LP relaxation has nothing within the budget (the ILP's
     memory is a lower bound on every plan's: the evaluation only adds terms)."""
+    cdp = (" (with CDP, or no choice of strategies avoids a collective over the data-parallel workers, which CDP's workers, "
+           "running at different times, cannot join: plan it without CDP)") if done.cdp != "off" else ""
     return over_budget(done, budget, f"no plan on mesh {done.mesh} fits {format_bytes(budget)} per device: even the LP relaxation "
-                        "(integrality dropped) has nothing within it", seconds)
+                        f"(integrality dropped) has nothing within it{cdp}", seconds)
 
 
 def over_budget(done: Candidate, budget: float, reason: str, seconds: float) -> Candidate:

@@ -562,7 +562,10 @@ def least_memory_message(
             break
         problem = build_problem(graphs[c.micro_batches], c.mesh, hardware, optimizer=optimizer, master_dtype=master_dtype, prefetch=prefetch,
                                 cdp_stages=space.cdp_stages, allow=allow, bucket_bytes=bucket_bytes, **c.settings)
-        ev = solve(problem, memory_budget=float("inf"), objective="memory", settings=settings).evaluation
+        try:
+            ev = solve(problem, memory_budget=float("inf"), objective="memory", settings=settings).evaluation
+        except SolveStopped:  # no plan of it (or none known): it has no least memory to quote
+            continue
         if best is None or ev.peak_memory < best[0]:
             best = (ev.peak_memory, c, ev.memory)
     if best is None:

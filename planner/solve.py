@@ -433,6 +433,10 @@ class BudgetILP:
         build = self.build_seconds if not self.solves else 0.0
         self.solves += 1
         if outcome.values is None or outcome.status is None:
+            if self.objective == "memory" and outcome.reason == "Infeasible" and self.problem.cdp != "off":
+                raise SolveStopped(f"no CDP plan of mesh {self.problem.mesh}: every choice of strategies needs a collective over the "
+                                   "data-parallel workers (a tensor gathered over them), which CDP's workers, running at different times, "
+                                   "cannot join; plan it without CDP")
             if self.objective == "memory":
                 raise SolveStopped(f"the least-memory ILP of mesh {self.problem.mesh} found no plan within the time limit of "
                                    f"{self.settings.time_limit_s:g} s ({outcome.reason}): raise it (--time-limit, SolverSettings.time_limit_s)")

@@ -86,6 +86,7 @@ class ConversionTerm:
     rerun_cost: float = 0.0  # their seconds, all instances (part of ``cost``)
     # y >= [producer group in idx_u] + [consumer group in idx_v] - 1
     conditions: list[tuple[str, frozenset[int], str, frozenset[int]]] = field(default_factory=list)
+    forbidden: bool = False  # a pair of strategies the plan may not choose (CDP: a collective over its workers)
 
 
     @property

@@ -28,16 +28,17 @@ their next step. Tensor-parallel collectives inside a worker are unchanged (the 
 share its coordinate n).
 
 **Updates** (theta(t) the parameters step t computes with, g(t) step t's gradient summed over the
-workers; each stage has its own optimizer, stepped when the stage's update is due):
+workers; each stage has its own optimizer, stepped when the stage's update is due; a step's start,
+where the previous step's activations are gone, unless the rule needs it sooner):
 
 * ``sync``:  theta(t+1) = theta(t) - lr g(theta(t))       (no delay: plain DP, through the chain)
 * ``v1``:    theta(t+1) = theta(t) - lr g(theta(t-1))     (g(theta(-1)) = 0: step 0 does not update);
-             stage l's update from g(t) is applied just before step t+2's forward of l
+             g(t) is applied at step t+2's start
 * ``v2``:    worker n computes stage l with theta_l(t) if l >= (N-1-n) L / N (fresh) and with
              theta_l(t-1) otherwise; theta(t+1) = theta(t) - lr g(t). The update is applied just
-             before step t+1's forward of l where the worker is fresh, and otherwise just after step
-             t+1's backward of l: the worker computes that step with the parameters it has, and no
-             second copy is kept.
+             before step t+1's forward of l where the worker is fresh, and otherwise at step t+2's
+             start: the worker computes step t+1 with the parameters it has, and no second copy is
+             kept.
 
 "lr g" stands for the torch optimizer's step given that gradient (SGD, momentum, AdamW...). With
 ZeRO-1, a stage's owner alone keeps the stage's optimizer state and a master copy of its parameters:
@@ -46,8 +47,8 @@ of the sum (the same messages); the other workers install them when the update i
 
 Memory (what planner.schemes.cdp prices): a stage's buffer lives from its backward until its update
 is applied and its sends have completed: under v1 one buffer per stage of the previous step is
-alive through each step beside the step's own gradients, under v2 until the fresh stage's forward
-or the stale stage's backward of the next step.
+alive through each step beside the step's own gradients; under v2 a fresh stage's until the next
+step's forward of it, a stale stage's as v1's.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ from typing import Any, Literal
 import torch
 from torch.utils._pytree import tree_flatten
 
-from planner.cdp_clock import Clock, Message, OpActions, schedule_owners
+from planner.cdp_clock import Clock, Message, OpActions, ring_hold, schedule_owners
 from planner.runtime import faults
 from planner.runtime.memory import SavedTensorMeter
 from planner.runtime.module import ParallelModule
@@ -111,6 +112,10 @@ class CDPTrainer:
             raise ValueError(f"CDP runs with ZeRO 0 or 1 (optimizer states owned by stage); the plan has ZeRO-{pm.plan.zero_stage}")
         if rule not in ("sync", "v1", "v2"):
             raise ValueError(f"unknown CDP update rule {rule!r}; use sync, v1 or v2")
+        gathers = [c for c in pm.plan.comms if c.kind != "send" and axes[0] in c.axes and c.phase in ("fwd", "bwd")]
+        if gathers:
+            raise ValueError(f"the plan has a {gathers[0].kind} over the data-parallel axis {axes[0]!r} in {gathers[0].phase}: CDP's workers run "
+                             "at different times and cannot join it; re-plan with CDP (the planner leaves such collectives out) or train without CDP")
         self.pm, self.rule = pm, rule
         self.zero = pm.plan.zero_stage == 1
         self.axis = axes[0]
@@ -121,7 +126,9 @@ class CDPTrainer:
         self.params = pm.local_parameters()
         sizes = [sum(self.params[a].numel() * self.params[a].element_size() for a in attrs) for attrs in self.runner.stage_params]
         self.owners = schedule_owners(sizes, self.num_workers, rule, self.zero)
-        self.clock = Clock(self.num_workers, self.num_stages, self.owners, rule, [bool(a) for a in self.runner.stage_params], keep=self.worker)
+        has = [bool(a) for a in self.runner.stage_params]
+        self.hold = ring_hold(self.num_workers, self.num_stages, self.owners, rule, has)
+        self.clock = Clock(self.num_workers, self.num_stages, self.owners, rule, has, keep=self.worker, hold=self.hold)
         self.optimizers: dict[int, torch.optim.Optimizer] = {}
         self.masters: dict[str, torch.nn.Parameter] = {}
         for stage, attrs in enumerate(self.runner.stage_params):
@@ -137,7 +144,9 @@ class CDPTrainer:
         self.op = 0  # the next op on the clock (2L a step)
         self._bufs: dict[tuple[int, int], torch.Tensor] = {}  # (step, stage) -> this rank's flat buffer
         self._sending: dict[Message, tuple[Any, torch.Tensor]] = {}  # sends not yet waited for
+        self._receiving: dict[Message, tuple[Any, torch.Tensor]] = {}  # receives posted, not yet taken
         self._tokens_in = -1
+        self._pending: OpActions | None = None  # the next op's actions, done at the end of the last step
         self._finished = False
         self.messages: list[tuple[int, int, str]] = []  # (step, stage, "chain"|"ring") sent by this rank
         self.trace = False
@@ -198,23 +207,29 @@ class CDPTrainer:
             offset += p.numel()
         return out
 
-    def _receive(self, acts: OpActions, message: Message, last: int) -> None:
-        """Receive ``message`` (a chain's partial sum, added to this rank's buffer; a ring's copy,
-        into the buffer the chain sent from) and pass on what the clock says."""
-        key = (message.step, message.stage)
-        onward = acts.forwards.get(message)
+    def _post(self, message: Message, last: int) -> None:
+        """Post the receive of ``message``: a chain's partial sum into a buffer of its own, a
+        ring's copy into the buffer the chain sent from (that send has completed)."""
         if message.step > last:  # after the last step: a message of a step that never ran
             return
-        buf = self._bufs[key]
+        buf = self._bufs[(message.step, message.stage)]
+        into = torch.empty_like(buf) if message.kind == "chain" else buf
+        self._receiving[message] = (faults.irecv(into, self._peer(message.src), self._tag(message), self._what(message)), into)
+
+    def _receive(self, acts: OpActions, message: Message, last: int) -> None:
+        """Wait for ``message`` (a chain's partial sum is added to this rank's buffer) and pass on
+        what the clock says."""
+        if message.step > last:
+            return
+        buf = self._bufs[(message.step, message.stage)]
+        onward = acts.forwards.get(message)
+        work, into = self._receiving.pop(message)
+        work.wait()
         if message.kind == "chain":
-            partial = torch.empty_like(buf)
-            faults.recv(partial, self._peer(message.src), self._tag(message), self._what(message))
-            buf.add_(partial)  # the same sum as partial + buf (IEEE addition commutes)
-            del partial
+            buf.add_(into)  # the same sum as partial + buf (IEEE addition commutes)
+            del into
             if self.zero and (onward is None or onward.kind == "ring"):  # the owner: the sum is final
                 self._owner_update(message.stage, buf)
-        else:
-            faults.recv(buf, self._peer(message.src), self._tag(message), self._what(message))
         if onward is not None:
             self._send(onward, buf)
 
@@ -262,6 +277,9 @@ class CDPTrainer:
                 sending = self._sending.pop(item, None)
                 if sending is not None:
                     sending[0].wait()
+            elif kind == "post":
+                assert isinstance(item, Message)
+                self._post(item, last)
             else:
                 assert isinstance(item, Message)
                 self._receive(acts, item, last)
@@ -280,7 +298,8 @@ class CDPTrainer:
         self.op += 1
 
     def _op(self, run: Callable[[], None], last: int) -> None:
-        acts = self._before(last)
+        acts = self._pending if self._pending is not None else self._before(last)
+        self._pending = None
         began = time.monotonic()
         run()
         if self.trace:
@@ -312,6 +331,9 @@ class CDPTrainer:
 
         for stage in reversed(range(big_l)):
             self._op(lambda stage=stage: backward(stage), never)  # type: ignore[misc]
+        # what the clock puts before the next step's first op (the updates due at a step's start
+        # among it) is done now, so that between steps this rank holds what a step leaves behind
+        self._pending = self._before(never)
         self.step_index += 1
         return loss
 
@@ -328,7 +350,8 @@ class CDPTrainer:
             return
         end = self.clock.drained_by(last)
         while self.op < end:
-            acts = self._before(last)
+            acts = self._pending if self._pending is not None else self._before(last)
+            self._pending = None
             self._after(acts, last, record=False)
         if self.num_workers > 1:
             # the successor's last ops wait for tokens of ops past ``end``: send them, then take ours

@@ -139,7 +139,7 @@ def test_the_runtime_runs_cdps_clock(runs) -> None:  # type: ignore[no-untyped-d
         ranks = runs[label]
         rep = ranks[0]
         workers, stages = rep["workers"], rep["stages"]
-        clock = Clock(workers, stages, rep["owners"], rep["trainer_rule"], rep["has_params"])
+        clock = Clock(workers, stages, rep["owners"], rep["trainer_rule"], rep["has_params"], hold=rep["hold"])
         end = clock.drained_by(STEPS - 1)
         planned: dict[int, list[tuple[int, tuple[Any, ...]]]] = {n: [] for n in range(workers)}
         for op in range(end):
@@ -203,7 +203,7 @@ def test_cdp_holds_constant_saved_bytes_equal_to_the_formula(model: str, stages:
 
 def test_the_planner_prices_cdp_as_a_search_dimension() -> None:
     """gpt2-small on 8 devices, dp only: CDP's messages carry the DP gradient bytes (up to two per
-    stage, on the busiest rank), are hidden behind compute, and v1 / v2 hold one more gradient / parameter
+    stage, on the busiest rank), priced on CDP's clock, and v1 / v2 hold one more gradient / parameter
     copy (v2's update waits for its use, no second parameter version); with ZeRO-1 only the stages' owners keep optimizer state; dp = 1 and ZeRO > 1 are pruned
     with a reason; the report states the one-step delay."""
     from planner.report import format_plan
@@ -227,7 +227,7 @@ def test_the_planner_prices_cdp_as_a_search_dimension() -> None:
     # the busiest rank: every stage's buffer twice, but once for the stages it or the next worker owns
     assert all_reduced < sum(c.nbytes * c.count for c in sends) < 2 * all_reduced
     assert not any(c.kind == "all_reduce" and c.phase == "step" for c in v1.comms)
-    assert v1.overlap_time_s > 0 and v1.step_time_s < off.step_time_s
+    assert v1.step_time_s >= v1.compute_time_s  # its clock's step (test_cdp_is_priced_by_its_clock), no less than its compute
     assert v1.memory_breakdown.grads == 2 * off.memory_breakdown.grads
     # v2 keeps no second parameter version: its update waits, so it holds v1's extra buffer
     assert v2.memory_breakdown.params == off.memory_breakdown.params and v2.memory_breakdown.grads == 2 * off.memory_breakdown.grads
@@ -338,37 +338,51 @@ def test_the_pipeline_estimate_follows_the_cdp_memory_formula() -> None:
     assert [e.stages for e in result.pipelines] == [2, 4, 8]
 
 
-def test_cdp_hides_only_what_its_rule_lets_travel_beside_compute() -> None:
-    """planner.schemes.cdp.cdp_overlap, on gpt-tiny over dp=4 with a link half as able to overlap
-    as NCCL's (overlap_efficiency 0.5), for the rank that sends the most: on CDP's clock v1 and v2
-    both apply a stage's update when due, after the messages had ops to travel in (the clock holds
-    its schedule with these owners), so every message may hide, at the hardware's efficiency
-    (eta min(p2p, compute), as DP's bucketed sync); the rank sends its stage buffers (twice a
-    stage, once where it owns it or is the worker before its owner) and the 2L tokens."""
-    from planner.cdp_clock import schedule_owners
+def test_cdp_is_priced_by_its_clock() -> None:
+    """planner.schemes.cdp.cdp_overlap, on gpt-tiny over dp=4, 4 stages, v1 and v2, ZeRO 0 and 1:
+    the busiest rank sends its stage buffers (twice a stage, once where it owns it or is the worker
+    before its owner) and the 2L tokens; the price is CDP's clock run timed (each stage op its
+    share of the worker's busy seconds, each message its alpha-beta time): with overlap efficiency
+    1 the priced step is the clock's settled step, with 0.5 half of what the clock hides is
+    credited; v2, whose fresh stages wait for their rings within the step, is never cheaper than v1."""
+    from planner.cdp_clock import ring_hold, schedule_owners, step_period
     from planner.cost import comm_time
     from planner.mesh import Mesh
     from planner.problem import build_problem
     from planner.schemes.cdp import cdp_traffic, stage_message_bytes
     from planner.solve import solve
+    from planner.stages import cut_stages
+    from planner.strategy import Comm
 
     graph = trace(build_model("gpt-tiny", device="meta"), *example_inputs("gpt-tiny", batch=8, device="meta"))
-    hw = A100_80G.model_copy(update={"overlap_efficiency": 0.5})
     mesh = Mesh(("dp", "tp"), (4, 1))
-    for zero in (0, 1):
-        for rule in ("v1", "v2"):
-            problem = build_problem(graph, mesh, hw, cdp=rule, cdp_stages=4, zero_stage=zero)
-            solution = solve(problem, memory_budget=float("inf"))
-            e = solution.evaluation
-            sizes = stage_message_bytes(problem, solution.assignment)
-            owners, rank = schedule_owners(sizes, 4, rule, zero == 1), cdp_traffic(problem, solution.assignment).rank
-            sends = [(c, n) for c, n in e.comms if c.kind == "send" and c.nbytes != TOKEN_BYTES]
-            assert sum(n for _, n in sends) == sum(1 if rank in (o, (o - 1) % 4) else 2 for o, b in zip(owners, sizes, strict=True) if b)
-            assert sum(n for c, n in e.comms if c.kind == "send" and c.nbytes == TOKEN_BYTES) == 2 * 4
-            p2p = sum(comm_time(c, mesh, hw) * n for c, n in e.comms if c.kind == "send")
-            others = sum(comm_time(c, mesh, hw) * n for c, n in e.comms if c.kind != "send")
-            assert e.comm_time == pytest.approx(p2p + others), (zero, rule)
-            assert e.overlap_time == pytest.approx(0.5 * min(p2p, e.compute_time)), (zero, rule)
+    shares = [f / sum(cut_stages(graph, 4).flops) for f in cut_stages(graph, 4).flops]
+    for eta in (1.0, 0.5):
+        hw = A100_80G.model_copy(update={"overlap_efficiency": eta})
+        for zero in (0, 1):
+            steps = {}
+            for rule in ("v1", "v2"):
+                problem = build_problem(graph, mesh, hw, cdp=rule, cdp_stages=4, zero_stage=zero)
+                solution = solve(problem, memory_budget=float("inf"))
+                e = solution.evaluation
+                sizes = stage_message_bytes(problem, solution.assignment)
+                owners, rank = schedule_owners(sizes, 4, rule, zero == 1), cdp_traffic(problem, solution.assignment).rank
+                sends = [(c, n) for c, n in e.comms if c.kind == "send" and c.nbytes != TOKEN_BYTES]
+                assert sum(n for _, n in sends) == sum(1 if rank in (o, (o - 1) % 4) else 2 for o, b in zip(owners, sizes, strict=True) if b)
+                assert sum(n for c, n in e.comms if c.kind == "send" and c.nbytes == TOKEN_BYTES) == 2 * 4
+                p2p = sum(comm_time(c, mesh, hw) * n for c, n in e.comms if c.kind == "send")
+                busy = e.compute_time + sum(comm_time(c, mesh, hw) * n for c, n in e.comms if c.kind != "send")
+                durations = [busy * f / 3 for f in shares] + [busy * f * 2 / 3 for f in reversed(shares)]
+                seconds = {b: comm_time(Comm("send", ("dp",), b, "bwd"), mesh, hw) for b in {*sizes, TOKEN_BYTES}}
+                has = [b > 0 for b in sizes]
+                period = step_period(4, 4, owners, rule, has, durations,
+                                     lambda m, seconds=seconds, sizes=sizes: seconds[TOKEN_BYTES if m.kind == "token" else sizes[m.stage]],
+                                     hold=ring_hold(4, 4, owners, rule, has))
+                waits = max(0.0, period - busy - p2p)
+                assert e.step_time == pytest.approx(busy + p2p + waits - eta * (busy + p2p + waits - period), rel=1e-6), (eta, zero, rule)
+                assert busy <= e.step_time <= busy + p2p + waits + 1e-12
+                steps[rule] = e.step_time
+            assert steps["v2"] >= steps["v1"] * (1 - 1e-9), (eta, zero, steps)
 
 
 def test_cdp_stage_owners_even_the_ranks_sends_or_their_optimizer_state() -> None:

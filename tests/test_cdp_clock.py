@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import pytest
 
-from planner.cdp_clock import Clock, Message, OpActions, schedule_owners
+from planner.cdp_clock import Clock, Message, OpActions, ring_hold, schedule_owners
 
 CONFIGS = [(4, 4), (4, 2), (2, 4), (8, 4), (4, 8), (3, 2), (8, 2), (1, 3), (6, 4)]
 STEPS = 12
@@ -25,7 +25,8 @@ STEPS = 12
 
 def _run(workers: int, stages: int, rule: str, sizes: list[int] | None = None) -> tuple[Clock, dict[tuple[int, int], OpActions]]:
     sizes = sizes or [100] * stages
-    clock = Clock(workers, stages, schedule_owners(sizes, workers, rule, False), rule, [b > 0 for b in sizes])
+    owners, has = schedule_owners(sizes, workers, rule, False), [b > 0 for b in sizes]
+    clock = Clock(workers, stages, owners, rule, has, hold=ring_hold(workers, stages, owners, rule, has))
     return clock, {(n, op): clock.actions(n, op) for op in range(2 * stages * STEPS) for n in range(workers)}
 
 
@@ -98,11 +99,13 @@ def test_each_update_is_applied_where_its_rule_says(rule: str) -> None:
             for t in range(STEPS - 2):
                 for stage in range(stages):
                     if rule == "v1":
-                        want = 2 * big_l * (t + 2) + stage
-                    elif rule == "sync" or clock.fresh(n, stage):
+                        want = 2 * big_l * (t + 2)  # at step t+2's start
+                    elif rule == "sync":
+                        want = 2 * big_l * (t + 1)  # at step t+1's start
+                    elif clock.fresh(n, stage):
                         want = 2 * big_l * (t + 1) + stage  # before step t+1's forward of the stage
                     else:
-                        want = 2 * big_l * (t + 1) + 2 * big_l - stage  # just after step t+1's backward of it
+                        want = 2 * big_l * (t + 2)  # at step t+2's start: step t+1 ran with theta(t) on it
                     assert used[(t, stage)] == want, (workers, stages, rule, n, t, stage)
 
 
