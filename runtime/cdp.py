@@ -112,7 +112,8 @@ class CDPTrainer:
             raise ValueError(f"CDP runs with ZeRO 0 or 1 (optimizer states owned by stage); the plan has ZeRO-{pm.plan.zero_stage}")
         if rule not in ("sync", "v1", "v2"):
             raise ValueError(f"unknown CDP update rule {rule!r}; use sync, v1 or v2")
-        gathers = [c for c in pm.plan.comms if c.kind != "send" and axes[0] in c.axes and c.phase in ("fwd", "bwd")]
+        # a CDP plan holds none (planner.edges); a plan made without CDP is the caller's to vouch for
+        gathers = [c for c in pm.plan.comms if c.kind != "send" and axes[0] in c.axes and c.phase in ("fwd", "bwd")] if pm.plan.cdp != "off" else []
         if gathers:
             raise ValueError(f"the plan has a {gathers[0].kind} over the data-parallel axis {axes[0]!r} in {gathers[0].phase}: CDP's workers run "
                              "at different times and cannot join it; re-plan with CDP (the planner leaves such collectives out) or train without CDP")
