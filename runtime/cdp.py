@@ -154,19 +154,6 @@ class CDPTrainer:
         self.ops: list[tuple[int, float, float]] = []
         self.sent: list[tuple[int, float, Message, int]] = []
 
-    # ---------------------------------------------------------------- roles
-
-    def owner(self, stage: int) -> int:
-        """The worker where stage ``stage``'s chain ends (and, with ZeRO, whose optimizer updates it)."""
-        return self.owners[stage]
-
-    def owned(self) -> list[int]:
-        return [s for s in range(self.num_stages) if self.runner.stage_params[s] and self.owner(s) == self.worker]
-
-    def uses_fresh(self, stage: int) -> bool:
-        """v2: worker n computes stage l with the newest parameters iff l >= (N-1-n) L / N."""
-        return self.clock.fresh(self.worker, stage)
-
     # ---------------------------------------------------------------- messages
 
     def _peer(self, worker: int) -> int:
