@@ -58,9 +58,15 @@ class GradBuckets:
         self.in_flight: dict[int, tuple[Any, torch.Tensor, list[str]]] = {}  # bucket -> (work or None, result buffer, parameters in it)
         self.started_in_backward = 0  # of the last synced step: buckets started by a hook, while backward ran
         self._early = 0
-        for k, bucket in enumerate(buckets):
-            for name in bucket.params:
-                params[name].register_post_accumulate_grad_hook(self._hook(k, name))
+        self._handles = [params[name].register_post_accumulate_grad_hook(self._hook(k, name)) for k, bucket in enumerate(buckets) for name in bucket.params]
+
+    def remove(self) -> None:
+        """Take the hooks off the parameters: backward starts no bucket any more."""
+        if self.in_flight:
+            raise RuntimeError(f"{len(self.in_flight)} gradient bucket(s) still in flight: finish() them before removing the hooks")
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
 
     def _scatters(self, k: int) -> bool:
         return self.buckets[k].collectives[0][0] == "reduce_scatter"

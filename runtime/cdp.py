@@ -122,6 +122,7 @@ class CDPTrainer:
         self.axis = axes[0]
         self.num_workers = mesh.degree(self.axis)
         self.worker = mg.coords[self.axis]
+        pm.keep_grads_local()  # the chains sum the gradients; a DP plan's buckets would race them
         self.runner = StagedRunner(pm, cut_stages(pm.graph, num_stages))
         self.num_stages = self.runner.num_stages
         self.params = pm.local_parameters()

@@ -92,6 +92,7 @@ class CDPPipeline:
         # the clock ticks in 1/scale time units so that delta = 2L/N is a whole number of ticks
         self.scale = num_workers // math.gcd(2 * num_stages, num_workers)
         self.delta = 2 * num_stages * self.scale // num_workers
+        pm.keep_grads_local()  # the stage gradients travel by this schedule's messages
         self.runner = StagedRunner(pm, cut_stages(pm.graph, num_stages))
         if self.runner.num_stages != num_stages:
             raise ValueError(f"the graph cut gave {self.runner.num_stages} stages, not {num_stages}")

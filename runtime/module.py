@@ -127,6 +127,7 @@ class ParallelModule(torch.nn.Module):
         self.zero: ZeroShards | None = None
         self.units: ParamUnits | None = None  # ZeRO-3's per-block gathers (set by compile)
         self._sync = True  # no_sync() turns the data-parallel sync at backward end off
+        self._local = False  # keep_grads_local(): a schedule of the caller's syncs the gradients
         self.node_origin: dict[str, str] = {}  # rank-local fx node name -> traced node name (set by compile)
         self.node_values: dict[tuple[str, int], str] = {}  # traced (node, output) -> the rank-local fx node holding it
         if plan.shards_nothing:  # say so once, where the user builds the module
@@ -212,6 +213,22 @@ class ParallelModule(torch.nn.Module):
         finally:
             self._sync = True
 
+    def keep_grads_local(self) -> None:
+        """From now on backward leaves every gradient local and nothing here syncs it: the caller
+        sums the gradients its own way (runtime.cdp's point-to-point chains). The plan's gradient
+        buckets lose their hooks; left on, a bucket's asynchronous all-reduce would write into the
+        gradients while the caller reads them, and its collective would meet the other ranks' at
+        whatever op each has reached."""
+        if self.zero is not None and self.zero.stage == 2:
+            raise ValueError("keep_grads_local: this module reduce-scatters gradients in backward (ZeRO-2 hooks); compile the plan with ZeRO 0 or 1")
+        if self.buckets is not None:
+            self.buckets.remove()
+            self.buckets = None
+            self._bucketed = set()
+            if self.zero is not None:
+                self.zero.buckets = None
+        self._local = True
+
     def forward_backward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         """One training step's forward and backward on this rank's shard of the batch (as
         :meth:`shard_batch` cuts it), in the plan's ``micro_batches`` micro-batches (dim 0 split),
@@ -232,6 +249,8 @@ class ParallelModule(torch.nn.Module):
         """Finish the gradient sync when backward ends: wait for the buckets (a plan without them,
         from before buckets: one collective per parameter here). Inside :meth:`no_sync` only
         ZeRO-2's, which reduce every micro-batch."""
+        if self._local:
+            return
         if self.buckets is not None:  # ZeRO-2's buckets reduce in every backward, the others when syncing
             self.buckets.finish()
         if self.units is not None:  # ZeRO-3 reduces every micro-batch

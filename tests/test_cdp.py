@@ -50,6 +50,7 @@ CASES = {
     "mlp sync": ("mlp-tiny", 4, "sync", 2),
     "mlp v1": ("mlp-tiny", 4, "v1", 2),
     "mlp v2": ("mlp-tiny", 4, "v2", 4),
+    "mlp v1 on a DP plan": ("mlp-tiny", 4, "v1", 2),  # gradient buckets compiled in: CDPTrainer takes their hooks off
     "gpt dp": ("gpt-tiny", 4, "dp", 4),
     "gpt sync": ("gpt-tiny", 4, "sync", 4),
     "gpt v1": ("gpt-tiny", 4, "v1", 4),
@@ -74,7 +75,8 @@ def runs() -> dict[str, list[dict[str, Any]]]:
         if rule == "plan":
             cases.append((name, _plan(name, dp, allow, PLANNED[label], stages, zero=1 if "zero" in label else 0), rule, stages))
             continue
-        mode = "off" if rule == "dp" else "v1"  # CDP runs use a CDP plan (its rule overridden by `rule`)
+        # CDP runs use a CDP plan (its rule overridden by `rule`), but for the one on a DP plan
+        mode = "off" if rule == "dp" or "DP plan" in label else "v1"
         if (name, dp, mode) not in plans:
             plans[(name, dp, mode)] = _plan(name, dp, allow, mode)
         cases.append((name, plans[(name, dp, mode)], rule, stages))
