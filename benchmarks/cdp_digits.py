@@ -108,8 +108,11 @@ TASKS = {
 }
 
 
-def _plan(task: Task) -> str:
-    """Every heavy op splits the batch over the data-parallel axis, as CDP's workers need (its filter)."""
+def _plan(task: Task, cdp: str, stages: int) -> str:
+    """Every heavy op splits the batch over the data-parallel axis, as CDP's workers need (its
+    filter); ``cdp`` "v1" plans for CDP (CDPTrainer's ``rule`` then picks v1 or v2): batch-independent
+    ops keep their gradients partial over the workers (GPT's position embedding), where a plan for
+    DP all-reduces them in backward, a collective CDP's staggered workers cannot join."""
     from planner.hardware import A100_80G
     from planner.schemes.cdp import cdp_filter
     from planner.schemes.tp import DP_AXIS
@@ -119,7 +122,8 @@ def _plan(task: Task) -> str:
 
     x, y, _, _ = task.data()
     graph = trace(task.model(), (x[:BATCH],), {"targets": y[:BATCH]})
-    result = search(graph, SearchSpace(devices=WORLD, dp=WORLD, zero=(0,), tp=("none",)), A100_80G, model_name="cdp-convergence", optimizer="sgd",
+    space = SearchSpace(devices=WORLD, dp=WORLD, zero=(0,), tp=("none",), cdp=(cdp,), cdp_stages=stages)
+    result = search(graph, space, A100_80G, model_name="cdp-convergence", optimizer="sgd",
                     allow=cdp_filter(graph, (DP_AXIS,), base=lambda node, s: node.target not in HEAVY or DP_AXIS in s.split_axes))
     assert result.best is not None
     return result.best.model_dump_json()
@@ -184,7 +188,7 @@ def main() -> None:
     if args.lr is not None:
         task = replace(task, options={**task.options, "lr": args.lr})
     epochs = args.epochs or task.epochs
-    plan = _plan(task)
+    plans = {"dp": _plan(task, "off", args.stages), "cdp": _plan(task, "v1", args.stages)}
     ctx = mp.get_context("spawn")
     rows = []
     for mode in ("dp", "v1", "v2"):
@@ -192,7 +196,7 @@ def main() -> None:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         queue = ctx.SimpleQueue()
-        procs = [ctx.Process(target=_worker, args=(r, port, plan, task, mode, epochs, args.stages, queue)) for r in range(WORLD)]
+        procs = [ctx.Process(target=_worker, args=(r, port, plans["dp" if mode == "dp" else "cdp"], task, mode, epochs, args.stages, queue)) for r in range(WORLD)]
         for p in procs:
             p.start()
         for p in procs:

@@ -62,6 +62,7 @@ from torch.utils._pytree import tree_flatten
 
 from planner.cdp_clock import Clock, Message, OpActions, ring_hold, schedule_owners
 from planner.runtime import faults
+from planner.runtime.collectives import Convert
 from planner.runtime.memory import SavedTensorMeter
 from planner.runtime.module import ParallelModule
 from planner.runtime.stages import MicroBatch, StagedRunner
@@ -112,17 +113,26 @@ class CDPTrainer:
             raise ValueError(f"CDP runs with ZeRO 0 or 1 (optimizer states owned by stage); the plan has ZeRO-{pm.plan.zero_stage}")
         if rule not in ("sync", "v1", "v2"):
             raise ValueError(f"unknown CDP update rule {rule!r}; use sync, v1 or v2")
-        # a CDP plan holds none (planner.edges); a plan made without CDP is the caller's to vouch for
-        gathers = [c for c in pm.plan.comms if c.kind != "send" and axes[0] in c.axes and c.phase in ("fwd", "bwd")] if pm.plan.cdp != "off" else []
+        # a CDP plan holds none (planner.edges); one made without CDP may (GPT's position-embedding
+        # gradient, all-reduced in backward), and the module's conversions say where
+        gathers: list[tuple[str, str, str]] = [(c.kind, c.phase, "") for c in pm.plan.comms if c.kind != "send" and axes[0] in c.axes and c.phase in ("fwd", "bwd")]
+        gathers = (gathers if pm.plan.cdp != "off" else []) + _collectives_over(pm, axes[0])
         if gathers:
-            raise ValueError(f"the plan has a {gathers[0].kind} over the data-parallel axis {axes[0]!r} in {gathers[0].phase}: CDP's workers run "
-                             "at different times and cannot join it; re-plan with CDP (the planner leaves such collectives out) or train without CDP")
+            kind, phase, where = gathers[0]
+            raise ValueError(f"the plan issues a collective ({kind}) over the data-parallel axis {axes[0]!r} in {phase}{where}: CDP's workers run "
+                             "at different times and cannot join it; re-plan with CDP (cdp=('v1',) or ('v2',): the planner leaves such "
+                             "collectives out) or train without CDP")
         self.pm, self.rule = pm, rule
         self.zero = pm.plan.zero_stage == 1
         self.axis = axes[0]
         self.num_workers = mesh.degree(self.axis)
         self.worker = mg.coords[self.axis]
         pm.keep_grads_local()  # the chains sum the gradients; a DP plan's buckets would race them
+        # a collective over the workers inside an op would hang them (each waits at another op): a
+        # plan made without CDP may hold one (GPT's position-embedding gradient, all-reduced in
+        # backward); it now raises on every rank that reaches it, until finish()
+        mg.barred[self.axis] = (f"CDP's workers (axis {self.axis!r}) run their stage ops at different times and cannot meet in a collective: "
+                                "plan with CDP (cdp=('v1',) or ('v2',); such plans hold none over the workers) or train without CDP")
         self.runner = StagedRunner(pm, cut_stages(pm.graph, num_stages))
         self.num_stages = self.runner.num_stages
         self.params = pm.local_parameters()
@@ -334,6 +344,7 @@ class CDPTrainer:
         if self._finished:
             return
         self._finished = True
+        self.pm.mesh_groups.barred.pop(self.axis, None)
         last = self.step_index - 1
         if last < 0:
             return
@@ -366,6 +377,21 @@ class CDPTrainer:
         states = [t for opt in self.optimizers.values() for st in opt.state.values() for t in st.values()
                   if isinstance(t, torch.Tensor) and t.dim() > 0]
         return {"params": size(self.params.values()), "optimizer": size(states) + size(self.masters.values())}
+
+
+def _collectives_over(pm: ParallelModule, axis: str) -> list[tuple[str, str, str]]:
+    """(kind, phase, where) of each collective over ``axis`` in the module's layout conversions."""
+    out: list[tuple[str, str, str]] = []
+    for node in pm.graph_module.graph.nodes:
+        conv = pm.graph_module.get_submodule(str(node.target)) if node.op == "call_module" else None
+        if not isinstance(conv, Convert):
+            continue
+        for phase, steps in (("fwd", conv.forward_steps), ("bwd", conv.backward_steps)):
+            for step in steps:
+                if step.is_collective and axis in step.axes and pm.mesh_groups.size(step.axes) > 1:
+                    traced = pm.node_origin.get(node.name, node.name)
+                    out.append((step.kind, phase, f" (converting the output of {traced}: {conv.label})"))
+    return out
 
 
 # --------------------------------------------------------------------------- memory, in one process

@@ -23,6 +23,10 @@ from planner.mesh import Mesh
 T = TypeVar("T")
 
 
+class CollectiveBarred(ValueError):
+    """A collective over an axis whose ranks cannot meet in one (MeshGroups.barred)."""
+
+
 @dataclass
 class MeshGroups:
     mesh: Mesh
@@ -30,9 +34,14 @@ class MeshGroups:
     coords: dict[str, int]
     groups: dict[tuple[str, ...], dist.ProcessGroup] = field(default_factory=dict)
     device_mesh: Any = None  # the torch DeviceMesh over the plan's axes (None: groups built by hand, or one process)
+    # axis -> why no collective may run over it (runtime.cdp: CDP's workers run their ops at different times)
+    barred: dict[str, str] = field(default_factory=dict)
 
     def group(self, axes: tuple[str, ...]) -> dist.ProcessGroup:
         key = self.mesh.sort_axes(axes)
+        barred = [a for a in key if a in self.barred]
+        if barred:  # raised on every rank that reaches the collective, where joining it would hang
+            raise CollectiveBarred(f"a collective over mesh axes {key} was issued, but {self.barred[barred[0]]}")
         try:
             return self.groups[key]
         except KeyError:

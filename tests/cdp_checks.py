@@ -249,3 +249,21 @@ def cdp_pipeline(rank: int, world: int, cases: list[tuple[str, str, str, int, in
             report["total_elements"] = sum(v.numel() for v in ref_params.values())
         out.append(report)
     return out
+
+
+def cdp_barred(rank: int, world: int, name: str, text: str) -> str:
+    """CDPTrainer (v1, 2 stages) on a plan that all-reduces over the workers inside backward: the
+    error CDPTrainer raises (nothing raised: "")."""
+    from planner.models import build_model
+    from planner.plan import Plan
+    from planner.runtime.cdp import CDPTrainer
+    from planner.runtime.compile import compile_plan
+
+    plan = Plan.model_validate_json(text)
+    args, kwargs = _batches(name)[0]
+    pm = compile_plan(plan, build_model(name, dtype=torch.float64, seed=0), args, kwargs, loss_partial_over=frozenset(plan.mesh_obj.active_dp_axes))
+    try:
+        CDPTrainer(pm, torch.optim.SGD, rule="v1", num_stages=2, **SGD)
+    except ValueError as exc:
+        return str(exc)
+    return ""

@@ -29,7 +29,7 @@ from planner.schemes.tp import DP_AXIS
 from planner.search import search
 from planner.space import SearchSpace
 from planner.trace import trace
-from tests.cdp_checks import BATCH, STEPS, cdp_memory, cdp_pipeline, cdp_train
+from tests.cdp_checks import BATCH, STEPS, cdp_barred, cdp_memory, cdp_pipeline, cdp_train
 from tests.harness import run_world
 from tests.test_same_math import data_parallel, megatron_dp
 
@@ -189,6 +189,18 @@ def test_cdp_with_zero_keeps_each_stages_optimizer_on_its_owner_as_predicted(run
         assert all(h["params"] == predicted["params"] for h in held), (label, held, predicted)
         assert max(h["optimizer"] for h in held) == predicted["optimizer"], (label, held, predicted)
         assert min(h["optimizer"] for h in held) < predicted["optimizer"], (label, held)
+
+
+def test_a_plan_with_a_collective_over_cdps_workers_is_refused_not_left_to_hang() -> None:
+    """A plan made without CDP may all-reduce over the workers inside backward (GPT's position
+    embedding: its gradient has no batch rows). On CDP's clock the workers reach it at different
+    ops and would wait for each other for ever: CDPTrainer refuses the plan, naming the op."""
+    from planner.plan import Plan
+
+    text = _plan("gpt-tiny", 4, data_parallel)
+    assert any(c.kind == "all_reduce" and c.phase == "bwd" and "dp" in c.axes for c in Plan.model_validate_json(text).comms)
+    errors = run_world(4, cdp_barred, "gpt-tiny", text, timeout=300)
+    assert all("collective (all_reduce) over the data-parallel axis 'dp' in bwd (converting the output of" in e and "re-plan with CDP" in e for e in errors), errors
 
 
 @pytest.mark.parametrize("model, stages", [("mlp-tiny", 2), ("gpt-tiny", 4)])
