@@ -24,8 +24,9 @@ what it must wait for ends later: a rule's update whose ring has not come round,
 message's op ends and where it can be taken (a chain's partial sum after the receiver's own
 backward of the stage; a ring's copy after the receiver's chain send completed, since it arrives
 in the same buffer): there its receive is posted, and the message is taken (waited for) at once,
-except under v1, whose ring copies are taken an op later where that keeps the schedule
-(:func:`ring_hold`), travelling while the receiver computes; a send is waited for at the first op of its sender that starts
+except the ring copies a worker applies at a step's start (v1's, and v2's where the worker is stale
+on the stage), taken an op later where that keeps the schedule (:func:`ring_hold`), travelling
+while the receiver computes; a send is waited for at the first op of its sender that starts
 after its receiver took it.
 
 **Updates** (theta(t) the parameters step t computes with, g(t) step t's summed gradient):
@@ -106,7 +107,8 @@ class Clock:
     def __init__(self, workers: int, stages: int, owners: Sequence[int], rule: str, has_params: Sequence[bool], keep: int | None = None,
                  hold: bool = False) -> None:
         """``keep``: the worker whose ops' actions are kept for :meth:`actions` (None: every worker's).
-        ``hold``: v1's ring copies are taken an op after their receive is posted (:func:`ring_hold`)."""
+        ``hold``: the ring copies a worker applies at a step's start (v1's; v2's where the worker is
+        stale on the stage) are taken an op after their receive is posted (:func:`ring_hold`)."""
         if rule not in ("sync", "v1", "v2"):
             raise ValueError(f"unknown CDP update rule {rule!r}; use sync, v1 or v2")
         if len(owners) != stages or len(has_params) != stages:
@@ -121,7 +123,7 @@ class Clock:
             self.lead = 2 * stages // workers  # ops a worker's predecessor is ahead by, whole
         self.period = 2 * stages
         self._order = 0  # every action and op numbered in the order the simulation does them
-        self.hold = self.scale if hold and rule == "v1" else 0  # ticks between posting a ring's receive and taking it
+        self.hold = self.scale if hold and rule in ("v1", "v2") else 0  # ticks between posting a late-used ring copy's receive and taking it
         self._start: dict[tuple[int, int], int] = {}
         self._done: dict[tuple[int, int], OpActions] = {}
         self._queue: list[tuple[int, int, int, int]] = []
@@ -313,11 +315,24 @@ class Clock:
         return did
 
     def _hold(self, message: Message) -> int:
-        """Ticks between posting the receive of ``message`` and taking it: with ``hold``, v1's ring
-        copies travel for an op of the receiver's compute (v1 uses them a step later); a chain's
-        partial sum is taken at once (it arrives ops after it left, while the receiver ran its own
-        ops), and so are v2's and sync's ring copies (fresh stages need them soon)."""
-        return self.hold if message.kind == "ring" else 0
+        """Ticks between posting the receive of ``message`` and taking it: with ``hold``, a ring
+        copy its receiver applies at a step's start (v1's, a step after it is due at the
+        earliest; v2's where the receiver, and every worker after it on the ring, is stale on the
+        stage, at step t+2's start) travels for an op of the receiver's compute; a chain's partial sum is taken at once (it arrives ops
+        after it left, while the receiver ran its own ops), and so are the ring copies a v2 worker
+        fresh on the stage needs before its next forward of it, and sync's."""
+        if message.kind != "ring" or not self.hold:
+            return 0
+        if self.rule == "v1":
+            return self.hold
+        # v2: held, the copy reaches the rest of the ring an op later too: only where every
+        # worker from here to the ring's end is stale on the stage
+        worker: int | None = message.dst
+        while worker is not None:
+            if self.fresh(worker, message.stage):
+                return 0
+            worker = self.ring_next(message.stage, worker)
+        return self.hold
 
     def _log(self, acts: OpActions, entry: tuple[str, Message | int, int]) -> None:
         self._order += 1
@@ -399,10 +414,15 @@ def schedule_owners(sizes: Sequence[int], workers: int, rule: str, zero: bool) -
 
 
 def ring_hold(workers: int, stages: int, owners: Sequence[int], rule: str, has_params: Sequence[bool]) -> bool:
-    """Whether v1's ring copies may travel for an op before their receivers take them: where the
-    clock's schedule still holds with it (a ring of N-1 hops an op each, and the wraps, within v1's
-    step of slack; not at N = 8, L = 4)."""
-    return rule == "v1" and workers > 1 and _stretch(workers, stages, tuple(owners), rule, tuple(has_params), hold=True) == 0
+    """Whether the ring copies applied at a step's start (v1's; v2's on the stages where their
+    receiver is stale) may travel for an op before their receivers take them: where the clock's
+    schedule still holds with it (a ring of N-1 hops an op each, and the wraps, within the rule's
+    slack; not at N = 8, L = 4 under v1). Not under v2 where N > L: there a held copy bunches with
+    the next stage's chain (N = 8, L = 4: 5/8 of a rank's bytes in 1/L of a step, against 4/7
+    without; tests/test_cdp_clock.py checks the spread)."""
+    if rule == "v2" and workers > stages:
+        return False
+    return rule in ("v1", "v2") and workers > 1 and _stretch(workers, stages, tuple(owners), rule, tuple(has_params), hold=True) == 0
 
 
 @functools.lru_cache(maxsize=256)
