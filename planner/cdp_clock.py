@@ -124,6 +124,7 @@ class Clock:
         self.period = 2 * stages
         self._order = 0  # every action and op numbered in the order the simulation does them
         self.hold = self.scale if hold and rule in ("v1", "v2") else 0  # ticks between posting a late-used ring copy's receive and taking it
+        self._held = self._late_users()
         self._start: dict[tuple[int, int], int] = {}
         self._done: dict[tuple[int, int], OpActions] = {}
         self._queue: list[tuple[int, int, int, int]] = []
@@ -316,23 +317,31 @@ class Clock:
 
     def _hold(self, message: Message) -> int:
         """Ticks between posting the receive of ``message`` and taking it: with ``hold``, a ring
-        copy its receiver applies at a step's start (v1's, a step after it is due at the
-        earliest; v2's where the receiver, and every worker after it on the ring, is stale on the
-        stage, at step t+2's start) travels for an op of the receiver's compute; a chain's partial sum is taken at once (it arrives ops
-        after it left, while the receiver ran its own ops), and so are the ring copies a v2 worker
-        fresh on the stage needs before its next forward of it, and sync's."""
-        if message.kind != "ring" or not self.hold:
-            return 0
+        copy its receiver applies at a step's start (v1's, a step after it is due at the earliest;
+        v2's where the receiver, and every worker after it on the ring, is stale on the stage, at
+        step t+2's start) travels for an op of the receiver's compute (:attr:`_held`); a chain's
+        partial sum is taken at once (it arrives ops after it left, while the receiver ran its own
+        ops), and so are the ring copies a v2 worker fresh on the stage needs before its next
+        forward of it, and sync's."""
+        return self.hold if message.kind == "ring" and (message.stage, message.dst) in self._held else 0
+
+    def _late_users(self) -> set[tuple[int, int]]:
+        """(stage, receiver) whose ring copies :meth:`_hold` lets travel an op: every receiver
+        under v1; under v2 those from which to the ring's end every worker is stale on the stage
+        (held, the copy reaches the rest of the ring an op later too)."""
+        if not self.hold:
+            return set()
         if self.rule == "v1":
-            return self.hold
-        # v2: held, the copy reaches the rest of the ring an op later too: only where every
-        # worker from here to the ring's end is stale on the stage
-        worker: int | None = message.dst
-        while worker is not None:
-            if self.fresh(worker, message.stage):
-                return 0
-            worker = self.ring_next(message.stage, worker)
-        return self.hold
+            return {(stage, receiver) for stage in range(self.stages) for receiver in range(self.workers)}
+        out = set()
+        for stage in range(self.stages):
+            for receiver in range(self.workers):
+                worker: int | None = receiver
+                while worker is not None and not self.fresh(worker, stage):
+                    worker = self.ring_next(stage, worker)
+                if worker is None:  # stale from here to the ring's end
+                    out.add((stage, receiver))
+        return out
 
     def _log(self, acts: OpActions, entry: tuple[str, Message | int, int]) -> None:
         self._order += 1

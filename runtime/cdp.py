@@ -69,6 +69,7 @@ from planner.runtime.stages import MicroBatch, StagedRunner
 from planner.stages import cut_stages
 
 UpdateRule = Literal["sync", "v1", "v2"]
+_REPLAN = "re-plan with CDP (cdp=('v1',) or ('v2',): the planner leaves such collectives out) or train without CDP"
 
 
 # --------------------------------------------------------------------------- the distributed worker
@@ -120,19 +121,16 @@ class CDPTrainer:
         if gathers:
             kind, phase, where = gathers[0]
             raise ValueError(f"the plan issues a collective ({kind}) over the data-parallel axis {axes[0]!r} in {phase}{where}: CDP's workers run "
-                             "at different times and cannot join it; re-plan with CDP (cdp=('v1',) or ('v2',): the planner leaves such "
-                             "collectives out) or train without CDP")
+                             f"at different times and cannot join it; {_REPLAN}")
         self.pm, self.rule = pm, rule
         self.zero = pm.plan.zero_stage == 1
         self.axis = axes[0]
         self.num_workers = mesh.degree(self.axis)
         self.worker = mg.coords[self.axis]
         pm.keep_grads_local()  # the chains sum the gradients; a DP plan's buckets would race them
-        # a collective over the workers inside an op would hang them (each waits at another op): a
-        # plan made without CDP may hold one (GPT's position-embedding gradient, all-reduced in
-        # backward); it now raises on every rank that reaches it, until finish()
-        mg.barred[self.axis] = (f"CDP's workers (axis {self.axis!r}) run their stage ops at different times and cannot meet in a collective: "
-                                "plan with CDP (cdp=('v1',) or ('v2',); such plans hold none over the workers) or train without CDP")
+        # a collective over the workers that the check above cannot see (one a kernel issues itself)
+        # raises where a rank reaches it, instead of waiting there for ranks at other ops, until finish()
+        mg.barred[self.axis] = f"CDP's workers (axis {self.axis!r}) run their stage ops at different times and cannot join it; {_REPLAN}"
         self.runner = StagedRunner(pm, cut_stages(pm.graph, num_stages))
         self.num_stages = self.runner.num_stages
         self.params = pm.local_parameters()

@@ -190,25 +190,25 @@ def cdp_messages(problem: Problem, traffic: Traffic) -> list[Comm]:
             *(Comm("send", axes, TOKEN_BYTES, "bwd") for _ in range(traffic.tokens))]
 
 
-def cdp_overlap(problem: Problem, traffic: Traffic, busy: float) -> tuple[float, float]:
+def cdp_overlap(problem: Problem, traffic: Traffic, busy: float, p2p: float) -> tuple[float, float]:
     """(seconds the busiest rank waits beyond its compute and its messages, seconds of its messages
     hidden behind compute), from CDP's clock as runtime.cdp.CDPTrainer runs it (planner.cdp_clock).
 
     ``busy``: a worker's seconds of ops a step (compute and the collectives inside its ops, e.g.
-    tensor parallelism's). The clock's actions are replayed in seconds
+    tensor parallelism's); ``p2p``: the busiest rank's seconds of messages a step
+    (:func:`cdp_messages`). The clock's actions are replayed in seconds
     (:func:`planner.cdp_clock.step_period`): stage l's forward and backward take l's share of
     ``busy`` (by the cut's FLOPs, a third forward, two thirds backward), every message its
     alpha-beta time on the data-parallel link, the tokens included, and each rank blocks where the
     clock puts its receives, send waits and token waits. The replay's settled step is the price:
-    of the busiest rank's ``p2p`` seconds of messages (:func:`cdp_messages`), what the step does
-    not add to ``busy`` travelled between ops, hidden, at the hardware's ``overlap_efficiency`` (as
+    of ``p2p``, what the step does not add to ``busy`` travelled between ops, hidden, at the hardware's ``overlap_efficiency`` (as
     DP's bucketed all-reduce, planner.overlap); what it takes beyond ``busy + p2p`` is waiting.
-    Measured on 4 gloo ranks (mlp-large, 4 stages) it erred by -2 % and -9 % (v1, ZeRO 0 and 1) and
-    +51 % and +21 % (v2): a ring hop the receiver waits for at once is replayed fully exposed,
-    where gloo moves some of it before the wait."""
+    Measured on 4 gloo ranks sharing 2 cores (mlp-large, 4 stages) it erred by -3 % (v1) and +61 %
+    (v2): the replay treats each rank as its own processor, as on GPUs, but there a ring hop a v2
+    worker waits for runs 2-3x faster than the profile's price (measured with every rank busy),
+    since the waiting rank frees a core."""
     mesh, hw = problem.mesh, problem.hardware
     axes = mesh.active_dp_axes
-    p2p = sum(comm_time(c, mesh, hw) for c in cdp_messages(problem, traffic))
     cut = problem.graph.memo(("cdp_cut", problem.cdp_stages), lambda: cut_stages(problem.graph, problem.cdp_stages))
     flops = [max(f, 1) for f in cut.flops]
     shares = [f / sum(flops) for f in flops]
@@ -405,7 +405,7 @@ class CDP(Scheme):
         messages = cdp_messages(problem, traffic)
         p2p = sum(comm_time(c, mesh, hw) for c in messages)
         tally.comms += [(c, 1) for c in messages]
-        waits, hidden = cdp_overlap(problem, traffic, busy)
+        waits, hidden = cdp_overlap(problem, traffic, busy, p2p)
         tally.total += p2p - per_param + waits
         tally.comm_time += p2p - per_param + waits
         tally.hidden = hidden
