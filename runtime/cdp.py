@@ -378,17 +378,21 @@ class CDPTrainer:
 
 
 def _collectives_over(pm: ParallelModule, axis: str) -> list[tuple[str, str, str]]:
-    """(kind, phase, where) of each collective over ``axis`` in the module's layout conversions."""
+    """(kind, phase, where) of each collective over ``axis`` in the module's layout conversions:
+    the graph's own and those a kernel runs on its inputs (a ``RegatherKernel``'s gathers, run again
+    in backward)."""
+    origin = {str(node.target): pm.node_origin.get(node.name, node.name) for node in pm.graph_module.graph.nodes if node.op == "call_module"}
     out: list[tuple[str, str, str]] = []
-    for node in pm.graph_module.graph.nodes:
-        conv = pm.graph_module.get_submodule(str(node.target)) if node.op == "call_module" else None
+    for name, conv in pm.graph_module.named_modules():
         if not isinstance(conv, Convert):
             continue
+        top = name.split(".")[0]
+        where = (f"converting the output of {origin[name]}: {conv.label}" if name in origin
+                 else f"an input {origin.get(top, top)}'s kernel gathers: {conv.label}")
         for phase, steps in (("fwd", conv.forward_steps), ("bwd", conv.backward_steps)):
             for step in steps:
                 if step.is_collective and axis in step.axes and pm.mesh_groups.size(step.axes) > 1:
-                    traced = pm.node_origin.get(node.name, node.name)
-                    out.append((step.kind, phase, f" (converting the output of {traced}: {conv.label})"))
+                    out.append((step.kind, phase, f" ({where})"))
     return out
 
 

@@ -191,6 +191,30 @@ def test_cdp_with_zero_keeps_each_stages_optimizer_on_its_owner_as_predicted(run
         assert min(h["optimizer"] for h in held) < predicted["optimizer"], (label, held)
 
 
+def test_the_refusal_sees_the_gathers_a_kernel_runs_on_its_inputs() -> None:
+    """CDPTrainer's static check reads every layout conversion of the module: the graph's own and
+    those a ``RegatherKernel`` runs on its inputs (and again in backward), one level down."""
+    from types import SimpleNamespace
+
+    from planner.layout import Step
+    from planner.runtime.cdp import _collectives_over
+    from planner.runtime.collectives import Convert
+    from planner.runtime.kernels import RegatherKernel
+
+    groups = SimpleNamespace(size=lambda axes: 2)
+    gather = Convert((Step("all_gather", ("dp",), 0),), (Step("reduce_scatter", ("dp",), 0),), groups, None, "w: [dp,-] -> [-,-]")  # type: ignore[arg-type]
+    local = Convert((Step("all_gather", ("tp",), 1),), (), groups, None, "x: [-,tp] -> [-,-]")  # type: ignore[arg-type]
+    root = torch.nn.Module()
+    root.linear_kernel = RegatherKernel(torch.nn.Identity(), {1: gather}, groups, None)  # type: ignore[arg-type]
+    root.convert_x = local
+    root.graph = SimpleNamespace(nodes=[SimpleNamespace(op="call_module", target="linear_kernel", name="linear")])
+    pm = SimpleNamespace(graph_module=root, node_origin={"linear": "linear_3"}, mesh_groups=groups)
+    found = _collectives_over(pm, "dp")  # type: ignore[arg-type]
+    assert found == [("all_gather", "fwd", " (an input linear_3's kernel gathers: w: [dp,-] -> [-,-])"),
+                     ("reduce_scatter", "bwd", " (an input linear_3's kernel gathers: w: [dp,-] -> [-,-])")], found
+    assert _collectives_over(pm, "pp") == []  # type: ignore[arg-type]
+
+
 def test_a_plan_with_a_collective_over_cdps_workers_is_refused_not_left_to_hang() -> None:
     """A plan made without CDP may all-reduce over the workers inside backward (GPT's position
     embedding: its gradient has no batch rows). On CDP's clock the workers reach it at different
