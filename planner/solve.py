@@ -341,6 +341,20 @@ class BudgetILP:
         finally:
             highs.setOptionValue("time_limit", limit)
 
+    @contextlib.contextmanager
+    def _relaxing(self, highs: highspy.Highs, keys: tuple[str, ...]) -> Iterator[dict[str, bool | str | float]]:
+        """The model as an LP relaxation wants it: the pair rows on (:meth:`_pair_rows`); on exit
+        they are off again and the options ``keys`` back as they were (given inside as their saved
+        values). Read the answer inside: changing the model clears it."""
+        saved: dict[str, bool | str | float] = {k: highs.getOptionValue(k)[1] for k in keys}
+        self._pair_rows(highs, on=True)
+        try:
+            yield saved
+        finally:
+            self._pair_rows(highs, on=False)
+            for k, v in saved.items():
+                highs.setOptionValue(k, v)
+
     def relaxation(self, budget: float) -> float | None:
         """A lower bound on the objective of every plan within ``budget`` (seconds): the LP
         relaxation's optimum (integrality dropped), less the most the tie-break adds. None when
@@ -355,8 +369,14 @@ class BudgetILP:
         3-D mesh of 64 devices, ~6 s on 8 x 8 x 8 of 4096), where dual simplex, from no basis,
         takes 0.07-1.6 s on the same models when the budget is loose and up to 20 s (or fails)
         near the least memory. ``simplex_first`` (a fresh model, a budget that is likely loose):
-        dual simplex first, stopped after a time in proportion to the model's size, then
-        interior point if it has not finished."""
+        dual simplex first, stopped after 8e-5 s a column (about what interior point takes: at
+        worst twice its time), then interior point if it has not finished. Measured at 80 GiB on
+        gpt2-small's 64- and 512-device meshes and GPT-3's, 2.6k-104k columns: simplex 0.08-4.8e-5 s
+        a column, interior point 3.4-9.5e-5. At 2e-5 s a column the 104k-column 3-D ZeRO-3
+        relaxation stopped at 2.1 s, 0.1 s before its answer, and spent 8.3 s more in interior
+        point (gpt2-small, 64 devices, one plan: 27.2 s -> 16.0 s at 4e-5); at 4e-5 gpt2-small's
+        dp=64 x 2 x 2 x 2 relaxation stopped at 3.8 s of its 4.5 s (512 devices: 47.1 s -> 37.6 s
+        at 8e-5)."""
         t0 = time.perf_counter()
         highs = self._highs()
         if highs is None or self.objective != "time":
@@ -365,11 +385,9 @@ class BudgetILP:
         highs.changeRowBounds(row, -NO_BUDGET, self.model.budget_bound)
         attempts: list[dict[str, bool | str | float]] = [{"solve_relaxation": True, "presolve": "off", "solver": "ipm"}]
         if simplex_first:
-            cap = max(0.5, 2e-5 * highs.getNumCol())
+            cap = max(0.5, 8e-5 * highs.getNumCol())
             attempts.insert(0, {"solve_relaxation": True, "presolve": "off", "solver": "simplex", "time_limit": cap})
-        saved: dict[str, bool | str | float] = {k: highs.getOptionValue(k)[1] for k in ("solve_relaxation", "presolve", "solver", "time_limit")}
-        self._pair_rows(highs, on=True)
-        try:
+        with self._relaxing(highs, ("solve_relaxation", "presolve", "solver", "time_limit")) as saved:
             for options in attempts:
                 for k, v in {**saved, **options}.items():
                     highs.setOptionValue(k, v)
@@ -380,15 +398,40 @@ class BudgetILP:
                     break
             value = highs.getInfo().objective_function_value - TIE_BREAK * min(budget, NO_BUDGET) / self.model.m_unit
             values = np.asarray(highs.getSolution().col_value)
-        finally:  # after reading the answer: changing the model clears it
-            self._pair_rows(highs, on=False)
-            for k, v in saved.items():
-                highs.setOptionValue(k, v)
         log.debug("mesh %s: LP relaxation within %s took %.2f s", self.problem.mesh, format_bytes(budget), time.perf_counter() - t0)
         if status != highspy.HighsModelStatus.kOptimal:
             return Relaxation(None, None, infeasible=status == highspy.HighsModelStatus.kInfeasible)
         rounded = evaluate(self.problem, self.model.assignment(values))
         return Relaxation(max(value, 0.0) * self.model.t_unit, rounded if rounded.peak_memory <= budget else None)
+
+    def memory_bound(self) -> float | None:
+        """Bytes per device no plan goes below (``objective="memory"``): the LP relaxation of the
+        least-memory ILP (integrality dropped, the pair rows on, the time tie-break off), by interior
+        point after presolve; None where the backend is not HiGHS or the LP does not solve. The model is left as it
+        was, so :meth:`run` solves the MIP after it. (A bound to skip a configuration's MIP with, not
+        its answer: fractional strategies undercut the peak, a max over instants.)"""
+        assert self.objective == "memory"
+        t0 = time.perf_counter()
+        highs = self._highs()
+        if highs is None:
+            return None
+        cols = np.arange(len(self.costs), dtype=np.int32)
+        highs.changeColsCost(len(cols), cols, self._costs((self.mem_e, 1.0)))
+        try:
+            # with presolve (measured, GPT-3 175B on dp=8 x 2 x 2 x 2 ZeRO-3, 105k columns: 13.4 s, where
+            # interior point without presolve took 80 s and dual simplex 23.9 s)
+            options: dict[str, bool | str | float] = {"solve_relaxation": True, "presolve": "choose", "solver": "ipm"}
+            with self._relaxing(highs, tuple(options)):
+                for k, v in options.items():
+                    highs.setOptionValue(k, v)
+                with _quiet_stdout():
+                    highs.run()
+                optimal = highs.getModelStatus() == highspy.HighsModelStatus.kOptimal
+                value = highs.getInfo().objective_function_value
+        finally:
+            highs.changeColsCost(len(cols), cols, self.costs)
+        log.debug("mesh %s: least-memory LP relaxation took %.2f s", self.problem.mesh, time.perf_counter() - t0)
+        return max(value, 0.0) * self.model.m_unit * (1 - 1e-6) if optimal else None  # (1 - 1e-6): the LP's tolerances
 
     def weighted(self, weight: float, *, gap: float | None = None, absolute_gap: float = 0.0) -> Solution:
         """The plan minimising time + ``weight`` x memory (both in the model's normalised units),
