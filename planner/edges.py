@@ -34,9 +34,9 @@ def shared_edges(problem: Problem) -> None:
     entry = kept.pop(key, None)
     if entry is None or entry[0] is not problem.hardware:
         _price_edges(problem)
-        entry = (problem.hardware, problem.conversions, problem.holds, problem.edges, problem.conversion_work)
+        entry = (problem.hardware, problem.conversions, problem.holds, problem.edges, problem.conversion_work, problem.pending_work)
     else:
-        problem.conversions, problem.holds, problem.edges, problem.conversion_work = entry[1:]  # type: ignore[assignment]
+        problem.conversions, problem.holds, problem.edges, problem.conversion_work, problem.pending_work = entry[1:]  # type: ignore[assignment]
     kept[key] = entry  # the newest last
     while len(kept) > _PRICED_KEPT:
         del kept[next(iter(kept))]
@@ -91,8 +91,6 @@ def _price_edges(problem: Problem) -> None:
     ins: dict[tuple[str, int], tuple[int, ...]] = {}
     cache = conversion_cache(mesh)
     sig_ids: dict[tuple[tuple[str, int], ...], int] = {}  # the conversion keys hold a consumer signature's id
-    works_seen: set[tuple[str, frozenset[tuple[tuple[object, ...], float]]]] = set()
-    helds: dict[tuple[str, int, int, int], float] = {}  # bytes a conversion holds while it runs
     for (ut, index, vt, p, signature), producers in pending.items():
         u = graph.nodes[ut]
         gu, gv = problem.node_group[ut], problem.node_group[vt]
@@ -118,19 +116,7 @@ def _price_edges(problem: Problem) -> None:
             if edge is None:
                 edge = problem.edges[edge_key] = EdgeTerm(gu, gv, src_sets, dst_sets, {}, index=len(problem.edges))
             pairs = {(a, b): (ia, ib) for a, ia in src_sets.items() for b, ib in dst_sets.items() if a != b}
-        work: Form = {}
-        for (a, b), (iu, _iv) in pairs.items():
-            held = helds.get((ut, index, a, b))
-            if held is None:  # every consumer of a tensor asks again for the same pairs
-                forward, backward = cache.working_sets(a, b, meta.nbytes, meta.shape)
-                held = helds[(ut, index, a, b)] = float(max(forward, backward if with_grad else 0))
-            if held and edge is not None:
-                work[("e", edge.index, a, b)] = held
-            elif held:
-                work.update({("x", gu, i): held for i in iu})
-        if work and (vt, frozenset(work.items())) not in works_seen:
-            works_seen.add((vt, frozenset(work.items())))
-            problem.conversion_work.append((vt, work))
+        problem.pending_work.append((ut, index, vt, gu, edge.index if edge is not None else None, tuple(pairs.items())))
         sig = sig_ids.setdefault(signature, len(sig_ids))
         # a conversion runs where the first consumer that needs it runs (runtime.compile): priced as
         # inside a recomputed segment when the tensor's first consumer is (exact unless an earlier
@@ -160,6 +146,41 @@ def _price_edges(problem: Problem) -> None:
         term.cost = t * term.count
         if term.rerun:
             term.rerun_cost = sum(comm_time(c, mesh, hw) * problem.repeats(c) for c in term.comms[-term.rerun:]) * term.count
+
+
+def price_work(problem: Problem) -> None:
+    """The bytes each conversion holds while it runs (``problem.conversion_work``: the ILP's and
+    the evaluation's memory), from the edges :func:`_price_edges` left pending. Apart from the
+    conversion terms because only a solve needs them: the bound that dismisses most large
+    configurations reads times alone (:func:`planner.front.conversion_time_bound`; measured,
+    gpt2-small on 64 devices, one plan: the working sets were 43 % of the edges' pricing). The
+    lists are the ones a shared pricing holds (:func:`shared_edges`), filled in place, so every
+    problem that shares them sees them filled."""
+    pending, graph = problem.pending_work, problem.graph
+    if not pending:
+        return
+    cache = conversion_cache(problem.mesh)
+    seen: set[tuple[str, frozenset[tuple[tuple[object, ...], float]]]] = set()
+    helds: dict[tuple[str, int, int, int], float] = {}  # every consumer of a tensor asks again for the same pairs
+    for ut, index, vt, gu, edge, pairs in pending:
+        u = graph.nodes[ut]
+        meta = u.outputs[index]
+        assert meta is not None
+        with_grad = u.requires_grad and meta.is_float
+        work: Form = {}
+        for (a, b), (iu, _iv) in pairs:
+            held = helds.get((ut, index, a, b))
+            if held is None:
+                forward, backward = cache.working_sets(a, b, meta.nbytes, meta.shape)
+                held = helds[(ut, index, a, b)] = float(max(forward, backward if with_grad else 0))
+            if held and edge is not None:
+                work[("e", edge, a, b)] = held
+            elif held:
+                work.update({("x", gu, i): held for i in iu})
+        if work and (vt, frozenset(work.items())) not in seen:
+            seen.add((vt, frozenset(work.items())))
+            problem.conversion_work.append((vt, work))
+    pending.clear()
 
 
 def _first_consumer_recomputed(problem: Problem, producer: str, index: int) -> bool:

@@ -37,7 +37,7 @@ from typing import Protocol, TypeVar
 
 import numpy as np
 
-from planner.problem import price_edges
+from planner.problem import price_conversions
 from planner.terms import Problem
 
 
@@ -128,7 +128,7 @@ def conversion_time_bound(problem: Problem) -> float:
     consumer's strategy j. A conversion that several edges (or a group's own strategies) can
     trigger is paid once, so each use is charged its cost / uses: the charges of the uses a plan
     triggers add up to at most the cost. Credit as in :func:`time_lower_bound`."""
-    price_edges(problem)
+    price_conversions(problem)
     uses: Counter[tuple[object, ...]] = Counter()
     for key, term in problem.conversions.items():
         uses[key] += sum(1 for gu, _, gv, _ in term.conditions if gu == gv)

@@ -23,7 +23,7 @@ from typing import cast
 
 from planner.buckets import DEFAULT_BUCKET_BYTES
 from planner.cost import comm_time, compute_time, dtype_itemsize, optimizer_bytes_per_value, optimizer_step_time, ring_volume
-from planner.edges import shared_edges
+from planner.edges import price_work, shared_edges
 from planner.hardware import HardwareProfile
 from planner.ir import IRGraph, Node
 from planner.layout import Layout, Spec
@@ -153,12 +153,24 @@ def _choose(problem: Problem, op_anchors: dict[str, list[Strategy]], allow: Stra
         )
 
 
-def price_edges(problem: Problem) -> Problem:
-    """Add the conversion and hold terms (once; a problem built with ``edges=False`` needs them
-    before it is solved or evaluated)."""
-    if not problem.edges_priced:
+def price_conversions(problem: Problem) -> Problem:
+    """Add the conversion and hold terms, all a bound on time needs (once)."""
+    if not problem.conversions_priced:
         t0 = time.perf_counter()
         shared_edges(problem)
+        problem.conversions_priced = True
+        problem.build_seconds += time.perf_counter() - t0
+    return problem
+
+
+def price_edges(problem: Problem) -> Problem:
+    """Add the conversion and hold terms, the bytes conversions hold while they run, and what
+    the schemes build on them (once; a problem built with ``edges=False`` needs them before it is
+    solved or evaluated)."""
+    if not problem.edges_priced:
+        price_conversions(problem)
+        t0 = time.perf_counter()
+        price_work(problem)
         for scheme in SCHEMES:
             scheme.edges_priced(problem)
         problem.instants = instants(problem)

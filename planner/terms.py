@@ -140,7 +140,8 @@ class Problem:
     cdp_owned: dict[str, list[float]] = field(default_factory=dict)  # CDP + ZeRO: owner bytes per strategy
     instances: dict[str, int] = field(default_factory=dict)  # template -> number of instances
     build_seconds: float = 0.0
-    edges_priced: bool = False  # conversion and hold terms built (price_edges)
+    conversions_priced: bool = False  # conversion and hold terms built (price_conversions)
+    edges_priced: bool = False  # and the conversions' working sets, the schemes' edge terms, the instants (price_edges)
     # gradient accumulation: the graph is one micro-batch; a step runs this many of them one after
     # another and syncs gradients once (forward/backward terms repeat, the step phase does not)
     micro_batches: int = 1
@@ -168,6 +169,9 @@ class Problem:
     # the conversions into each consumer template's input, a form over x (within a group) or e
     # (an edge's pair of Specs): the bytes the conversion of the pair chosen holds while it runs
     conversion_work: list[tuple[str, Form]] = field(default_factory=list)
+    # the edges whose conversion_work is not yet worked out: (producer template, output index,
+    # consumer template, producer group, edge index or None, ((a, b), (strategies u, strategies v)) pairs)
+    pending_work: list[tuple[str, int, str, str, int | None, tuple[tuple[tuple[int, int], tuple[frozenset[int], frozenset[int]]], ...]]] = field(default_factory=list)
     instants: list[Instant] | None = None  # the moments the peak may happen (planner.peak; price_edges makes them)
     # CDP: each stage's gradient buffer (a form over x) and the last op of each stage but the last
     # (planner.schemes.cdp.stage_buffers; a worker past the chain's head receives a partial sum that size)
