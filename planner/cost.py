@@ -102,7 +102,27 @@ def _spans_nodes(axes: tuple[str, ...], mesh: Mesh, devices_per_node: int) -> bo
     return len({r // devices_per_node for r in ranks}) > 1
 
 
+_TIMES: dict[int, tuple[HardwareProfile, dict[tuple[Comm, Mesh], float]]] = {}  # by the profile's id (the profile kept: the id stays its own)
+_TIMES_KEPT = 200_000  # entries over all profiles before the memo starts again
+
+
 def comm_time(comm: Comm, mesh: Mesh, hw: HardwareProfile) -> float:
+    """:func:`collective_time`, memoised: a search prices the same few thousand collectives
+    hundreds of thousands of times (measured, gpt2-small on 512 devices, one plan: 807,634 calls,
+    5,113 distinct)."""
+    entry = _TIMES.get(id(hw))
+    if entry is None or entry[0] is not hw:
+        if len(_TIMES) > 16 or sum(len(memo) for _, memo in _TIMES.values()) > _TIMES_KEPT:
+            _TIMES.clear()
+        entry = _TIMES[id(hw)] = (hw, {})
+    memo = entry[1]
+    t = memo.get((comm, mesh))
+    if t is None:
+        t = memo[(comm, mesh)] = collective_time(comm, mesh, hw)
+    return t
+
+
+def collective_time(comm: Comm, mesh: Mesh, hw: HardwareProfile) -> float:
     """Alpha-beta time of ``comm`` on its group's tier: ``steps`` latencies plus the bytes each
     rank sends over the bandwidth. A calibrated profile's fit of that collective kind
     (``hw.collectives``: its own latency and bandwidth, times its measured / fitted ratio at this
