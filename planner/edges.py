@@ -34,9 +34,11 @@ def shared_edges(problem: Problem) -> None:
     entry = kept.pop(key, None)
     if entry is None or entry[0] is not problem.hardware:
         _price_edges(problem)
-        entry = (problem.hardware, problem.conversions, problem.holds, problem.edges, problem.conversion_work, problem.pending_work)
+        entry = (problem.hardware, problem.conversions, problem.holds, problem.edges, problem.conversion_work, problem.pending_work,
+                 problem.priced_memo)
     else:
-        problem.conversions, problem.holds, problem.edges, problem.conversion_work, problem.pending_work = entry[1:]  # type: ignore[assignment]
+        (problem.conversions, problem.holds, problem.edges, problem.conversion_work, problem.pending_work,
+         problem.priced_memo) = entry[1:]  # type: ignore[assignment]
     kept[key] = entry  # the newest last
     while len(kept) > _PRICED_KEPT:
         del kept[next(iter(kept))]

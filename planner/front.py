@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
-from typing import Protocol, TypeVar
+from typing import Protocol, TypeVar, cast
 
 import numpy as np
 
@@ -125,23 +125,44 @@ def conversion_time_bound(problem: Problem) -> float:
         T >= sum_v min_j [ t_v(j) - credit_v(j) + sum_{edges u -> v} min_i c_e(i, j) ]
 
     each edge's conversion charged to its consumer, at the cheapest producer strategy for the
-    consumer's strategy j. A conversion that several edges (or a group's own strategies) can
-    trigger is paid once, so each use is charged its cost / uses: the charges of the uses a plan
-    triggers add up to at most the cost. Credit as in :func:`time_lower_bound`."""
+    consumer's strategy j (:func:`conversion_charges`). Credit as in :func:`time_lower_bound`."""
     price_conversions(problem)
+    charges = conversion_charges(problem)
+    total = 0.0
+    for g, group in problem.groups.items():
+        own = np.asarray(group.time, dtype=float) - np.asarray(problem.hideable(group), dtype=float)
+        if g in charges:
+            own += charges[g]
+        total += float(own.min())
+    return max(total, 0.0)
+
+
+def conversion_charges(problem: Problem) -> dict[str, np.ndarray]:
+    """Per group, per strategy, the seconds of conversion it is charged in
+    :func:`conversion_time_bound`. A conversion that several edges (or a group's own strategies)
+    can trigger is paid once, so each use is charged its cost / uses: the charges of the uses a
+    plan triggers add up to at most the cost. Worked out once per pricing of the conversions (the
+    ZeRO 0-2 problems of a mesh share it: :func:`planner.edges.shared_edges`)."""
+    memo = cast(dict[str, np.ndarray] | None, problem.priced_memo.get("charges"))
+    if memo is not None:
+        return memo
     uses: Counter[tuple[object, ...]] = Counter()
     for key, term in problem.conversions.items():
         uses[key] += sum(1 for gu, _, gv, _ in term.conditions if gu == gv)
     for edge in problem.edges.values():
         for keys in edge.conversions.values():
             uses.update(keys)
-    own: dict[str, np.ndarray] = {}  # per group: seconds of each strategy, charges added
-    for g, group in problem.groups.items():
-        own[g] = np.asarray(group.time, dtype=float) - np.asarray(problem.hideable(group), dtype=float)
+    charges: dict[str, np.ndarray] = {}
+
+    def charge(g: str) -> np.ndarray:
+        if g not in charges:
+            charges[g] = np.zeros(len(problem.groups[g].time))
+        return charges[g]
+
     for key, term in problem.conversions.items():
         for gu, iu, gv, iv in term.conditions:
             if gu == gv and term.cost:
-                own[gu][np.fromiter(iu & iv, dtype=int)] += term.cost / uses[key]
+                charge(gu)[np.fromiter(iu & iv, dtype=int)] += term.cost / uses[key]
     for edge in problem.edges.values():
         srcs, dsts = list(edge.src_sets), list(edge.dst_sets)
         row, col = {s: k for k, s in enumerate(srcs)}, {t: k for k, t in enumerate(dsts)}
@@ -151,8 +172,9 @@ def conversion_time_bound(problem: Problem) -> float:
         cheapest = cost.min(axis=0)
         for b, k in col.items():
             if cheapest[k]:
-                own[edge.group_v][np.fromiter(edge.dst_sets[b], dtype=int)] += cheapest[k]
-    return max(sum(float(t.min()) for t in own.values()), 0.0)
+                charge(edge.group_v)[np.fromiter(edge.dst_sets[b], dtype=int)] += cheapest[k]
+    problem.priced_memo["charges"] = charges
+    return charges
 
 
 def dominated(front: Sequence[P], step_time: float, memory: float, resolution: float = 0.0) -> P | None:

@@ -140,6 +140,9 @@ class Problem:
     cdp_owned: dict[str, list[float]] = field(default_factory=dict)  # CDP + ZeRO: owner bytes per strategy
     instances: dict[str, int] = field(default_factory=dict)  # template -> number of instances
     build_seconds: float = 0.0
+    # what is worked out from the conversion terms alone (planner.front.conversion_charges), shared
+    # with the problems that share them (planner.edges.shared_edges)
+    priced_memo: dict[str, object] = field(default_factory=dict)
     conversions_priced: bool = False  # conversion and hold terms built (price_conversions)
     edges_priced: bool = False  # and the conversions' working sets, the schemes' edge terms, the instants (price_edges)
     # gradient accumulation: the graph is one micro-batch; a step runs this many of them one after
