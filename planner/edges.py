@@ -4,7 +4,8 @@ Every producer -> consumer edge whose Specs can differ gets a conversion term (t
 that turn one into the other, :func:`planner.layout.spec_conversion`), paid once per producer
 tensor and target Spec; every tensor saved for backward a hold term, keyed by the storage it keeps
 alive (:func:`_root`), counted once however many consumers save it. Identical edges of the
-instances of a repeated layer are priced once.
+instances of a repeated layer are priced once. The bytes a conversion holds while it runs are
+worked out after, by :func:`price_work`, for the problems that get as far as a solve.
 """
 
 from __future__ import annotations

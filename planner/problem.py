@@ -67,7 +67,8 @@ def build_problem(
     (:func:`planner.cost.optimizer_bytes_per_value`); everything else is priced in the traced dtype.
 
     ``edges=False`` leaves out the conversion and hold terms (most of the building time):
-    enough for the bounds of :mod:`planner.front`; :func:`price_edges` adds them before a solve.
+    enough for the pricing-free bounds of :mod:`planner.front`; :func:`price_conversions` adds
+    the terms the conversion bound reads, :func:`price_edges` the rest before a solve.
 
     ``allow(node, strategy)``, when given, pins choices: an anchor keeps only the strategies it
     accepts (a ValueError names the node if it accepts none)."""
