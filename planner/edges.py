@@ -10,7 +10,7 @@ worked out after, by :func:`price_work`, for the problems that get as far as a s
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter, defaultdict
 from typing import cast
 
 from planner.cost import comm_time
@@ -185,6 +185,23 @@ def price_work(problem: Problem) -> None:
             problem.conversion_work.append((vt, work))
     pending.clear()
 
+
+def conversion_uses(problem: Problem) -> Counter[tuple[object, ...]]:
+    """Per conversion term, how many causes can trigger it: its conditions within one group, and
+    each edge pair that lists it. A term with more than one is paid once however many of its
+    causes a plan triggers (the ILP's ``y``; the conversion bound charges each cause cost / uses).
+    Counted once per pricing, shared with the problems that share it."""
+    memo = cast("Counter[tuple[object, ...]] | None", problem.priced_memo.get("uses"))
+    if memo is not None:
+        return memo
+    uses: Counter[tuple[object, ...]] = Counter()
+    for key, term in problem.conversions.items():
+        uses[key] += sum(1 for gu, _, gv, _ in term.conditions if gu == gv)
+    for edge in problem.edges.values():
+        for keys in edge.conversions.values():
+            uses.update(keys)
+    problem.priced_memo["uses"] = uses
+    return uses
 
 def _first_consumer_recomputed(problem: Problem, producer: str, index: int) -> bool:
     """Whether the first op (graph order) reading output ``index`` of ``producer`` runs in a recomputed segment."""

@@ -31,12 +31,12 @@ a point only if it needs at least that fraction less memory than a faster point 
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Sequence
 from typing import Protocol, TypeVar, cast
 
 import numpy as np
 
+from planner.edges import conversion_uses
 from planner.problem import price_conversions
 from planner.terms import Problem
 
@@ -146,12 +146,7 @@ def conversion_charges(problem: Problem) -> dict[str, np.ndarray]:
     memo = cast(dict[str, np.ndarray] | None, problem.priced_memo.get("charges"))
     if memo is not None:
         return memo
-    uses: Counter[tuple[object, ...]] = Counter()
-    for key, term in problem.conversions.items():
-        uses[key] += sum(1 for gu, _, gv, _ in term.conditions if gu == gv)
-    for edge in problem.edges.values():
-        for keys in edge.conversions.values():
-            uses.update(keys)
+    uses = conversion_uses(problem)
     charges: dict[str, np.ndarray] = {}
 
     def charge(g: str) -> np.ndarray:

@@ -59,13 +59,13 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections import defaultdict
 from collections.abc import Iterable
 from typing import cast
 
 import highspy
 import numpy as np
 
+from planner.edges import conversion_uses
 from planner.peak import Form
 from planner.problem import price_edges
 from planner.terms import EdgeTerm, Group, Problem
@@ -291,13 +291,7 @@ class Model:
         A conversion that costs nothing gets no variable; one that only a single pair of a single
         edge can cause is that pair's e itself (y = e at the optimum, without the row)."""
         p = self.problem
-        uses: dict[tuple[object, ...], int] = defaultdict(int)
-        for key, term in p.conversions.items():
-            uses[key] += sum(1 for gu, _, gv, _ in term.conditions if gu == gv)
-        for edge in p.edges.values():
-            for keys in edge.conversions.values():
-                for key in keys:
-                    uses[key] += 1
+        uses = conversion_uses(p)
         for k, (key, term) in enumerate(p.conversions.items()):
             if term.cost and (uses[key] > 1 or any(gu == gv for gu, _, gv, _ in term.conditions)):
                 self.y[key] = self.lp.var(f"y_{k}", 0.0, 1.0)

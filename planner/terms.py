@@ -140,8 +140,9 @@ class Problem:
     cdp_owned: dict[str, list[float]] = field(default_factory=dict)  # CDP + ZeRO: owner bytes per strategy
     instances: dict[str, int] = field(default_factory=dict)  # template -> number of instances
     build_seconds: float = 0.0
-    # what is worked out from the conversion terms alone (planner.front.conversion_charges), shared
-    # with the problems that share them (planner.edges.shared_edges)
+    # what is worked out from the conversion terms alone (planner.edges.conversion_uses,
+    # planner.front.conversion_charges) and the last LP relaxation's basis (planner.solve.BudgetILP.relax),
+    # shared with the problems that share the terms (planner.edges.shared_edges)
     priced_memo: dict[str, object] = field(default_factory=dict)
     conversions_priced: bool = False  # conversion and hold terms built (price_conversions)
     edges_priced: bool = False  # and the conversions' working sets, the schemes' edge terms, the instants (price_edges)
