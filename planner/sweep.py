@@ -127,7 +127,9 @@ def sweep(
     gaps.sort(key=lambda g: g[0] - memory(g[1]), reverse=True)
     for budget, lower in gaps:
         while budget > memory(lower) and len(points) < cap:
-            sol = _fill(ilp, budget, covered, memory(lower), bounding, gap)
+            # only a plan faster than the lower neighbour is a point: the solver prunes with its time
+            # where the ILP prices what the evaluation does (not where it hides communication)
+            sol = _fill(ilp, budget, covered, memory(lower), bounding, gap, None if overlaps else seconds(lower))
             if sol is None or memory(sol) <= memory(lower) or sol.evaluation.step_time >= lower.evaluation.step_time:
                 break
             points.append(sol)
@@ -177,9 +179,10 @@ def _end(ilp: BudgetILP, least: Solution, resolution: float, covered: Callable[[
 
 
 def _fill(ilp: BudgetILP, budget: float, covered: Callable[[float], float] | None, floor: float, bounding: BudgetILP | None = None,
-          gap: float | None = None) -> Solution | None:
+          gap: float | None = None, faster_than: float | None = None) -> Solution | None:
     """The fastest plan within ``budget``, or None when a bound shows every plan between
-    ``floor`` and the budget covered (``covered``: see :func:`sweep`). An answer whose exact memory
+    ``floor`` and the budget covered (``covered``: see :func:`sweep`), or when no plan within it is
+    faster than ``faster_than`` seconds (as the ILP prices them). An answer whose exact memory
     exceeds the budget (solver tolerance, or a term the ILP does not price) is re-solved below."""
     while covered is not None:
         below = _covered_within(ilp, budget, covered, bounding)
@@ -188,7 +191,7 @@ def _fill(ilp: BudgetILP, budget: float, covered: Callable[[float], float] | Non
         if below <= floor:
             return None
         budget = below
-    return within(ilp, budget, gap)
+    return within(ilp, budget, gap, faster_than)
 
 
 def _covered_within(ilp: BudgetILP, budget: float, covered: Callable[[float], float], bounding: BudgetILP | None) -> float | None:
