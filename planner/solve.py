@@ -296,9 +296,9 @@ class BudgetILP:
            least-memory end of the front, after a relaxation within the budget there: 3.6 s and
            13.0 s on the 2-D and 3-D meshes of 8 devices, 0.44 s and 0.96 s without a basis; the
            model's own solver, its basis dropped, still took over 2 s on the 3-D mesh after
-           earlier simplex solves: HiGHS keeps more than the basis between them). A least-memory model without
-           a basis first solves the time LP and starts from its basis (measured, gpt-tiny on
-           2 x 2 x 2: the least-memory LP 12.6 s cold, 0.02 + 0.27 s so).
+           earlier simplex solves: HiGHS keeps more than the basis between them). A least-memory
+           model without a basis first solves the time LP and starts from its basis (measured,
+           gpt-tiny on 2 x 2 x 2: the least-memory LP 12.6 s cold, 0.02 + 0.27 s so).
         2. The binaries the LP left at 0 or 1 fixed, the rest a MIP of a few dozen binaries
            (relaxation-induced neighbourhood search, RENS: Berthold 2014), with presolve: a
            plan, objective ``z``.
