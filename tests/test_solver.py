@@ -27,6 +27,7 @@ import itertools
 import math
 from dataclasses import dataclass
 
+import highspy
 import numpy as np
 import pytest
 import torch
@@ -431,6 +432,53 @@ def test_dual_simplex_first_gives_the_interior_points_bound(name: str) -> None:
         else:
             assert b.bound == pytest.approx(a.bound, rel=1e-6)
             assert b.bound <= c.fastest_within(budget) * (1 + 1e-6)  # a lower bound on every plan that fits
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_a_mip_its_relaxation_proves_is_answered_without_running_it(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """BudgetILP._from_relaxation: where the LP-integral neighbourhood's plan is within the gap of
+    the LP bound, that plan is the answer (the brute-force optimum, within the gap) and HiGHS' MIP
+    never runs; the least-memory model likewise."""
+    c = case(name)
+
+    def no_mip(self: solve_module.BudgetILP, highs: object, budget: float) -> None:
+        raise AssertionError("the MIP ran although its relaxation proves the answer")
+
+    monkeypatch.setattr(solve_module.BudgetILP, "_run_mip", no_mip)
+    settings = SolverSettings(relative_gap=1e-6)
+    fastest = solve_module.BudgetILP(c.problem, "time", settings).run(float("inf"))
+    assert fastest is not None and fastest.status == "optimal"
+    assert fastest.evaluation.step_time == pytest.approx(float(c.time.min()), rel=1e-6, abs=_time_slack(c))
+    least = solve_module.BudgetILP(c.problem, "memory", settings).run(float("inf"))
+    assert least is not None and least.evaluation.peak_memory == pytest.approx(c.least_memory, rel=1e-6)
+
+
+def test_every_solve_gets_its_own_time_limit_although_highs_adds_up_its_runs() -> None:
+    """HiGHS' time_limit bounds a solver's run clock summed over all its runs (a model solved many
+    times ran out of time after its first solves); solve._run_for gives each run its own seconds."""
+    c = case("two-linear/dp2xtp2")
+    ilp = solve_module.BudgetILP(c.problem, "time", SolverSettings(time_limit_s=0.5))
+    highs = ilp._highs()
+    assert highs is not None
+    for _ in range(100_000):  # the run clock past the time limit, as after many solves
+        if highs.getRunTime() > 0.6:
+            break
+        highs.clearSolver()
+        highs.run()
+    highs.setOptionValue("solve_relaxation", True)  # an LP, which checks the clock from its start
+    highs.setOptionValue("presolve", "off")
+    highs.setOptionValue("time_limit", 0.5)
+    highs.clearSolver()
+    highs.run()
+    assert highs.getModelStatus() == highspy.HighsModelStatus.kTimeLimit  # what plain runs did
+    highs.clearSolver()
+    solve_module._run_for(highs, 0.5)
+    assert highs.getModelStatus() == highspy.HighsModelStatus.kOptimal
+    highs.setOptionValue("solve_relaxation", False)
+    budget = between_pareto_budgets(c)[0]
+    sol = ilp.run(budget)  # a budgeted MIP on that solver
+    assert sol is not None and sol.status == "optimal"
+    assert sol.evaluation.step_time == pytest.approx(c.fastest_within(budget), rel=1e-6, abs=_time_slack(c))
 
 
 def test_importing_the_planner_keeps_no_caller_frames_alive() -> None:
