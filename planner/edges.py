@@ -203,6 +203,7 @@ def conversion_uses(problem: Problem) -> Counter[tuple[object, ...]]:
     problem.priced_memo["uses"] = uses
     return uses
 
+
 def _first_consumer_recomputed(problem: Problem, producer: str, index: int) -> bool:
     """Whether the first op (graph order) reading output ``index`` of ``producer`` runs in a recomputed segment."""
     graph = problem.graph

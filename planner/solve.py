@@ -182,9 +182,9 @@ def solve_within(ilp: BudgetILP, memory_budget: float, fastest: Solution | None 
 def within(ilp: BudgetILP, memory_budget: float, gap: float | None = None, faster_than: float | None = None) -> Solution | None:
     """The fastest plan within ``memory_budget`` (``gap``: to within that relative gap instead of
     the settings'), or None (``faster_than``: also when none is faster than that many seconds, as
-    the ILP prices them; see :meth:`BudgetILP.run`). An answer whose exact memory exceeds the budget (a tolerance slip, or
-    a term the ILP does not price) is re-solved with the budget lowered by twice the last overrun
-    each time, :data:`MAX_RESOLVES` times at most."""
+    the ILP prices them; see :meth:`BudgetILP.run`). An answer whose exact memory exceeds the
+    budget (a tolerance slip, or a term the ILP does not price) is re-solved with the budget
+    lowered by twice the last overrun each time, :data:`MAX_RESOLVES` times at most."""
     budget = memory_budget
     for attempt in range(MAX_RESOLVES):
         solution = ilp.run(budget, gap=gap, faster_than=faster_than)
@@ -260,7 +260,7 @@ class BudgetILP:
             highs.changeRowBounds(row, -NO_BUDGET, self.model.budget_bound)
         highs.setOptionValue("mip_rel_gap", gap)
         highs.setOptionValue("mip_abs_gap", absolute_gap)
-        proven, start = self._from_relaxation(highs, budget, gap, absolute_gap, cutoff)
+        proven, start = self._from_relaxation(highs, budget, costs, gap, absolute_gap, cutoff)
         if proven is not None:
             return proven
         if start is not None:
@@ -284,9 +284,10 @@ class BudgetILP:
         else:
             self._run_without_presolve(highs)
 
-    def _from_relaxation(self, highs: highspy.Highs, budget: float, gap: float, absolute_gap: float, cutoff: float) -> tuple[_Outcome | None, highspy.HighsSolution | None]:
-        """The MIP answered from its LP relaxation where that suffices: (the outcome, None) when
-        proven, else (None, a plan to start the MIP from, or None).
+    def _from_relaxation(self, highs: highspy.Highs, budget: float, costs: np.ndarray, gap: float, absolute_gap: float,
+                         cutoff: float) -> tuple[_Outcome | None, highspy.HighsSolution | None]:
+        """The MIP (objective ``costs``, already the model's) answered from its LP relaxation where
+        that suffices: (the outcome, None) when proven, else (None, a plan to start the MIP from, or None).
 
         1. The LP relaxation by dual simplex, the pair rows on (:meth:`_pair_rows`: exact for
            one-hot x, so its optimum ``b`` bounds every plan), stopped after 8e-5 s a column,
@@ -322,7 +323,6 @@ class BudgetILP:
                 solver = self._copy(highs.getLp(), options)  # the budget bound in that basis: a poor start without it (see above)
             elif self.objective == "memory" and not basis.valid:
                 index = np.arange(cols, dtype=np.int32)
-                costs = np.array(highs.getLp().col_cost_)
                 highs.changeColsCost(cols, index, self._costs((self.time_e, 1.0), (self.mem_e, TIE_BREAK)))
                 try:
                     _run_for(highs, cap)
