@@ -113,18 +113,16 @@ def _plan(task: Task, cdp: str, stages: int) -> str:
     filter); ``cdp`` "v1" plans for CDP (CDPTrainer's ``rule`` then picks v1 or v2): batch-independent
     ops keep their gradients partial over the workers (GPT's position embedding), where a plan for
     DP all-reduces them in backward, a collective CDP's staggered workers cannot join."""
-    from planner.hardware import A100_80G
+    from planner.config import SearchConfig
     from planner.schemes.cdp import cdp_filter
     from planner.schemes.tp import DP_AXIS
     from planner.search import search
-    from planner.space import SearchSpace
     from planner.trace import trace
 
     x, y, _, _ = task.data()
     graph = trace(task.model(), (x[:BATCH],), {"targets": y[:BATCH]})
-    space = SearchSpace(devices=WORLD, dp=WORLD, zero=(0,), tp=("none",), cdp=(cdp,), cdp_stages=stages)
-    result = search(graph, space, A100_80G, model_name="cdp-convergence", optimizer="sgd",
-                    allow=cdp_filter(graph, (DP_AXIS,), base=lambda node, s: node.target not in HEAVY or DP_AXIS in s.split_axes))
+    config = SearchConfig(devices=WORLD, dp=WORLD, zero=(0,), tp=("none",), cdp=(cdp,), cdp_stages=stages, optimizer="sgd-momentum")
+    result = search(graph, config, model_name="cdp-convergence", allow=cdp_filter(graph, (DP_AXIS,), base=lambda node, s: node.target not in HEAVY or DP_AXIS in s.split_axes))
     assert result.best is not None
     return result.best.model_dump_json()
 

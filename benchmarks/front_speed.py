@@ -17,10 +17,8 @@ import time
 from dataclasses import dataclass
 
 from planner.cli import load_model
-from planner.hardware import load_profile
+from planner.config import SearchConfig
 from planner.search import search
-from planner.solve import SolverSettings
-from planner.space import SearchSpace
 from planner.trace import trace
 
 
@@ -47,8 +45,8 @@ def run(name: str, sc: Scenario, workers: int | None, gap: float | None = None) 
     t0 = time.perf_counter()
     graph = trace(model, args, kwargs)
     trace_s = time.perf_counter() - t0
-    result = search(graph, SearchSpace(devices=sc.devices, zero=sc.zero, cdp=sc.cdp), load_profile("a100-80g"), model_name=sc.model,
-                    front=sc.front, workers=workers, settings=SolverSettings(relative_gap=gap) if gap is not None else None)
+    config = SearchConfig(devices=sc.devices, zero=sc.zero, cdp=sc.cdp, hardware="a100-80g", front=sc.front, **({"relative_gap": gap} if gap is not None else {}))
+    result = search(graph, config, model_name=sc.model, workers=workers)
     cands = result.candidates
     solved = sum(1 for c in cands if c.front)
     dominated = sum(1 for c in cands if c.reason.startswith("dominated"))

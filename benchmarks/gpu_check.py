@@ -140,19 +140,20 @@ RECOMPUTE_LABELS = {"none": "1 device", "selective": "1 device, attention cores 
 
 
 def _plans(model_name: str, batch: int, profile: Any, world: int) -> list[tuple[str, str]]:
+    from planner.config import SearchConfig
     from planner.search import search
-    from planner.space import SearchSpace
     from planner.trace import trace
 
     graph = trace(_build(model_name, 0), *_inputs(model_name, batch, 1))
-    spaces = {label: SearchSpace(devices=1, tp=("none",), recompute=(mode,)) for mode, label in RECOMPUTE_LABELS.items()} if world == 1 else {
-        f"dp={world}": SearchSpace(devices=world, dp=world, tp=("none",), zero=(0,)),
-        f"dp={world} zero1": SearchSpace(devices=world, dp=world, tp=("none",), zero=(1,)),
-        f"tp={world} (1-D)": SearchSpace(devices=world, dp=1, tp=("1d",), zero=(0,)),
+    same = {"hardware": profile, "front": False}
+    spaces = {label: SearchConfig(devices=1, tp=("none",), recompute=(mode,), **same) for mode, label in RECOMPUTE_LABELS.items()} if world == 1 else {
+        f"dp={world}": SearchConfig(devices=world, dp=world, tp=("none",), zero=(0,), **same),
+        f"dp={world} zero1": SearchConfig(devices=world, dp=world, tp=("none",), zero=(1,), **same),
+        f"tp={world} (1-D)": SearchConfig(devices=world, dp=1, tp=("1d",), zero=(0,), **same),
     }
     out = []
     for label, space in spaces.items():
-        result = search(graph, space, profile, model_name=model_name, front=False)
+        result = search(graph, space, model_name=model_name)
         if result.best is not None:
             out.append((label, result.best.model_dump_json()))
         else:

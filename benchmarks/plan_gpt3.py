@@ -13,11 +13,12 @@ import argparse
 import resource
 import time
 
+from planner.config import SearchConfig
 from planner.hardware import load_profile
 from planner.models import build_model, example_inputs
 from planner.problem import build_problem
 from planner.solve import InfeasibleBudget, solve
-from planner.space import SearchSpace, candidate_meshes
+from planner.space import candidate_meshes
 from planner.trace import trace
 from planner.units import parse_bytes
 
@@ -48,7 +49,7 @@ def main() -> None:
     print(f"model built on meta in {t_build:.2f} s; traced in {t_trace:.2f} s {graph.timings}; peak RSS so far {rss_gib():.2f} GiB")
     print(f"planning for {a.devices} devices on {hw.name}, budget {budget / 2**30:.1f} GiB/device")
     print(f"{'mesh':<14} {'groups':>6} {'choices':>7} {'conv':>6} {'hold':>5} {'vars':>6} {'cons':>6} {'build s':>8} {'solve s':>8}  result")
-    for cand in candidate_meshes(SearchSpace(devices=a.devices), a.batch):
+    for cand in candidate_meshes(SearchConfig(devices=a.devices), a.batch):
         if cand.reason:
             print(f"{cand.mesh!s:<14} pruned: {cand.reason}")
             continue

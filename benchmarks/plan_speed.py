@@ -71,9 +71,9 @@ def llama3_8b(batch: int, seq: int = 8192) -> tuple[Any, tuple[Any, ...], dict[s
 def run_cell(model_name: str, devices: int, mode: str) -> dict[str, Any]:
     """One cell in this process: trace, search, what the table needs."""
     from planner.cli import load_model
+    from planner.config import SearchConfig
     from planner.hardware import load_profile
     from planner.search import SearchProgress, search
-    from planner.space import SearchSpace
     from planner.trace import trace
 
     batch = max(8, devices)
@@ -85,8 +85,8 @@ def run_cell(model_name: str, devices: int, mode: str) -> dict[str, Any]:
     graph = trace(model, args, kwargs)
     trace_s = time.perf_counter() - t0
     events: list[SearchProgress] = []  # the search's own counts, after its last configuration
-    result = search(graph, SearchSpace(devices=devices, zero=(0, 1, 2, 3)), load_profile("a100-80g"), model_name=model_name,
-                    front=mode == "front", progress=events.append)
+    config = SearchConfig(devices=devices, zero=(0, 1, 2, 3), hardware=load_profile("a100-80g"), front=mode == "front")
+    result = search(graph, config, model_name=model_name, progress=events.append)
     last = events[-1]
     return {
         "model": model_name, "devices": devices, "mode": mode, "batch": batch,

@@ -53,22 +53,22 @@ CDP_CONFIGS = [  # (label, zero, CDP rule): CDP over dp=4, 4 stages, trained by 
 
 
 def _plans(hardware: Any) -> list[tuple[str, str, str]]:
+    from planner.config import SearchConfig
     from planner.models import build_model, example_inputs
     from planner.search import search
-    from planner.space import SearchSpace
     from planner.trace import trace
 
     out = []
     for name, batch in MODELS.items():
         graph = trace(build_model(name, seed=0), *example_inputs(name, batch=batch, seed=1))  # as the ranks will
         for label, tp, dp, zero in CONFIGS:
-            result = search(graph, SearchSpace(devices=WORLD, tp=tp, dp=dp, zero=(zero,)), hardware, model_name=name)
+            result = search(graph, SearchConfig(devices=WORLD, tp=tp, dp=dp, zero=(zero,), hardware=hardware), model_name=name)
             if result.best is not None:
                 out.append((name, label, result.best.model_dump_json()))
     graph = trace(build_model(CDP_MODEL, seed=0), *example_inputs(CDP_MODEL, batch=MODELS[CDP_MODEL], seed=1))
     for label, zero, rule in CDP_CONFIGS:
-        result = search(graph, SearchSpace(devices=WORLD, tp=("none",), dp=WORLD, zero=(zero,), cdp=(rule,), cdp_stages=4), hardware,
-                        model_name=CDP_MODEL)
+        config = SearchConfig(devices=WORLD, tp=("none",), dp=WORLD, zero=(zero,), cdp=(rule,), cdp_stages=4, hardware=hardware)
+        result = search(graph, config, model_name=CDP_MODEL)
         if result.best is not None:
             out.append((CDP_MODEL, label, result.best.model_dump_json()))
     return out

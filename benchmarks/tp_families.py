@@ -15,11 +15,12 @@ from __future__ import annotations
 import argparse
 import time
 
+from planner.config import SearchConfig
 from planner.hardware import load_profile
 from planner.models import build_model, example_inputs
 from planner.problem import build_problem, layer_volume
 from planner.solve import InfeasibleBudget, SolverSettings, solve
-from planner.space import SearchSpace, candidate_meshes
+from planner.space import candidate_meshes
 from planner.trace import trace
 from planner.units import format_bytes, format_seconds
 
@@ -28,7 +29,7 @@ def best(graph, devices: int, family: str, hw, dp: int | None, settings: SolverS
     batch = graph.nodes[graph.input_names[0]].out.shape[0]
     found = None
     least = None
-    for cand in candidate_meshes(SearchSpace(devices=devices, tp=(family,), dp=dp), batch):
+    for cand in candidate_meshes(SearchConfig(devices=devices, tp=(family,), dp=dp), batch):
         if cand.reason:
             continue
         problem = build_problem(graph, cand.mesh, hw)

@@ -92,8 +92,8 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def plan_json(world: int, case: str, hardware: Any) -> str:
+    from planner.config import SearchConfig
     from planner.search import search
-    from planner.space import SearchSpace
     from planner.trace import trace
 
     graph = trace(make_model(case), batch(0), {})
@@ -101,19 +101,19 @@ def plan_json(world: int, case: str, hardware: Any) -> str:
     if case == "3d":  # the fastest 3-D plan within the memory the planner prices PyTorch's side at (see the docstring)
         from tests.test_same_math import megatron
 
-        theirs = search(graph, SearchSpace(devices=world, dp=1, tp=("1d",), zero=(0,)), hardware, model_name="gpt-bench", front=False, allow=megatron)
+        theirs = search(graph, SearchConfig(devices=world, dp=1, tp=("1d",), hardware=hardware, front=False), model_name="gpt-bench", allow=megatron)
         assert theirs.best is not None
-        result = search(graph, SearchSpace(devices=world, dp=1, tp=("3d",), zero=(0,)), hardware, model_name="gpt-bench", front=False,
-                        memory_budget=theirs.best.peak_memory_bytes)
+        config = SearchConfig(devices=world, dp=1, tp=("3d",), hardware=hardware, front=False, memory_budget=theirs.best.peak_memory_bytes)
+        result = search(graph, config, model_name="gpt-bench")
     elif case in ("tp", "dp2tp2"):  # Megatron 1-D (inside data parallelism), as parallelize_module's Colwise/Rowwise plan below
         from tests.test_same_math import megatron, megatron_dp
 
         dp = 1 if case == "tp" else 2
-        space = SearchSpace(devices=world, dp=dp, tp=("1d",), zero=(0,))
-        result = search(graph, space, hardware, model_name="gpt-bench", front=False, allow=megatron if dp == 1 else megatron_dp)
+        config = SearchConfig(devices=world, dp=dp, tp=("1d",), hardware=hardware, front=False)
+        result = search(graph, config, model_name="gpt-bench", allow=megatron if dp == 1 else megatron_dp)
     else:
-        result = search(graph, SearchSpace(devices=world, dp=world, tp=("none",), zero=(zero,)), hardware, model_name="gpt-bench", front=False,
-                        objective=objective)  # type: ignore[arg-type]
+        config = SearchConfig(devices=world, dp=world, tp=("none",), zero=(zero,), hardware=hardware, front=False, objective=objective)  # type: ignore[arg-type]
+        result = search(graph, config, model_name="gpt-bench")
     assert result.best is not None and result.best.zero_stage == zero, [c.reason for c in result.candidates]
     return result.best.model_dump_json()
 

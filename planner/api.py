@@ -20,7 +20,7 @@ from planner.config import SearchConfig
 from planner.ir import IRGraph
 from planner.plan import Plan
 from planner.report import format_search
-from planner.search import SearchProgress, SearchResult, search_configured, search_space
+from planner.search import SearchProgress, SearchResult, search
 from planner.trace import micro_batch_inputs, trace
 
 if TYPE_CHECKING:
@@ -67,7 +67,7 @@ def plan_model(
     model_name: str | None = None,
     progress: Callable[[SearchProgress], None] | None = None,
     workers: int | None = None,
-    **search: Any,
+    **config_fields: Any,
 ) -> PlanningResult:
     """Trace ``model`` on the example inputs (a full global batch), search every configuration's
     time/memory front and pick a point by ``objective``: ``"time"`` the fastest plan that fits,
@@ -94,7 +94,7 @@ def plan_model(
         raise TypeError(f"devices must be an int (the device count), got {devices!r}")
     if workers is not None and workers < 1:
         raise ValueError(f"workers {workers!r} must be >= 1 or None")
-    fields = search | ({"devices": devices} if devices is not None else {})
+    fields = config_fields | ({"devices": devices} if devices is not None else {})
     if isinstance(config, str):
         config = SearchConfig.load(config, **fields)
     elif config is not None:
@@ -103,13 +103,12 @@ def plan_model(
         if devices is None:
             raise ValueError("devices is required (e.g. plan_model(model, devices=64, example_inputs=batch)), or config=")
         config = SearchConfig.build("plan_model's keywords", **fields)
-    search_space(config)  # the options checked before the model is traced
     t0 = time.perf_counter()
     graph = trace(model, tuple(example_inputs or ()), dict(example_kwargs or {}))
     trace_s = time.perf_counter() - t0
     name = model_name or type(model).__name__
-    result = search_configured(graph, config, model_name=name, progress=progress, workers=workers,
-                               micro_graph=lambda m: trace(model, *micro_batch_inputs(tuple(example_inputs or ()), example_kwargs, m)))
+    result = search(graph, config, model_name=name, progress=progress, workers=workers,
+                    micro_graph=lambda m: trace(model, *micro_batch_inputs(tuple(example_inputs or ()), example_kwargs, m)))
     report = format_search(result, model_name=name, devices=config.devices, hardware=config.hardware, trace_seconds=trace_s, graph=graph, verbose=True)
     return PlanningResult(result.best, result, report, graph)
 

@@ -337,7 +337,7 @@ def search_config(args: argparse.Namespace) -> SearchConfig:
 
 def run_search(args: argparse.Namespace) -> Searched:
     """Load and trace the model, then search as the options say (``ValueError`` on bad input)."""
-    from planner.search import search_configured
+    from planner.search import search
     from planner.trace import micro_batch_inputs, trace
 
     config = search_config(args)
@@ -350,8 +350,8 @@ def run_search(args: argparse.Namespace) -> Searched:
     if progress:
         progress.note(f"traced {name} in {trace_s:.1f} s: {graph.summary()}; searching {config.devices} devices")
     try:
-        result = search_configured(graph, config, model_name=name, progress=progress, workers=args.workers,
-                                   micro_graph=lambda m: trace(model, *micro_batch_inputs(m_args, m_kwargs, m)))
+        result = search(graph, config, model_name=name, progress=progress, workers=args.workers,
+                        micro_graph=lambda m: trace(model, *micro_batch_inputs(m_args, m_kwargs, m)))
     finally:
         if progress:
             progress.close()

@@ -24,11 +24,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from planner.buckets import DEFAULT_BUCKET_BYTES
 from planner.hardware import PRESETS, HardwareProfile, load_profile
 from planner.schemes.recompute import Recompute
+from planner.schemes.tp import family_meshes
 from planner.units import parse_bytes
 
 Family = Literal["none", "1d", "2d", "3d"]
 ALL_TP: tuple[Family, ...] = ("none", "1d", "2d", "3d")
 Objective = Literal["time", "memory", "knee"]
+Optimizer = Literal["adamw", "sgd-momentum"]  # the optimizers whose states and step planner.cost prices
 
 
 class SearchConfig(BaseModel):
@@ -52,7 +54,7 @@ class SearchConfig(BaseModel):
     micro_batches: tuple[int, ...] = Field(default=(1,), min_length=1)
     recompute: tuple[Recompute, ...] = Field(default=("none",), min_length=1)
     objective: Objective = "time"
-    optimizer: Literal["adamw", "sgd-momentum"] = "adamw"
+    optimizer: Optimizer = "adamw"
     master_dtype: Literal["float32"] | None = None  # mixed precision: float32 master weights and states
     prefetch: bool = True  # ZeRO-3: gather each parameter one use ahead
     front: bool = True
@@ -91,7 +93,28 @@ class SearchConfig(BaseModel):
             raise ValueError(f"micro_batches are counts >= 1, got {list(self.micro_batches)}")
         if self.dp is not None and self.devices % self.dp:
             raise ValueError(f"dp = {self.dp} does not divide devices = {self.devices}")
+        if not any(self.dp is None or m.group_size(m.dp_axes) == self.dp for f in self.tp for m in family_meshes(self.devices, f)):
+            raise ValueError(self._no_mesh())
+        if min(self.zero) > 0 and (self.dp == 1 or self.devices == 1):
+            stages = ",".join(map(str, self.zero))
+            raise ValueError(f"ZeRO {stages} shards over the data-parallel axis, and dp = 1 leaves none to shard over (every stage is "
+                             "ZeRO 0 there): search zero 0 for the same plans, or let dp be > 1")
         return self
+
+    def _no_mesh(self) -> str:
+        """Why no mesh of the families asked for tiles the devices (with ``dp`` fixed, if it is)."""
+        needs = {"none": f"dp = {self.devices}", "1d": "dp x tp with tp >= 2 dividing the device count",
+                 "2d": "dp x q x q with q >= 2, q*q dividing the device count (4, 8, 9, 12, 16, ...)",
+                 "3d": "dp x q x q x q with q >= 2, q^3 dividing the device count (8, 16, 24, 27, 32, ...)"}
+        fixed = f" with dp = {self.dp}" if self.dp is not None else ""
+        return (f"no mesh of tp {','.join(self.tp)} tiles {self.devices} devices{fixed} ("
+                + "; ".join(f"{f}: {needs[f]}" for f in self.tp)
+                + "): search another family (e.g. tp none,1d) or a device count these tile")
+
+    @property
+    def budget(self) -> float:
+        """The memory budget per device in bytes: ``memory_budget``, or the device's memory."""
+        return float(self.memory_budget if self.memory_budget is not None else self.hardware.device_memory)
 
     # ------------------------------------------------------------------ files
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
-from planner.config import Objective
+from planner.config import Objective, SearchConfig
 from planner.front import Point, dominated
 from planner.ir import IRGraph
 from planner.mesh import mesh_text
@@ -17,7 +17,7 @@ from planner.plan import Plan
 from planner.schemes.base import Settings, settings_of
 from planner.schemes.cdp import PipelineEstimate
 from planner.schemes.registry import SCHEMES
-from planner.space import Candidate, SearchSpace, batch_rows
+from planner.space import Candidate, batch_rows
 from planner.terms import Evaluation, Problem
 from planner.units import format_bytes, format_seconds
 
@@ -101,25 +101,26 @@ def outcome_line(c: Candidate) -> str:
     return f"{need}, infeasible ({c.seconds:.1f} s)"
 
 
-def nothing_fits(space: SearchSpace, graph: IRGraph, budget: float, least: float, cand: Candidate, memory: dict[str, float],
+def nothing_fits(config: SearchConfig, graph: IRGraph, least: float, cand: Candidate, memory: dict[str, float],
                  pipeline: PipelineEstimate | None = None) -> str:
-    """No configuration fits ``budget``: the least memory any plan needs (``least``, on ``cand``,
+    """No configuration fits the budget (``config.budget``): the least memory any plan needs (``least``, on ``cand``,
     made of ``memory``'s terms) and what would change it (``graph``: the traced batch's).
     ``pipeline``: CDP with its stages on different devices for these devices, the estimate that
     needs least memory; CDP is advised only where it needs less than ``least`` (CDP over data
     parallelism alone holds more per device than DP, not less)."""
+    budget = config.budget
     terms = sorted(memory.items(), key=lambda kv: -kv[1])
     parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in terms if v)
     state = memory["params"] + memory["grads"] + memory["optimizer"]
     advice = []
-    if max(space.zero) < 3:
+    if max(config.zero) < 3:
         advice.append("ZeRO (--zero 1,2,3: stage 3 divides parameters, gradients and optimizer states by the data-parallel degree)")
     if memory["activations"] >= state / 2:
         advice.append("a smaller batch per step (--batch), since activations are a large share")
-        more = max(space.micro_batches) * 2
+        more = max(config.micro_batches) * 2
         if batch_rows(graph) % more == 0:
             advice.append(f"gradient accumulation (--micro-batches {more}: each micro-batch holds a share of the activations)")
-        if space.recompute == ("none",) and graph.repeated:
+        if config.recompute == ("none",) and graph.repeated:
             advice.append("activation recomputation (--recompute none,full: each repeated layer keeps only its input and runs "
                           "its forward again in backward)")
     if pipeline is not None and pipeline.peak_memory < least:
@@ -128,7 +129,7 @@ def nothing_fits(space: SearchSpace, graph: IRGraph, budget: float, least: float
                       f"in flight), estimated at {format_bytes(pipeline.peak_memory)} per device")
     advice.append(f"more devices (at least {least / budget:.1f}x the memory in all: more tensor or data parallelism spreads the "
                   f"{'parameter, gradient and optimizer state' if state >= memory['activations'] else 'activation'} bytes)")
-    return (f"No plan on {space.devices} devices fits {format_bytes(budget)} per device. The least memory any plan needs is "
+    return (f"No plan on {config.devices} devices fits {format_bytes(budget)} per device. The least memory any plan needs is "
             f"{format_bytes(least)} ({format_bytes(least - budget)} over), on mesh {cand.mesh} with ZeRO-{cand.zero}"
             + (f" and CDP {cand.cdp}" if cand.cdp != "off" else "")
             + (f" in {cand.micro_batches} micro-batches" if cand.micro_batches > 1 else "")

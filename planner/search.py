@@ -30,7 +30,6 @@ from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple, TypeVar
 
 from planner.assemble import make_plan
-from planner.buckets import DEFAULT_BUCKET_BYTES
 from planner.config import Objective, SearchConfig
 from planner.front import (
     Point,
@@ -42,7 +41,6 @@ from planner.front import (
     reprices_overlap,
     time_lower_bound,
 )
-from planner.hardware import HardwareProfile
 from planner.ir import IRGraph
 from planner.messages import (
     configuration_text,
@@ -66,7 +64,7 @@ from planner.solve import (
     solve,
     solve_within,
 )
-from planner.space import Candidate, SearchSpace, batch_rows, candidate_meshes
+from planner.space import Candidate, batch_rows, candidate_meshes
 from planner.sweep import sweep
 from planner.terms import Problem, StrategyFilter
 from planner.units import format_bytes
@@ -112,7 +110,7 @@ class SearchResult:
     objective: Objective = "time"
     memory_budget: float = 0.0
     infeasible: str = ""  # when nothing fits: the least memory any plan needs, its terms, what to change
-    config: SearchConfig | None = None  # what was searched (search_configured): every plan carries it too
+    config: SearchConfig | None = None  # what was searched: every plan carries it too
 
     @property
     def feasible(self) -> list[Plan]:
@@ -146,77 +144,61 @@ def _collector_paused(fn: _F) -> _F:
 @_collector_paused
 def search(
     graph: IRGraph,
-    space: SearchSpace,
-    hardware: HardwareProfile,
+    config: SearchConfig,
     *,
     model_name: str,
-    memory_budget: float | None = None,
-    objective: Objective = "time",
-    optimizer: str = "adamw",
-    master_dtype: str | None = None,
-    prefetch: bool = True,
-    settings: SolverSettings | None = None,
-    allow: StrategyFilter | None = None,
-    front: bool = True,
-    resolution: float = 0.05,
-    max_points: int | None = 8,
     progress: Callable[[SearchProgress], None] | None = None,
     workers: int | None = None,
-    exhaustive: bool = False,
     micro_graph: Callable[[int], IRGraph] | None = None,
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    allow: StrategyFilter | None = None,
+    exhaustive: bool = False,
 ) -> SearchResult:
-    """Plan every candidate configuration of ``space``; merge their fronts and pick by ``objective``.
+    """Plan every configuration ``config`` asks for; merge their fronts and pick by its objective.
+    The result and every plan in it carry ``config`` (so a saved plan repeats its search:
+    ``planner report MODEL --config PLAN.json``).
 
+    What the search does with ``config``'s fields (:class:`planner.config.SearchConfig`):
     ``front``: each configuration's Pareto front (``resolution``, ``max_points``: see
     :func:`planner.sweep.sweep`; the resolution holds across configurations too: a plan slower
     than a point already found is sought only if it needs at least ``resolution`` less memory,
     so ``resolution=0`` gives the exact merged front); otherwise only its fastest plan within the
-    budget (its smallest, ``objective="memory"``), which is what one plan for one budget needs. ``objective``: the
-    fastest plan, the smallest, or the knee of the merged front (:func:`planner.front.knee`).
-    ``master_dtype`` (mixed precision): the graph is priced in its traced dtype (trace the model in
-    bfloat16 for bf16 training) and the optimizer keeps master weights and states in this dtype.
-    ``prefetch``: ZeRO-3 plans start parameter gathers one ahead (:mod:`planner.overlap`).
+    budget (its smallest, ``objective="memory"``), which is what one plan for one budget needs.
+    ``objective``: the fastest plan, the smallest, or the knee of the merged front
+    (:func:`planner.front.knee`). ``master_dtype`` (mixed precision): the graph is priced in its
+    traced dtype (trace the model in bfloat16 for bf16 training) and the optimizer keeps master
+    weights and states in this dtype. ``prefetch``: ZeRO-3 plans start parameter gathers one ahead
+    (:mod:`planner.overlap`). ``bucket_bytes``: the size of the buckets the gradient sync packs its
+    collectives into (:mod:`planner.buckets`; DDP's 25 MiB by default).
+
     ``exhaustive``: solve every configuration that can fit, even one that bounds show cannot add to
     the front (or beat the best plan): the configuration table then has each one's own plans.
-    ``progress`` receives a :class:`SearchProgress` before the first configuration and after each. ``workers``: processes solving configurations
-    at once for a front (default 1: in this process; more fork workers, for a process without
-    threads or a process group, e.g. a script; one plan is searched serially, which is faster);
-    each new configuration starts with the front found so far, so the order the solves finish in
-    can change which points are skipped as dominated, never the merged front's non-dominated
-    points up to the sweep's resolution. The cyclic garbage collector is off while it runs.
-
-    ``bucket_bytes``: the size of the buckets the gradient sync packs its collectives into
-    (:mod:`planner.buckets`; DDP's 25 MiB by default).
+    ``allow``: a filter of the strategies any configuration may use (a test's or a benchmark's
+    fixed layout). ``progress`` receives a :class:`SearchProgress` before the first configuration
+    and after each. ``workers``: processes solving configurations at once for a front (default 1:
+    in this process; more fork workers, for a process without threads or a process group, e.g. a
+    script; one plan is searched serially, which is faster); each new configuration starts with the
+    front found so far, so the order the solves finish in can change which points are skipped as
+    dominated, never the merged front's non-dominated points up to the sweep's resolution. The
+    cyclic garbage collector is off while it runs.
 
     ``micro_graph(m)``: the graph of one micro-batch (the traced batch / ``m``), for each count
-    ``m`` > 1 of ``space.micro_batches`` (:func:`planner.trace.micro_batch_inputs` cuts the inputs)."""
-    if objective not in ("time", "memory", "knee"):
-        raise ValueError(f"objective must be time, memory or knee; got {objective!r}")
-    if memory_budget is not None and not memory_budget > 0:
-        raise ValueError(f"memory budget {memory_budget!r} must be > 0 bytes per device (e.g. 40GiB; leave it out for the device's memory)")
+    ``m`` > 1 of ``config.micro_batches`` (:func:`planner.trace.micro_batch_inputs` cuts the inputs)."""
     t0 = time.perf_counter()
-    budget = float(memory_budget if memory_budget is not None else hardware.device_memory)
+    budget = config.budget
     batch = batch_rows(graph)
-    result = SearchResult(best=None, objective=objective, memory_budget=budget)
-    configs = candidate_meshes(space, batch, graph)
+    result = SearchResult(best=None, objective=config.objective, memory_budget=budget, config=config)
+    configs = candidate_meshes(config, batch, graph)
     if all(c.reason for c in configs):  # nothing to solve, and memory is not why: the user's options are
         reasons = list(dict.fromkeys(c.reason for c in configs))
         raise ValueError(f"no configuration of this search can run: {'; '.join(reasons[:4])}{' ...' if len(reasons) > 4 else ''} "
-                         f"(global batch {batch}, {space.devices} devices); change the options named")
+                         f"(global batch {batch}, {config.devices} devices); change the options named")
     graphs = _micro_graphs(graph, batch, {c.micro_batches for c in configs if not c.reason}, micro_graph)
-    problems = {}
-    for k, cand in enumerate(configs):
-        if not cand.reason:
-            # conversions and holds are priced when a configuration is solved, not for its bounds
-            problems[k] = build_problem(graphs[cand.micro_batches], cand.mesh, hardware, optimizer=optimizer, master_dtype=master_dtype,
-                                        prefetch=prefetch, cdp_stages=space.cdp_stages, allow=allow, edges=False, bucket_bytes=bucket_bytes,
-                                        **cand.settings)
+    # conversions and holds are priced when a configuration is solved, not for its bounds
+    problems = {k: _problem(graphs, cand, config, allow, edges=False) for k, cand in enumerate(configs) if not cand.reason}
     bounds = {k: (time_lower_bound(pb), memory_lower_bound(pb)) for k, pb in problems.items()}
     outcome: dict[int, Candidate] = {k: c for k, c in enumerate(configs) if c.reason}
     found: list[Plan] = []  # the front so far, across configurations
-    options = {"model_name": model_name, "optimizer": optimizer, "objective": objective, "front": front, "settings": settings,
-               "resolution": resolution, "max_points": max_points, "exhaustive": exhaustive}
+    options = {"model_name": model_name, "exhaustive": exhaustive}
 
     def finished(k: int, cand: Candidate) -> None:
         nonlocal found
@@ -234,7 +216,7 @@ def search(
     order = sorted(problems, key=lambda k: (_size_class(problems[k]), time_lower_bound(problems[k], overlap=False), bounds[k][1]))
     # one plan: the serial two passes (bounds and relaxations for all, then MIPs in bound order)
     # beat workers that each solve their MIP at once (GPT-3 175B, 64 devices: 2.8 s serial, 18.1 s with 2)
-    workers = _workers(workers, len(order)) if front or exhaustive else 1
+    workers = _workers(workers, len(order)) if config.front or exhaustive else 1
     if workers <= 1:
         # one plan: a budgeted MIP (the slow solve) waits until every configuration has its bounds,
         # then runs in bound order, so the most promising is solved first and dismisses the rest
@@ -242,66 +224,63 @@ def search(
         incumbents: list[_Seen] = []  # plans the first pass met on the way (rounded LP answers that fit)
         for k in order:
             t_lb, m_lb = bounds[k]
-            outcome_k = _plan_configuration(problems.pop(k), configs[k], t_lb, m_lb, budget, lambda: merge([*found, *incumbents]),
-                                            defer=not front and not exhaustive, incumbents=incumbents, **options)  # type: ignore[arg-type]
+            outcome_k = _plan_configuration(problems.pop(k), configs[k], t_lb, m_lb, config, lambda: merge([*found, *incumbents]),
+                                            defer=not config.front and not exhaustive, incumbents=incumbents, **options)  # type: ignore[arg-type]
             if isinstance(outcome_k, Deferred):
                 deferred.append((k, outcome_k))
             else:
                 finished(k, outcome_k)
         for k, d in sorted(deferred, key=lambda kd: kd[1].t_lb):
             others = [p for p in incumbents if p is not d.own]  # a rounded plan of its own stands for it, unsolved
-            finished(k, d.finish(merge([*found, *others]), objective=objective, front=front))
+            finished(k, d.finish(merge([*found, *others])))
     else:
-        _run_parallel(workers, order, finished, (problems, configs, bounds, budget, options))
+        _run_parallel(workers, order, finished, (problems, configs, bounds, config, options))
     result.candidates = [outcome[k] for k in range(len(configs))]
-    if any(c != "off" for c in space.cdp):
-        result.pipelines = pipeline_estimates(graph, hardware, devices=space.devices, batch=batch, optimizer=optimizer)
-    result.front = merge(result.feasible, resolution if front else 0.0)  # spaced by the resolution (planner.front.merge)
+    if any(c != "off" for c in config.cdp):
+        result.pipelines = pipeline_estimates(graph, config.hardware, devices=config.devices, batch=batch, optimizer=config.optimizer)
+    result.front = merge(result.feasible, config.resolution if config.front else 0.0)  # spaced by the resolution (planner.front.merge)
     result.knee = knee(result.front)
     if result.front:
-        result.best = {"time": result.front[0], "memory": result.front[-1], "knee": result.knee}[objective]
+        result.best = {"time": result.front[0], "memory": result.front[-1], "knee": result.knee}[config.objective]
     elif any(c.least_memory is not None for c in result.candidates):
-        result.infeasible = least_memory_message(graphs, space, hardware, result, budget, optimizer=optimizer,
-                                                 master_dtype=master_dtype, prefetch=prefetch, settings=settings, allow=allow,
-                                                 bucket_bytes=bucket_bytes)
+        result.infeasible = least_memory_message(graphs, config, result, allow=allow)
     else:
         stopped = [c for c in result.candidates if c.reason.startswith("stopped")]
         if stopped:
             result.infeasible = (f"No plan found: {len(stopped)} configuration{'s' if len(stopped) > 1 else ''} stopped at the time limit "
                                  f"before finding any, e.g. {stopped[0].reason.removeprefix('stopped: ')}")
+    _stamp(result, config)
     result.seconds = time.perf_counter() - t0
     return result
 
 
-def search_space(config: SearchConfig) -> SearchSpace:
-    """The configurations ``config`` asks for (``ValueError`` when no mesh of them tiles the devices)."""
-    return SearchSpace(devices=config.devices, tp=config.tp, zero=config.zero, cdp=config.cdp, cdp_stages=config.cdp_stages, dp=config.dp,
-                       micro_batches=config.micro_batches, recompute=config.recompute)
-
-
-def search_configured(graph: IRGraph, config: SearchConfig, *, model_name: str, progress: Callable[[SearchProgress], None] | None = None,
-                      workers: int | None = None, micro_graph: Callable[[int], IRGraph] | None = None,
-                      allow: StrategyFilter | None = None) -> SearchResult:
-    """:func:`search` as ``config`` says; the result and every plan in it carry ``config`` (so a
-    saved plan repeats its search: ``planner report MODEL --config PLAN.json``)."""
-    result = search(graph, search_space(config), config.hardware, model_name=model_name, memory_budget=config.memory_budget, objective=config.objective,
-                    optimizer=config.optimizer, master_dtype=config.master_dtype, prefetch=config.prefetch,
-                    settings=SolverSettings(time_limit_s=config.time_limit_s, relative_gap=config.relative_gap), front=config.front,
-                    resolution=config.resolution, max_points=config.max_points, progress=progress, workers=workers, micro_graph=micro_graph,
-                    bucket_bytes=config.bucket_bytes, allow=allow)
+def _stamp(result: SearchResult, config: SearchConfig) -> None:
+    """Every plan of ``result`` carries ``config`` (one copy per plan, so the same plan stays the
+    same object in the candidates, the front, the best and the knee)."""
     stamped: dict[int, Plan] = {}
 
     def stamp(plan: Plan | None) -> Plan | None:
         if plan is None:
             return None
-        if id(plan) not in stamped:  # one copy per plan, so the same plan stays the same object everywhere
+        if id(plan) not in stamped:
             stamped[id(plan)] = plan.model_copy(update={"search_config": config})
         return stamped[id(plan)]
 
     result.candidates = [replace(c, plan=stamp(c.plan), front=tuple(stamp(p) for p in c.front)) for c in result.candidates]  # type: ignore[misc]
     result.front = [stamp(p) for p in result.front]  # type: ignore[misc]
-    result.best, result.knee, result.config = stamp(result.best), stamp(result.knee), config
-    return result
+    result.best, result.knee = stamp(result.best), stamp(result.knee)
+
+
+def _problem(graphs: dict[int, IRGraph], cand: Candidate, config: SearchConfig, allow: StrategyFilter | None, *, edges: bool = True) -> Problem:
+    """Configuration ``cand``'s problem: its mesh and scheme settings, the search-wide rest from ``config``."""
+    return build_problem(graphs[cand.micro_batches], cand.mesh, config.hardware, optimizer=config.optimizer, master_dtype=config.master_dtype,
+                         prefetch=config.prefetch, cdp_stages=config.cdp_stages, allow=allow, edges=edges, bucket_bytes=config.bucket_bytes,
+                         **cand.settings)
+
+
+def _solver(config: SearchConfig) -> SolverSettings:
+    """The limits ``config`` sets on each ILP solve."""
+    return SolverSettings(time_limit_s=config.time_limit_s, relative_gap=config.relative_gap)
 
 
 def _size_class(problem: Problem) -> int:
@@ -344,7 +323,7 @@ def _micro_graphs(graph: IRGraph, batch: int, counts: set[int], micro_graph: Cal
     return graphs
 
 
-_SHARED: tuple[Any, ...] = ()  # what forked workers read: problems, configurations, bounds, budget, options
+_SHARED: tuple[Any, ...] = ()  # what forked workers read: problems, configurations, bounds, the search config, options
 
 
 def _workers(requested: int | None, configurations: int) -> int:
@@ -365,9 +344,9 @@ class _Seen(NamedTuple):
 
 
 def _solve_shared(k: int, seen: Any) -> Candidate:
-    problems, configs, bounds, budget, options = _SHARED
+    problems, configs, bounds, config, options = _SHARED
     t_lb, m_lb = bounds[k]
-    done = _plan_configuration(problems[k], configs[k], t_lb, m_lb, budget, lambda: [_Seen(*p) for p in list(seen)], **options)
+    done = _plan_configuration(problems[k], configs[k], t_lb, m_lb, config, lambda: [_Seen(*p) for p in list(seen)], **options)
     assert isinstance(done, Candidate)  # workers do not defer
     return done
 
@@ -403,16 +382,10 @@ def _plan_configuration(
     cand: Candidate,
     t_lb: float,
     m_lb: float,
-    budget: float,
+    config: SearchConfig,
     found: Callable[[], Sequence[Point]],
     *,
     model_name: str,
-    optimizer: str,
-    objective: Objective,
-    front: bool,
-    settings: SolverSettings | None,
-    resolution: float,
-    max_points: int | None,
     exhaustive: bool = False,
     defer: bool = False,
     incumbents: list[_Seen] | None = None,
@@ -421,6 +394,7 @@ def _plan_configuration(
     ``defer`` (one plan, the time objective): only bounds now, the MIP in :meth:`Deferred.finish`;
     a rounded LP answer that fits goes to ``incumbents``."""
     t0 = time.perf_counter()
+    budget, objective, front, resolution = config.budget, config.objective, config.front, config.resolution
     done = Candidate(cand.mesh, cand.family, cand.zero, cand.cdp, cand.micro_batches, cand.recompute)
     if m_lb > budget:
         return replace(done, reason=f"no plan on mesh {cand.mesh} fits {format_bytes(budget)} per device: every plan needs at least "
@@ -438,7 +412,7 @@ def _plan_configuration(
                                what="bounds with conversions")
         if dismissed is not None:
             return replace(dismissed, seconds=time.perf_counter() - t0)
-    settings = settings or SolverSettings()
+    settings = _solver(config)
     overlaps = reprices_overlap(problem)
     if defer and objective == "time":
         # one plan: the LP relaxation within the budget is all the first pass solves (its rounded
@@ -457,8 +431,7 @@ def _plan_configuration(
         if relaxation.plan is not None and incumbents is not None:  # dismisses others, never its own configuration
             own = _Seen(relaxation.plan.step_time, int(relaxation.plan.peak_memory), f"{configuration_text(done)} (the LP relaxation rounded)")
             incumbents.append(own)
-        return Deferred(problem, done, None if overlaps else bounding, settings, t_lb, m_lb, budget, time.perf_counter() - t0,
-                        model_name, optimizer, own)
+        return Deferred(problem, done, None if overlaps else bounding, config, t_lb, m_lb, time.perf_counter() - t0, model_name, own)
     ilp = BudgetILP(problem, "time", settings) if front or objective != "memory" else None
     # where the evaluation hides communication, the credited model's relaxation bounds evaluated times
     credited = BudgetILP(problem, "time", settings, credited=True) if overlaps and ilp is not None and not exhaustive else None
@@ -497,7 +470,7 @@ def _plan_configuration(
         if ilp is None:
             solutions = [solve(problem, memory_budget=budget, objective="memory", settings=settings)]
         elif front:
-            solutions = sweep(problem, memory_budget=useful, resolution=resolution, max_points=max_points, ilp=ilp, fastest=fastest,
+            solutions = sweep(problem, memory_budget=useful, resolution=resolution, max_points=config.max_points, ilp=ilp, fastest=fastest,
                               covered=None if exhaustive else (lambda t: covered_below(found(), t, resolution)),
                               bounding=credited)
         else:
@@ -513,7 +486,7 @@ def _plan_configuration(
     if not solutions:  # the sweep's LP bounds showed every plan that fits covered by points found before
         return replace(done, reason=f"dominated: the LP relaxation shows its plans within {format_bytes(budget)} all slower and "
                        f"{larger_text(resolution)} than plans of the configurations above", seconds=time.perf_counter() - t0)
-    plans = merge([make_plan(problem.graph, problem, sol, model_name=model_name, memory_budget=budget, optimizer=optimizer) for sol in solutions],
+    plans = merge([make_plan(problem.graph, problem, sol, model_name=model_name, memory_budget=budget, optimizer=config.optimizer) for sol in solutions],
                   resolution if front else 0.0)
     log.info("mesh %s ZeRO-%d CDP %s: %d points", cand.mesh, cand.zero, cand.cdp, len(plans))
     return replace(done, family=plans[0].tp, plan=plans[0], front=tuple(plans), seconds=time.perf_counter() - t0)
@@ -527,48 +500,34 @@ class Deferred:
     problem: Problem
     done: Candidate
     ilp: BudgetILP | None
-    settings: SolverSettings
+    config: SearchConfig
     t_lb: float
     m_lb: float
-    budget: float
     seconds: float  # spent on it so far
     model_name: str
-    optimizer: str
     own: _Seen | None = None  # the plan its LP relaxation rounded to, among the search's incumbents
 
-    def finish(self, found: Sequence[Point], *, objective: Objective, front: bool) -> Candidate:
+    def finish(self, found: Sequence[Point]) -> Candidate:
         start = time.perf_counter()
-        dismissed = dismissal(self.done, self.t_lb, self.m_lb, found, objective=objective, front=front,
+        config = self.config
+        dismissed = dismissal(self.done, self.t_lb, self.m_lb, found, objective=config.objective, front=config.front,
                                what="the LP relaxation within the budget")
         if dismissed is not None:
             return replace(dismissed, seconds=self.seconds)
         try:
             # a plan of another configuration is known: this one's exact least memory is not needed
             # when nothing fits (its ILP prices all the memory only without overlap: self.ilp set)
-            sol = solve_within(self.ilp or BudgetILP(self.problem, "time", self.settings), self.budget,
+            sol = solve_within(self.ilp or BudgetILP(self.problem, "time", _solver(config)), config.budget,
                                exact_least=not (found and self.ilp is not None))
         except InfeasibleBudget as exc:
-            return infeasible(self.done, self.problem, self.budget, exc.least, str(exc), self.seconds + time.perf_counter() - start)
+            return infeasible(self.done, self.problem, config.budget, exc.least, str(exc), self.seconds + time.perf_counter() - start)
         except SolveStopped as exc:
             return replace(self.done, reason=f"stopped: {exc}", seconds=self.seconds + time.perf_counter() - start)
-        plan = make_plan(self.problem.graph, self.problem, sol, model_name=self.model_name, memory_budget=self.budget, optimizer=self.optimizer)
+        plan = make_plan(self.problem.graph, self.problem, sol, model_name=self.model_name, memory_budget=config.budget, optimizer=config.optimizer)
         return replace(self.done, family=plan.tp, plan=plan, front=(plan,), seconds=self.seconds + time.perf_counter() - start)
 
 
-def least_memory_message(
-    graphs: dict[int, IRGraph],
-    space: SearchSpace,
-    hardware: HardwareProfile,
-    result: SearchResult,
-    budget: float,
-    *,
-    optimizer: str,
-    master_dtype: str | None,
-    prefetch: bool,
-    settings: SolverSettings | None,
-    allow: StrategyFilter | None,
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-) -> str:
+def least_memory_message(graphs: dict[int, IRGraph], config: SearchConfig, result: SearchResult, *, allow: StrategyFilter | None) -> str:
     """Nothing fits: the least memory any configuration needs (exact: configurations dismissed by
     a bound are solved best first, each bound raised to its least-memory LP before its MIP, until
     no bound is below the best exact least), the terms that make it up, and what would change it."""
@@ -588,9 +547,7 @@ def least_memory_message(
         bound, k, refined, c = heapq.heappop(queue)
         if best is not None and bound >= best[0]:
             break
-        problem = build_problem(graphs[c.micro_batches], c.mesh, hardware, optimizer=optimizer, master_dtype=master_dtype, prefetch=prefetch,
-                                cdp_stages=space.cdp_stages, allow=allow, bucket_bytes=bucket_bytes, **c.settings)
-        ilp = BudgetILP(problem, "memory", settings or SolverSettings())
+        ilp = BudgetILP(_problem(graphs, c, config, allow), "memory", _solver(config))
         if not refined:
             bound = max(bound, ilp.memory_bound() or 0.0)
             if best is not None and bound >= best[0]:
@@ -615,5 +572,5 @@ def least_memory_message(
     graph = graphs[1]
     # CDP's one saving: with its stages on different devices (runtime.cdp_pipeline.CDPPipeline),
     # a device holds only its stage's parameters and the activations of its workers in flight
-    pipelines = pipeline_estimates(graph, hardware, devices=space.devices, batch=batch_rows(graph), optimizer=optimizer)
-    return nothing_fits(space, graph, budget, least, cand, memory, min(pipelines, key=lambda e: e.peak_memory, default=None))
+    pipelines = pipeline_estimates(graph, config.hardware, devices=config.devices, batch=batch_rows(graph), optimizer=config.optimizer)
+    return nothing_fits(config, graph, least, cand, memory, min(pipelines, key=lambda e: e.peak_memory, default=None))

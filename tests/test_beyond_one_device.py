@@ -81,15 +81,14 @@ def _run(rank: int, world: int, plan_a: str, plan_b: str, path: str, cap: int) -
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    from planner.hardware import A100_80G
+    from planner.config import SearchConfig
     from planner.search import search
-    from planner.space import SearchSpace
     from planner.trace import trace
 
     graph = trace(_meta(), *_batch(0))
     plans = []
     for dp, tp in ((4, "none"), (2, "1d")):
-        result = search(graph, SearchSpace(devices=4, dp=dp, tp=(tp,), zero=(3,)), A100_80G, model_name="gpt-big", front=False, objective="memory")
+        result = search(graph, SearchConfig(devices=4, dp=dp, tp=(tp,), zero=(3,), front=False, objective="memory"), model_name="gpt-big")
         assert result.best is not None and result.best.zero_stage == 3
         plans.append(result.best.model_dump_json())
     numel = sum(p.numel() for p in _meta().parameters())

@@ -16,12 +16,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from planner.buckets import Gradient, pack
+from planner.config import SearchConfig
 from planner.cost import comm_time
 from planner.hardware import A100_80G
 from planner.mesh import Mesh
 from planner.models import build_model, example_inputs
 from planner.search import search
-from planner.space import SearchSpace
 from planner.strategy import Comm
 from planner.trace import trace
 
@@ -88,8 +88,8 @@ def test_a_data_parallel_plan_lists_its_buckets_collectives_over_all_its_gradien
     model = build_model("gpt-tiny", dtype=torch.float32)
     args, kwargs = example_inputs("gpt-tiny", batch=4, dtype=torch.float32)
     graph = trace(model, args, kwargs)
-    space = SearchSpace(devices=4, dp=4, tp=("none",), zero=(zero,))
-    plan = search(graph, space, A100_80G, model_name="gpt-tiny", front=False, bucket_bytes=bucket_bytes).best
+    space = SearchConfig(devices=4, dp=4, tp=("none",), zero=(zero,), front=False, bucket_bytes=bucket_bytes)
+    plan = search(graph, space, model_name="gpt-tiny").best
     assert plan is not None and plan.grad_bucket_bytes == bucket_bytes and plan.zero_stage == zero
     params = {n.name: n for n in graph.nodes.values() if n.kind == "param"}
     assert sorted(p for b in plan.grad_buckets for p in b.params) == sorted(params)

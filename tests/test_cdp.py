@@ -22,12 +22,12 @@ import pytest
 import torch
 
 from planner.cdp_clock import TOKEN_BYTES
+from planner.config import SearchConfig
 from planner.hardware import A100_80G
 from planner.models import build_model, example_inputs
 from planner.schemes.cdp import cdp_filter
 from planner.schemes.tp import DP_AXIS
 from planner.search import search
-from planner.space import SearchSpace
 from planner.trace import trace
 from tests.cdp_checks import BATCH, STEPS, cdp_barred, cdp_memory, cdp_pipeline, cdp_train
 from tests.harness import run_world
@@ -38,9 +38,9 @@ def _plan(name: str, dp: int, allow: Any, cdp: str = "off", stages: int = 4, zer
     """A plan whose workers are independent (planner/schemes/cdp.py); ``cdp`` != off plans CDP itself."""
     model = build_model(name, dtype=torch.float64)
     args, kwargs = example_inputs(name, batch=BATCH, dtype=torch.float64)
-    space = SearchSpace(devices=4, dp=dp, zero=(zero,), tp=("none",) if dp == 4 else ("1d",), cdp=(cdp,), cdp_stages=stages)
+    space = SearchConfig(devices=4, dp=dp, zero=(zero,), tp=("none",) if dp == 4 else ("1d",), cdp=(cdp,), cdp_stages=stages, optimizer="sgd-momentum", front=False)
     graph = trace(model, args, kwargs)
-    result = search(graph, space, A100_80G, model_name=name, optimizer="sgd", allow=cdp_filter(graph, (DP_AXIS,), base=allow), front=False)
+    result = search(graph, space, model_name=name, allow=cdp_filter(graph, (DP_AXIS,), base=allow))
     assert result.best is not None
     return result.best.model_dump_json()
 
@@ -249,8 +249,8 @@ def test_the_planner_prices_cdp_as_a_search_dimension() -> None:
     model = build_model("gpt2-small", device="meta")
     args, kwargs = example_inputs("gpt2-small", batch=8, device="meta")
     graph = trace(model, args, kwargs)
-    space = SearchSpace(devices=8, tp=("none", "1d"), zero=(0, 1, 2), cdp=("off", "v1", "v2"), cdp_stages=8)
-    result = search(graph, space, A100_80G, model_name="gpt2-small", front=False, exhaustive=True)
+    space = SearchConfig(devices=8, tp=("none", "1d"), zero=(0, 1, 2), cdp=("off", "v1", "v2"), cdp_stages=8, front=False)
+    result = search(graph, space, model_name="gpt2-small", exhaustive=True)
     plans = {(str(c.mesh), c.zero, c.cdp): c.plan for c in result.candidates}
     reasons = {(str(c.mesh), c.zero, c.cdp): c.reason for c in result.candidates if c.plan is None}
     assert "needs dp > 1" in reasons[("dp=1 x tp=8", 0, "v1")]
@@ -279,7 +279,7 @@ def test_the_planner_prices_cdp_as_a_search_dimension() -> None:
 def _one_device_plan(name: str, micro_batch: int = BATCH // 4) -> str:
     model = build_model(name, dtype=torch.float64)
     args, kwargs = example_inputs(name, batch=micro_batch, dtype=torch.float64)
-    result = search(trace(model, args, kwargs), SearchSpace(devices=1, tp=("none",)), A100_80G, model_name=name, optimizer="sgd", front=False)
+    result = search(trace(model, args, kwargs), SearchConfig(devices=1, tp=("none",), optimizer="sgd-momentum", front=False), model_name=name)
     assert result.best is not None
     return result.best.model_dump_json()
 
@@ -372,7 +372,7 @@ def test_the_pipeline_estimate_follows_the_cdp_memory_formula() -> None:
     total = sum(est.per_stage * x for x in est.stage_activations)
     assert total == pytest.approx(n / big_l * sum((big_l - stage) * a_micro[stage] for stage in range(big_l)))
     assert total < n * sum(a_micro)  # DP holds every micro-batch's activations of every stage at its peak
-    result = search(graph, SearchSpace(devices=16, tp=("none",), cdp=("v1",)), A100_80G, model_name="gpt2-small", front=False)
+    result = search(graph, SearchConfig(devices=16, tp=("none",), cdp=("v1",), front=False), model_name="gpt2-small")
     assert [e.stages for e in result.pipelines] == [2, 4, 8]
 
 
@@ -457,7 +457,7 @@ def test_nothing_fits_advises_cdp_only_where_its_stages_on_devices_would_hold_le
     from planner.units import format_bytes
 
     graph = trace(build_model("gpt-tiny", device="meta"), *example_inputs("gpt-tiny", batch=8, device="meta"))
-    space = SearchSpace(devices=4)
+    space = SearchConfig(devices=4)
     est = pipeline_estimate(graph, A100_80G, workers=4, stages=2)
     cand = candidate_meshes(space, 8)[0]
     memory = {"params": 1.0, "grads": 1.0, "optimizer": 2.0, "activations": 10.0, "transient": 0.0}

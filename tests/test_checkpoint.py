@@ -18,10 +18,9 @@ import pytest
 import torch
 
 import planner.runtime.checkpoint as ckpt
-from planner.hardware import A100_80G
+from planner.config import SearchConfig
 from planner.models import build_model, example_inputs
 from planner.search import search
-from planner.space import SearchSpace
 from planner.trace import trace
 from tests.harness import run_world
 from tests.memory_probe import allocator_count, counting_every_thread, peak_count, storage_bytes
@@ -170,7 +169,7 @@ def _mlp_module(layers: int, hidden: int = 32) -> Any:
     torch.manual_seed(0)
     model = MLP(config).double()
     args, kwargs = mlp_example_inputs(config, 4, dtype=torch.float64, device=torch.device("cpu"), generator=torch.Generator().manual_seed(0))
-    result = search(trace(model, args, kwargs), SearchSpace(devices=1), A100_80G, model_name="mlp", front=False)
+    result = search(trace(model, args, kwargs), SearchConfig(devices=1, front=False), model_name="mlp")
     assert result.best is not None
     pm = compile_plan(Plan.model_validate_json(result.best.model_dump_json()), model, args, kwargs)
     return pm, pm.make_optimizer(torch.optim.AdamW, lr=1e-3)
@@ -214,8 +213,7 @@ def _plan(devices: int, dp: int, zero: int, family: str, allow: Any, dtype: torc
     model = build_model(MODEL, dtype=dtype)
     args, kwargs = example_inputs(MODEL, batch=4, dtype=dtype)
     master = "float32" if dtype == torch.bfloat16 else None
-    result = search(trace(model, args, kwargs), SearchSpace(devices=devices, dp=dp, zero=(zero,), tp=(family,)), A100_80G,
-                    model_name=MODEL, allow=allow, master_dtype=master, front=False)
+    result = search(trace(model, args, kwargs), SearchConfig(devices=devices, dp=dp, zero=(zero,), tp=(family,), master_dtype=master, front=False), model_name=MODEL, allow=allow)
     assert result.best is not None and result.best.zero_stage == zero
     return result.best.model_dump_json()
 

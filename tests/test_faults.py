@@ -16,10 +16,9 @@ from typing import Any
 import pytest
 import torch
 
-from planner.hardware import A100_80G
+from planner.config import SearchConfig
 from planner.models import build_model, example_inputs
 from planner.search import search
-from planner.space import SearchSpace
 from planner.trace import trace
 from tests.harness import run_world
 
@@ -32,8 +31,8 @@ VICTIM = 2
 
 def _dp_plan(cdp: str = "off") -> str:
     args, kwargs = example_inputs("mlp-tiny", batch=6, dtype=torch.float64)
-    space = SearchSpace(devices=WORLD, dp=WORLD, tp=("none",), cdp=(cdp,), cdp_stages=2)
-    result = search(trace(build_model("mlp-tiny", dtype=torch.float64), args, kwargs), space, A100_80G, model_name="mlp-tiny", front=False)
+    space = SearchConfig(devices=WORLD, dp=WORLD, tp=("none",), cdp=(cdp,), cdp_stages=2, front=False)
+    result = search(trace(build_model("mlp-tiny", dtype=torch.float64), args, kwargs), space, model_name="mlp-tiny")
     assert result.best is not None
     return result.best.model_dump_json()
 

@@ -10,10 +10,12 @@ configurations it dismissed by bounds or dominance contributing nothing that bru
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import numpy as np
 import pytest
 
+from planner.config import SearchConfig
 from planner.front import conversion_time_bound, covered_below, knee, memory_lower_bound, merge, reprices_overlap, time_lower_bound
 from planner.hardware import A100_80G
 from planner.mesh import Mesh
@@ -21,7 +23,7 @@ from planner.models import build_model, example_inputs
 from planner.problem import build_problem, evaluate
 from planner.search import search
 from planner.solve import BudgetILP, solve
-from planner.space import SearchSpace, candidate_meshes
+from planner.space import candidate_meshes
 from planner.sweep import sweep
 from planner.trace import trace
 from tests.test_solver import CASES, EXACT, REL, _graph, _time_slack, case
@@ -127,7 +129,7 @@ def test_the_searched_front_is_the_merged_brute_force_front(workers: int) -> Non
     configuration enumerated, the fronts merged; the search (resolution 0, no point cap) must
     find the same."""
     graph = _graph("two-linear")
-    space = SearchSpace(devices=4, tp=("none", "1d"), zero=(0, 1))
+    space = SearchConfig(devices=4, tp=("none", "1d"), zero=(0, 1), resolution=0.0, max_points=None, relative_gap=0.0)
     every = []
     for cand in candidate_meshes(space, 4):
         if not cand.reason:
@@ -136,7 +138,7 @@ def test_the_searched_front_is_the_merged_brute_force_front(workers: int) -> Non
     for t, m in sorted(every):
         if not expected or m < expected[-1][1]:
             expected.append((t, m))
-    result = search(graph, space, A100_80G, model_name="two-linear", resolution=0.0, max_points=None, settings=EXACT, workers=workers)
+    result = search(graph, space, model_name="two-linear", workers=workers)
     found = [(p.step_time_s, float(p.peak_memory_bytes)) for p in result.front]
     assert len(found) == len(expected) >= 2, (found, expected)
     for (t, m), (bt, bm) in zip(found, expected, strict=True):
@@ -154,13 +156,13 @@ def test_a_coarser_resolution_keeps_every_brute_force_point_within_it(resolution
     needs at most 1 / (1 - r) of its memory, every searched point is a plan brute force has (no
     better than the brute-force front), and the coarser front is no larger than the exact one."""
     graph = _graph("two-linear")
-    space = SearchSpace(devices=4, tp=("none", "1d"), zero=(0, 1))
+    space = SearchConfig(devices=4, tp=("none", "1d"), zero=(0, 1), resolution=resolution, max_points=None, relative_gap=0.0)
     every = [pt for cand in candidate_meshes(space, 4) if not cand.reason for pt in _brute_front(graph, cand.mesh, cand.zero)]
     exact: list[tuple[float, float]] = []
     for t, m in sorted(every):
         if not exact or m < exact[-1][1]:
             exact.append((t, m))
-    result = search(graph, space, A100_80G, model_name="two-linear", resolution=resolution, max_points=None, settings=EXACT)
+    result = search(graph, space, model_name="two-linear")
     found = [(p.step_time_s, float(p.peak_memory_bytes)) for p in result.front]
     assert 1 <= len(found) <= len(exact)
     gap = EXACT.sweep_gap(resolution)
@@ -177,14 +179,14 @@ def test_one_plan_is_the_brute_force_fastest_within_each_budget() -> None:
     order) returns the fastest plan across every configuration within the budget, for budgets
     along the brute-force front (and says nothing fits below its least memory)."""
     graph = _graph("two-linear")
-    space = SearchSpace(devices=4, tp=("none", "1d"), zero=(0, 1))
-    every = [pt for cand in candidate_meshes(space, 4) if not cand.reason for pt in _brute_front(graph, cand.mesh, cand.zero)]
+    space = {"devices": 4, "tp": ("none", "1d"), "zero": (0, 1), "front": False}
+    every = [pt for cand in candidate_meshes(SearchConfig(**space), 4) if not cand.reason for pt in _brute_front(graph, cand.mesh, cand.zero)]
     for budget in sorted({m for _, m in every})[:: max(1, len({m for _, m in every}) // 5)]:
         fastest = min(t for t, m in every if m <= budget)
-        result = search(graph, space, A100_80G, model_name="two-linear", memory_budget=budget, front=False, settings=EXACT)
+        result = search(graph, SearchConfig(**space, memory_budget=budget, relative_gap=0.0), model_name="two-linear")
         assert result.best is not None and result.best.peak_memory_bytes <= budget
         assert result.best.step_time_s == pytest.approx(fastest, rel=1e-6)
-    below = search(graph, space, A100_80G, model_name="two-linear", memory_budget=min(m for _, m in every) * 0.99, front=False)
+    below = search(graph, SearchConfig(**space, memory_budget=min(m for _, m in every) * 0.99), model_name="two-linear")
     assert below.best is None and below.infeasible
 
 
@@ -224,17 +226,18 @@ def test_a_resolution_spaces_the_merged_front_and_keeps_the_fastest_at_the_least
         merge(points, 1.0)
 
 
-@pytest.mark.parametrize("space", [SearchSpace(devices=2, tp=("none", "1d")), SearchSpace(devices=8, zero=(0, 1, 2, 3))], ids=["2", "8-zero0123"])
-def test_nothing_fits_says_the_least_memory_its_terms_and_what_to_change(space: SearchSpace) -> None:
+@pytest.mark.parametrize("space", [{"devices": 2, "tp": ("none", "1d")}, {"devices": 8, "zero": (0, 1, 2, 3)}], ids=["2", "8-zero0123"])
+def test_nothing_fits_says_the_least_memory_its_terms_and_what_to_change(space: dict[str, Any]) -> None:
     """The least memory quoted is the least over every configuration, solved exactly, although the
     search solves only those its bounds (a pricing-free bound, the LP relaxation's) cannot rule out."""
     args, kwargs = example_inputs("mlp-tiny", batch=8)
     graph = trace(build_model("mlp-tiny"), args, kwargs)
-    result = search(graph, space, A100_80G, model_name="mlp-tiny", memory_budget=1024.0)
+    config = SearchConfig(**space, memory_budget=1024.0)
+    result = search(graph, config, model_name="mlp-tiny")
     assert result.best is None and not result.front
     exact = {
         (str(c.mesh), c.zero): solve(build_problem(graph, c.mesh, A100_80G, zero_stage=c.zero), memory_budget=float("inf"), objective="memory").evaluation.peak_memory
-        for c in candidate_meshes(space, 8) if not c.reason
+        for c in candidate_meshes(config, 8) if not c.reason
     }
     least = min(exact.values())
     assert all(c.least_memory is not None and c.least_memory <= exact[(str(c.mesh), c.zero)] for c in result.candidates if not c.reason)  # bounds, or exact

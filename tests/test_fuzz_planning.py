@@ -10,13 +10,10 @@ import time
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
-from planner.config import ALL_TP
-from planner.hardware import A100_80G
+from planner.config import ALL_TP, SearchConfig
 from planner.ir import IRGraph
 from planner.models import build_model, example_inputs
 from planner.search import search
-from planner.solve import SolverSettings
-from planner.space import SearchSpace
 from planner.trace import trace
 
 # mlp-tiny's searches on up to 8 devices take 0.1-30 s on 2 cores (the slowest: every family, ZeRO stage and
@@ -58,9 +55,8 @@ def test_a_plan_within_budget_or_a_reason_never_another_exception(
 ) -> None:
     t0 = time.perf_counter()
     try:
-        space = SearchSpace(devices=devices, tp=tp, zero=zero, cdp=cdp, micro_batches=micro_batches, dp=dp)
-        result = search(traced(model), space, A100_80G, model_name=model, memory_budget=budget, objective=objective,  # type: ignore[arg-type]
-                        front=front, settings=SolverSettings(time_limit_s=10.0))
+        space = SearchConfig(devices=devices, tp=tp, zero=zero, cdp=cdp, micro_batches=micro_batches, dp=dp, memory_budget=budget, objective=objective, front=front, time_limit_s=10.0)
+        result = search(traced(model), space, model_name=model)
     except (ValueError, TypeError) as exc:
         message = str(exc)
         assert len(message) > 20 and "\n" not in message, message  # one line that names the input

@@ -11,10 +11,9 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from planner.hardware import A100_80G  # noqa: E402
+from planner.config import SearchConfig  # noqa: E402
 from planner.ir import IRGraph  # noqa: E402
 from planner.search import SearchResult, search  # noqa: E402
-from planner.space import SearchSpace  # noqa: E402
 from planner.trace import TraceError, trace  # noqa: E402
 
 transformers.logging.set_verbosity_error()  # tiny configs warn about bos/eos ids outside the vocabulary
@@ -62,7 +61,7 @@ def traced(request: pytest.FixtureRequest) -> tuple[str, torch.nn.Module, IRGrap
 @pytest.fixture(scope="module")
 def planned(traced: tuple[str, torch.nn.Module, IRGraph]) -> tuple[IRGraph, SearchResult]:
     name, _, graph = traced
-    return graph, search(graph, SearchSpace(devices=8, zero=(0,)), A100_80G, model_name=name, front=False)
+    return graph, search(graph, SearchConfig(devices=8, zero=(0,), front=False), model_name=name)
 
 
 def test_one_scalar_loss_output(traced: tuple[str, torch.nn.Module, IRGraph]) -> None:
@@ -163,7 +162,7 @@ def test_every_preset_plans_on_8_devices_with_no_op_replicated_for_want_of_a_rul
     covered by a sharding rule."""
     model = build_hf_model(name, dtype=torch.float32)
     graph = trace(model, *hf_example_inputs(name, batch=8))
-    result = search(graph, SearchSpace(devices=8, tp=("1d", "3d")), A100_80G, model_name=name, front=False)
+    result = search(graph, SearchConfig(devices=8, tp=("1d", "3d"), front=False), model_name=name)
     assert result.best is not None, [c.reason for c in result.candidates]
     assert result.best.fallbacks == ()
     # the blocks share their variables: the first repeated prefix is the model's list of 2 blocks
@@ -211,11 +210,11 @@ def test_a_plan_that_shards_nothing_says_so() -> None:
     the report say so in one line, with the reason."""
     name = "hf-gpt2"
     graph = trace(build_hf_model(name, dtype=torch.float32), *hf_example_inputs(name, batch=8))
-    plan = search(graph, SearchSpace(devices=4, dp=1, tp=("1d",)), A100_80G, model_name=name, front=False).best
+    plan = search(graph, SearchConfig(devices=4, dp=1, tp=("1d",), front=False), model_name=name).best
     assert plan is not None and plan.mesh == {"dp": 1, "tp": 4}
     assert plan.shards_nothing and plan.tp == "none"
     note = plan.shards_nothing_note()
     assert "shards nothing" in note and "4 devices" in note and "too small" in note
     assert note in format_plan(Plan.model_validate_json(plan.model_dump_json()), graph=graph)
-    sharded = search(graph, SearchSpace(devices=4, dp=1, tp=("1d",)), A100_80G, model_name=name, front=False, objective="memory").best
+    sharded = search(graph, SearchConfig(devices=4, dp=1, tp=("1d",), front=False, objective="memory"), model_name=name).best
     assert sharded is not None and not sharded.shards_nothing and sharded.shards_nothing_note() == ""

@@ -31,13 +31,12 @@ import torch
 
 pytest.importorskip("transformers")
 
-from planner.hardware import A100_80G
+from planner.config import SearchConfig
 from planner.ir import IRGraph
 from planner.plan import Plan
 from planner.schemes.cdp import cdp_filter
 from planner.schemes.tp import DP_AXIS
 from planner.search import search
-from planner.space import SearchSpace
 from planner.trace import trace
 from tests.cdp_checks import BATCH as CDP_BATCH
 from tests.cdp_checks import cdp_train
@@ -81,9 +80,9 @@ def _plan(name: str, kind: str, dtype: torch.dtype) -> Plan:
     devices, dp, family, objective = KINDS[kind]
     graph = _graph(name, dtype)
     allow = require_family(graph, family_mesh(family, devices, dp)) if family != "none" and objective == "time" else None
-    space = SearchSpace(devices=devices, dp=dp, tp=(family,), zero=(3 if kind == "zero3" else 0,),
-                        recompute=(RECOMPUTING[kind],) if kind in RECOMPUTING else ("none",))
-    result = search(graph, space, A100_80G, model_name=name, objective=objective, allow=allow, front=False)  # type: ignore[arg-type]
+    space = SearchConfig(devices=devices, dp=dp, tp=(family,), zero=(3 if kind == "zero3" else 0,),
+                        recompute=(RECOMPUTING[kind],) if kind in RECOMPUTING else ("none",), objective=objective, front=False)
+    result = search(graph, space, model_name=name, allow=allow)  # type: ignore[arg-type]
     assert result.best is not None, (name, kind, [c.reason for c in result.candidates])
     return result.best
 
@@ -93,8 +92,8 @@ def _cdp_plan(name: str, dtype: torch.dtype) -> Plan:
     batch), in float32 with AdamW for the memory check (tests/dist_checks.py's)."""
     same_math = dtype == torch.float64
     graph = _graph(name, dtype, CDP_BATCH if same_math else BATCH)
-    space = SearchSpace(devices=4, dp=4, tp=("none",), zero=(0,), cdp=("v1",), cdp_stages=CDP_STAGES)
-    result = search(graph, space, A100_80G, model_name=name, optimizer="sgd" if same_math else "adamw", allow=cdp_filter(graph, (DP_AXIS,)), front=False)
+    space = SearchConfig(devices=4, dp=4, tp=("none",), zero=(0,), cdp=("v1",), cdp_stages=CDP_STAGES, optimizer="sgd-momentum" if same_math else "adamw", front=False)
+    result = search(graph, space, model_name=name, allow=cdp_filter(graph, (DP_AXIS,)))
     assert result.best is not None and result.best.cdp == "v1", (name, [c.reason for c in result.candidates])
     return result.best
 
@@ -243,7 +242,7 @@ def test_cdp_is_refused_where_only_a_collective_over_the_workers_would_do() -> N
     (planner.edges marks such conversions forbidden, the ILP leaves them out): Mixtral at 4 rows
     has none without one, and the search says so instead of planning a gather that would hang."""
     graph = _graph("hf-mixtral", torch.float32, BATCH)
-    space = SearchSpace(devices=4, dp=4, tp=("none",), zero=(0,), cdp=("v1",), cdp_stages=CDP_STAGES)
-    result = search(graph, space, A100_80G, model_name="hf-mixtral", optimizer="adamw", allow=cdp_filter(graph, (DP_AXIS,)), front=False)
+    space = SearchConfig(devices=4, dp=4, tp=("none",), zero=(0,), cdp=("v1",), cdp_stages=CDP_STAGES, optimizer="adamw", front=False)
+    result = search(graph, space, model_name="hf-mixtral", allow=cdp_filter(graph, (DP_AXIS,)))
     assert result.best is None
     assert any("collective over the data-parallel workers" in c.reason for c in result.candidates), [c.reason for c in result.candidates]

@@ -15,16 +15,17 @@ from collections import Counter
 import pytest
 import torch
 
+from planner.config import SearchConfig
 from planner.cost import comm_time, optimizer_step_time
 from planner.hardware import A100_80G
 from planner.mesh import Mesh
 from planner.models import build_model, example_inputs
 from planner.problem import build_problem, evaluate
 from planner.search import search
-from planner.space import SearchSpace, candidate_meshes
+from planner.space import candidate_meshes
 from planner.trace import micro_batch_inputs, trace
 from tests.test_front import _brute_front
-from tests.test_solver import EXACT, TwoLinear
+from tests.test_solver import TwoLinear
 
 
 def _gpt_tiny(batch: int):
@@ -85,23 +86,23 @@ def test_micro_batch_time_is_three_passes_plus_one_step() -> None:
 
 
 def test_configurations_with_micro_batches_are_pruned_with_a_reason() -> None:
-    space = SearchSpace(devices=4, tp=("none",), zero=(0,), cdp=("off", "v1"), micro_batches=(1, 2, 4))
+    space = SearchConfig(devices=4, tp=("none",), zero=(0,), cdp=("off", "v1"), micro_batches=(1, 2, 4))
     cands = candidate_meshes(space, batch=8)
     reasons = {(c.cdp, c.micro_batches): c.reason for c in cands}
     assert reasons[("off", 1)] == reasons[("off", 2)] == ""
     assert "does not split into 4 micro-batches x 4 ways" in reasons[("off", 4)]
     assert "CDP staggers its own micro-batches" in reasons[("v1", 2)]
-    with pytest.raises(ValueError, match="micro-batch counts must be >= 1"):
-        SearchSpace(devices=4, micro_batches=(0,))
+    with pytest.raises(ValueError, match=r"micro_batches are counts >= 1, got \[0\]"):
+        SearchConfig.build(devices=4, micro_batches=(0,))
 
 
 def test_the_search_asks_for_and_checks_the_micro_batch_graph() -> None:
     graph = _gpt_tiny(4)
-    space = SearchSpace(devices=2, tp=("none",), micro_batches=(1, 2))
+    space = SearchConfig(devices=2, tp=("none",), micro_batches=(1, 2))
     with pytest.raises(ValueError, match="needs the graph of one micro-batch: pass micro_graph="):
-        search(graph, space, A100_80G, model_name="gpt-tiny")
+        search(graph, space, model_name="gpt-tiny")
     with pytest.raises(ValueError, match=r"micro_graph\(2\) traced a batch of 4; one of 2 micro-batches of 4 has 2"):
-        search(graph, space, A100_80G, model_name="gpt-tiny", micro_graph=lambda m: graph)
+        search(graph, space, model_name="gpt-tiny", micro_graph=lambda m: graph)
 
 
 def test_micro_batch_inputs_split_dim_0_and_name_what_does_not_split() -> None:
@@ -122,7 +123,7 @@ def test_the_searched_front_with_micro_batches_is_the_merged_brute_force_front()
     # a batch whose activations outweigh the weights, so that accumulation can save memory
     x, y = torch.empty(512, 64, device="meta"), torch.empty(512, dtype=torch.long, device="meta")
     graphs = {m: trace(model, *micro_batch_inputs((x, y), None, m)) for m in (1, 2)}
-    space = SearchSpace(devices=4, tp=("none", "1d"), zero=(0, 1), micro_batches=(1, 2))
+    space = SearchConfig(devices=4, tp=("none", "1d"), zero=(0, 1), micro_batches=(1, 2), resolution=0.0, max_points=None, relative_gap=0.0)
     every: dict[int, list[tuple[float, float]]] = {1: [], 2: []}
     for cand in candidate_meshes(space, 512):
         if not cand.reason:
@@ -131,8 +132,7 @@ def test_the_searched_front_with_micro_batches_is_the_merged_brute_force_front()
     for t, m in sorted(every[1] + every[2]):
         if not expected or m < expected[-1][1]:
             expected.append((t, m))
-    result = search(graphs[1], space, A100_80G, model_name="two-linear", resolution=0.0, max_points=None, settings=EXACT,
-                    micro_graph=graphs.__getitem__)
+    result = search(graphs[1], space, model_name="two-linear", micro_graph=graphs.__getitem__)
     found = [(p.step_time_s, float(p.peak_memory_bytes)) for p in result.front]
     assert len(found) == len(expected) >= 2, (found, expected)
     for (t, m), (bt, bm) in zip(found, expected, strict=True):

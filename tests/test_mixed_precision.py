@@ -19,10 +19,9 @@ from typing import Any
 
 import pytest
 
-from planner.hardware import A100_80G
+from planner.config import SearchConfig
 from planner.models import build_model, example_inputs
 from planner.search import search
-from planner.space import SearchSpace
 from planner.trace import trace
 from tests.dist_checks import BATCH, PRECISIONS, train_and_compare
 from tests.harness import run_world
@@ -44,9 +43,9 @@ def _plan(precision: str, dp: int, zero: int, allow: Any) -> tuple[str, str, str
     assert master is not None
     model = build_model(MODEL, dtype=dtype)
     args, kwargs = example_inputs(MODEL, batch=BATCH, dtype=dtype)
-    space = SearchSpace(devices=4, dp=dp, zero=(zero,), tp=("none",) if dp == 4 else ("1d",))
-    result = search(trace(model, args, kwargs), space, A100_80G, model_name=MODEL, optimizer=optimizer,
-                    master_dtype=str(master).removeprefix("torch."), allow=allow, front=False)
+    config = SearchConfig(devices=4, dp=dp, zero=(zero,), tp=("none",) if dp == 4 else ("1d",), optimizer="adamw" if optimizer == "adamw" else "sgd-momentum",
+                          master_dtype=str(master).removeprefix("torch."), front=False)
+    result = search(trace(model, args, kwargs), config, model_name=MODEL, allow=allow)
     assert result.best is not None and result.best.master_dtype == str(master).removeprefix("torch.")
     return MODEL, result.best.model_dump_json(), optimizer, precision
 

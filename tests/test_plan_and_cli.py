@@ -10,11 +10,11 @@ from pydantic import ValidationError
 
 from planner import auto_parallelize
 from planner.cli import main
+from planner.config import SearchConfig
 from planner.hardware import A100_80G
 from planner.models import build_model, example_inputs
 from planner.plan import Plan
 from planner.search import search
-from planner.space import SearchSpace
 from planner.trace import trace
 from planner.units import parse_bytes
 
@@ -23,7 +23,7 @@ from planner.units import parse_bytes
 def tiny_plan() -> Plan:
     model = build_model("gpt-tiny")
     args, kwargs = example_inputs("gpt-tiny", batch=4)
-    result = search(trace(model, args, kwargs), SearchSpace(devices=4, dp=2), A100_80G, model_name="gpt-tiny", objective="memory", front=False)
+    result = search(trace(model, args, kwargs), SearchConfig(devices=4, dp=2, objective="memory", front=False), model_name="gpt-tiny")
     assert result.best is not None
     return result.best
 
@@ -145,9 +145,9 @@ def test_auto_parallelize_requires_devices_outside_torchrun() -> None:
 
 BAD_REPORTS = [  # (arguments after `report mlp-tiny --devices 4`, what stderr must say)
     (["--memory", "0"], "must be > 0 bytes per device"),
-    (["--devices", "7", "--tp", "2d"], "no mesh of --tp 2d tiles 7 devices"),
-    (["--tp", "3d"], "no mesh of --tp 3d tiles 4 devices"),
-    (["--tp", "none", "--dp", "2"], "no mesh of --tp none tiles 4 devices with dp = 2"),
+    (["--devices", "7", "--tp", "2d"], "no mesh of tp 2d tiles 7 devices"),
+    (["--tp", "3d"], "no mesh of tp 3d tiles 4 devices"),
+    (["--tp", "none", "--dp", "2"], "no mesh of tp none tiles 4 devices with dp = 2"),
     (["--tp", ","], "names nothing"),
     (["--zero", ""], "names nothing"),
     (["--time-limit", "0"], "--time-limit 0 must be > 0 seconds"),
@@ -182,16 +182,13 @@ def test_calibrate_into_a_missing_folder_fails_before_measuring(capsys: pytest.C
     assert "--out /nonexistent-folder/profile.json: the folder" in capsys.readouterr().err
 
 
-def test_api_rejects_a_budget_of_nothing_and_an_empty_space() -> None:
-    model = build_model("mlp-tiny", device="meta")
-    args, kwargs = example_inputs("mlp-tiny", batch=8, device="meta")
-    graph = trace(model, args, kwargs)
-    with pytest.raises(ValueError, match="memory budget 0 must be > 0"):
-        search(graph, SearchSpace(devices=4), A100_80G, model_name="mlp-tiny", memory_budget=0)
-    with pytest.raises(ValueError, match="no mesh of --tp 2d tiles 6 devices"):
-        SearchSpace(devices=6, tp=("2d",))
-    with pytest.raises(ValueError, match="names no tensor-parallel family"):
-        SearchSpace(devices=4, tp=())
+def test_a_search_configuration_rejects_a_budget_of_nothing_and_an_empty_space() -> None:
+    with pytest.raises(ValueError, match="memory_budget = 0: Input should be greater than 0"):
+        SearchConfig.build(devices=4, memory_budget=0)
+    with pytest.raises(ValueError, match="no mesh of tp 2d tiles 6 devices"):
+        SearchConfig.build(devices=6, tp=("2d",))
+    with pytest.raises(ValueError, match=r"tp = \(\): Tuple should have at least 1 item"):
+        SearchConfig.build(devices=4, tp=())
 
 
 def test_api_takes_options_as_a_user_writes_them_and_names_the_wrong_ones() -> None:
@@ -296,7 +293,6 @@ def test_hardware_files_version_and_counts_read_as_a_person_expects(tmp_path: Pa
     """A partial or empty hardware profile is one line naming its fields (not pydantic's dump, not
     min() of an empty sequence); calibrate needs 2 processes; --version answers; a tiny model's
     size is a count (1.9 K values), not 0.000 B."""
-    from planner.hardware import A100_80G
 
     partial = tmp_path / "partial.json"
     partial.write_text('{"name": "mine"}')

@@ -13,13 +13,14 @@ import pytest
 import torch
 
 from planner.cli import load_model
+from planner.config import SearchConfig
 from planner.hardware import A100_80G
 from planner.mesh import Mesh
 from planner.problem import build_problem, evaluate
 from planner.schemes.recompute import last_savers, segments
 from planner.search import search
 from planner.solve import solve
-from planner.space import SearchSpace, candidate_meshes
+from planner.space import candidate_meshes
 from planner.trace import trace
 
 
@@ -69,13 +70,13 @@ def test_recomputing_holds_fewer_activations_and_costs_the_forward_again(mesh: M
 
 
 def test_recomputation_runs_with_zero_0_to_2_and_without_cdp() -> None:
-    space = SearchSpace(devices=4, tp=("none",), zero=(0, 3), cdp=("off", "v1"), recompute=("none", "full"))
+    space = SearchConfig(devices=4, tp=("none",), zero=(0, 3), cdp=("off", "v1"), recompute=("none", "full"))
     configs = candidate_meshes(space, 8)
     full = [c for c in configs if c.recompute == "full"]
     assert {(c.zero, c.cdp) for c in full if not c.reason} == {(0, "off")}
     assert all("ZeRO-3" in c.reason or "CDP" in c.reason for c in full if c.reason)
-    with pytest.raises(ValueError, match="recompute modes are none, selective, full; got attention"):
-        SearchSpace(devices=4, recompute=("attention",))
+    with pytest.raises(ValueError, match="recompute.0 = 'attention': Input should be 'none', 'selective' or 'full'"):
+        SearchConfig.build(devices=4, recompute=("attention",))
     with pytest.raises(ValueError, match="ZeRO 0-2"):
         build_problem(_gpt_tiny(), Mesh(("dp",), (4,)), A100_80G, zero_stage=3, recompute="full")
 
@@ -83,8 +84,8 @@ def test_recomputation_runs_with_zero_0_to_2_and_without_cdp() -> None:
 def test_the_front_gains_points_below_the_least_memory_without_recomputation() -> None:
     graph = _gpt_tiny()
     space = dict(devices=2, tp=("1d",), dp=1)
-    without = search(graph, SearchSpace(**space), A100_80G, model_name="gpt-tiny")  # type: ignore[arg-type]
-    both = search(graph, SearchSpace(**space, recompute=("none", "full")), A100_80G, model_name="gpt-tiny")  # type: ignore[arg-type]
+    without = search(graph, SearchConfig(**space), model_name="gpt-tiny")  # type: ignore[arg-type]
+    both = search(graph, SearchConfig(**space, recompute=("none", "full")), model_name="gpt-tiny")  # type: ignore[arg-type]
     least = without.front[-1].peak_memory_bytes
     below = [p for p in both.front if p.peak_memory_bytes < least]
     assert below and all(p.recompute == "full" for p in below)
@@ -140,7 +141,7 @@ def test_selective_recomputes_the_attention_cores_between_none_and_full() -> Non
     assert 0 < ev["selective"].recompute_time < ev["full"].recompute_time
     assert ev["selective"].step_time - ev["none"].step_time == pytest.approx(ev["selective"].recompute_time, rel=1e-9)
     model, args, kwargs, _ = load_model("mlp-tiny", 8)
-    result = search(trace(model, args, kwargs), SearchSpace(devices=2, recompute=("none", "selective")), A100_80G, model_name="mlp-tiny", front=False)
+    result = search(trace(model, args, kwargs), SearchConfig(devices=2, recompute=("none", "selective"), front=False), model_name="mlp-tiny")
     pruned = [c for c in result.candidates if c.recompute == "selective"]
     assert pruned and all("no repeated layer of this model has an attention core" in c.reason for c in pruned)
 
@@ -150,12 +151,12 @@ def test_a_plan_names_the_segment_each_node_recomputes_in() -> None:
     rule of its own: one segment per layer instance (full) or attention core (selective)."""
     graph = _gpt_tiny()
     for mode, ops in (("full", None), ("selective", 1)):
-        result = search(graph, SearchSpace(devices=2, dp=1, tp=("1d",), recompute=(mode,)), A100_80G, model_name="gpt-tiny", front=False)
+        result = search(graph, SearchConfig(devices=2, dp=1, tp=("1d",), recompute=(mode,), front=False), model_name="gpt-tiny")
         plan = result.best
         assert plan is not None and plan.recompute == mode
         marked = {n.name: n.recompute_segment for n in plan.nodes if n.recompute_segment is not None}
         assert marked == {name: key[1] for name, key in segments(graph, mode).items()}  # numbered in graph order: instance 0, 1
         assert {n.name for n in plan.nodes if n.ends_segment} == last_savers(graph, mode)
         assert ops is None or all(sum(1 for s in marked.values() if s == k) == ops for k in (0, 1))
-    plain = search(graph, SearchSpace(devices=2, dp=1, tp=("1d",)), A100_80G, model_name="gpt-tiny", front=False).best
+    plain = search(graph, SearchConfig(devices=2, dp=1, tp=("1d",), front=False), model_name="gpt-tiny").best
     assert plain is not None and all(n.recompute_segment is None and not n.ends_segment for n in plain.nodes)

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 
 from planner.cli import main
+from planner.config import SearchConfig
 from planner.explain import collective_seconds, explain, peak_phase
 from planner.hardware import A100_80G
 from planner.models import build_model, example_inputs
 from planner.search import SearchResult, search
-from planner.space import SearchSpace
 from planner.trace import trace
 
 TINY = ["mlp-tiny", "--devices", "8", "--tp", "none,1d", "--zero", "0,1"]
@@ -25,8 +25,8 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 def tiny_search() -> SearchResult:
     model = build_model("mlp-tiny", device="meta")
     args, kwargs = example_inputs("mlp-tiny", batch=8, device="meta")
-    space = SearchSpace(devices=8, tp=("none", "1d"), zero=(0, 1))
-    return search(trace(model, args, kwargs), space, A100_80G, model_name="mlp-tiny")
+    space = SearchConfig(devices=8, tp=("none", "1d"), zero=(0, 1))
+    return search(trace(model, args, kwargs), space, model_name="mlp-tiny")
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:

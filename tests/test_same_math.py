@@ -17,11 +17,10 @@ from typing import Any
 import pytest
 import torch
 
-from planner.hardware import A100_80G
+from planner.config import SearchConfig
 from planner.ir import Node
 from planner.models import build_model, example_inputs
 from planner.search import search
-from planner.space import SearchSpace
 from planner.strategy import Strategy
 from planner.trace import trace
 from tests.dist_checks import BATCH, build_native, train_and_compare
@@ -70,9 +69,10 @@ def _plan(
         module = build_model(model, dtype=torch.float64, device="meta" if start == "plan-on-meta" else "cpu")
     args, kwargs = example_inputs(model, batch=BATCH, dtype=torch.float64, device="meta" if start == "plan-on-meta" else "cpu")
     graph = trace(module, args, kwargs)
-    space = SearchSpace(devices=devices, dp=dp, tp=(family,) if devices > dp else ("none",), zero=(zero,), recompute=(recompute,))
     buckets = {"bucket_bytes": bucket_bytes} if bucket_bytes else {}
-    result = search(graph, space, A100_80G, model_name=model, objective=objective, allow=allow, front=False, **buckets)  # type: ignore[arg-type]
+    config = SearchConfig(devices=devices, dp=dp, tp=(family,) if devices > dp else ("none",), zero=(zero,), recompute=(recompute,),  # type: ignore[arg-type]
+                          objective=objective, front=False, **buckets)
+    result = search(graph, config, model_name=model, allow=allow)
     assert result.best is not None
     if devices > dp:
         assert result.best.tp == family, (family, result.best.tp)

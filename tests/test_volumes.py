@@ -23,13 +23,12 @@ from __future__ import annotations
 
 import torch
 
+from planner.config import SearchConfig
 from planner.cost import ring_volume
-from planner.hardware import A100_80G
 from planner.ir import Node
 from planner.models.gpt import GPT, GPTConfig
 from planner.plan import Plan
 from planner.search import search
-from planner.space import SearchSpace
 from planner.strategy import Comm, Strategy
 from planner.trace import trace
 
@@ -43,7 +42,7 @@ def _plan(layers: int, devices: int, family: str, allow, bias: bool = True) -> P
         model = GPT(GPTConfig(n_layer=layers, n_head=HEADS, n_embd=H, block_size=T, vocab_size=V, bias=bias))
     idx = torch.zeros(B, T, dtype=torch.long, device="meta")
     graph = trace(model, (idx,), {"targets": idx.clone()})
-    result = search(graph, SearchSpace(devices=devices, dp=1, tp=(family,)), A100_80G, model_name="gpt", allow=allow, memory_budget=1e12, front=False)
+    result = search(graph, SearchConfig(devices=devices, dp=1, tp=(family,), memory_budget=1e12, front=False), model_name="gpt", allow=allow)
     assert result.best is not None
     return result.best
 

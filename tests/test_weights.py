@@ -106,10 +106,9 @@ def _losses(rank: int, world: int, cases: list[tuple[str, str, str]]) -> list[di
 
 @pytest.fixture(scope="module")
 def hf_runs(tmp_path_factory: pytest.TempPathFactory) -> list[tuple[tuple[str, str, int, int, str], dict[str, Any], list[dict[str, Any]]]]:
-    from planner.hardware import A100_80G
+    from planner.config import SearchConfig
     from planner.models import build_model, example_inputs
     from planner.search import search
-    from planner.space import SearchSpace
     from planner.trace import trace
 
     cases, plans, files = [], [], {}
@@ -125,7 +124,7 @@ def hf_runs(tmp_path_factory: pytest.TempPathFactory) -> list[tuple[tuple[str, s
                                         "files": len(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else 1})
         meta = build_model(name, device="meta", seed=None)
         graph = trace(meta, *example_inputs(name, batch=4, seed=1))
-        result = search(graph, SearchSpace(devices=4, dp=dp, tp=(tp,), zero=(zero,)), A100_80G, model_name=name, front=False, objective="memory")
+        result = search(graph, SearchConfig(devices=4, dp=dp, tp=(tp,), zero=(zero,), front=False, objective="memory"), model_name=name)
         assert result.best is not None and result.best.zero_stage == zero
         cases.append((name, tp, dp, zero, how))
         plans.append((name, result.best.model_dump_json(), files[key][0]))

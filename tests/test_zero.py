@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 
+from planner.config import SearchConfig
 from planner.hardware import A100_80G, CollectiveFit, HardwareProfile
 from planner.ir import Node
 from planner.mesh import Mesh
@@ -21,7 +22,6 @@ from planner.models import build_model, example_inputs
 from planner.plan import Plan
 from planner.schemes.zero import zero1_reduce
 from planner.search import search
-from planner.space import SearchSpace
 from planner.strategy import Strategy
 from planner.trace import micro_batch_inputs, trace
 from tests.dist_checks import BATCH, train_and_compare
@@ -44,10 +44,10 @@ def _plan(dp: int, zero: int, allow: Any, devices: int = 4, family: str = "1d", 
     model = build_model(MODEL, dtype=torch.float64)
     args, kwargs = example_inputs(MODEL, batch=BATCH, dtype=torch.float64)
     graph = trace(model, args, kwargs)
-    space = SearchSpace(devices=devices, dp=dp, zero=(zero,), tp=("none",) if dp == devices else (family,), micro_batches=(micro_batches,))
     extra: dict[str, Any] = {"bucket_bytes": bucket_bytes} if bucket_bytes is not None else {}
-    result = search(graph, space, hardware, model_name=MODEL, optimizer="adamw", allow=allow, front=False, objective=objective,  # type: ignore[arg-type]
-                    micro_graph=lambda m: trace(model, *micro_batch_inputs(args, kwargs, m)), **extra)
+    config = SearchConfig(devices=devices, dp=dp, zero=(zero,), tp=("none",) if dp == devices else (family,), micro_batches=(micro_batches,),
+                          hardware=hardware, front=False, objective=objective, **extra)
+    result = search(graph, config, model_name=MODEL, allow=allow, micro_graph=lambda m: trace(model, *micro_batch_inputs(args, kwargs, m)))
     assert result.best is not None and result.best.zero_stage == zero and result.best.micro_batches == micro_batches
     return MODEL, result.best.model_dump_json(), "adamw"
 
@@ -164,9 +164,8 @@ def test_prefetch_hides_gather_time_behind_compute_and_costs_one_gather_of_memor
     model = build_model("gpt2-small", device="meta")
     args, kwargs = example_inputs("gpt2-small", batch=8, device="meta")
     graph = trace(model, args, kwargs)
-    space = SearchSpace(devices=8, dp=8, zero=(3,), tp=("none",))
-    on = search(graph, space, A100_80G, model_name="gpt2-small", prefetch=True, front=False).best
-    off = search(graph, space, A100_80G, model_name="gpt2-small", prefetch=False, front=False).best
+    on = search(graph, SearchConfig(devices=8, dp=8, zero=(3,), tp=("none",), front=False), model_name="gpt2-small").best
+    off = search(graph, SearchConfig(devices=8, dp=8, zero=(3,), tp=("none",), front=False, prefetch=False), model_name="gpt2-small").best
     assert on is not None and off is not None
     assert on.zero_prefetch and not off.zero_prefetch
     assert off.overlap_time_s == 0.0 and on.overlap_time_s > 0.0

@@ -9,9 +9,13 @@ land on the fastest links. Each family's per-op strategies are the rules of :mod
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from planner.mesh import AxisRole, Mesh
-from planner.plan import TPFamily
-from planner.terms import Problem
+
+if TYPE_CHECKING:  # (annotations only: planner.config reads the meshes, and the plan holds a config)
+    from planner.plan import TPFamily
+    from planner.terms import Problem
 
 DP_AXIS = "dp"  # the search's meshes: one data-parallel axis, outermost, then a family's tensor-parallel axes
 TP_AXES = {"1d": ("tp",), "2d": ("row", "col"), "3d": ("i", "j", "k")}
