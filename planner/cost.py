@@ -43,7 +43,7 @@ from __future__ import annotations
 import functools
 import math
 
-from planner.hardware import HardwareProfile
+from planner.hardware import HardwareProfile, ring_terms
 from planner.ir import DTYPE_BYTES, Node
 from planner.layout import Layout, Step, step_bytes
 from planner.mesh import Mesh
@@ -141,20 +141,6 @@ def collective_time(comm: Comm, mesh: Mesh, hw: HardwareProfile) -> float:
     steps, factor = ring_terms(comm.kind, n)
     share = min(1.0, comm.nbytes / comm.bucket_bytes) if comm.bucket_bytes else 1.0
     return (steps * latency * share + factor * comm.nbytes / bw) * scale
-
-
-def ring_terms(kind: str, n: int) -> tuple[float, float]:
-    """(latency steps, bytes a rank sends per payload byte) of collective ``kind`` on a group of
-    ``n``: the formulas of the module docstring (``planner calibrate`` fits its timings by them)."""
-    if kind == "all_reduce":
-        return 2 * (n - 1), 2 * (n - 1) / n
-    if kind in ("all_gather", "reduce_scatter", "all_to_all"):
-        return n - 1, (n - 1) / n
-    if kind in ("broadcast", "reduce"):  # pipelined binomial tree: log2(n) steps, S/b stream
-        return math.ceil(math.log2(n)), 1.0
-    if kind == "send":  # one point-to-point message between two ranks of the group
-        return 1, 1.0
-    raise ValueError(f"no cost formula for collective {kind}")
 
 
 def ring_volume(comm: Comm, mesh: Mesh) -> float:

@@ -62,6 +62,65 @@ def interpolate_log(points: list[tuple[float, float]], x: float, default: float)
     return points[-1][1]
 
 
+def ring_terms(kind: str, n: int) -> tuple[float, float]:
+    """(latency steps, bytes a rank sends per payload byte) of collective ``kind`` on a group of
+    ``n``: the ring and tree formulas :func:`planner.cost.comm_time` prices collectives by (see
+    :mod:`planner.cost`), and by which :func:`fit_alpha_beta` fits ``planner calibrate``'s timings.
+    Here, beside the fit, so the runtime's calibration imports the profile's module only."""
+    if kind == "all_reduce":
+        return 2 * (n - 1), 2 * (n - 1) / n
+    if kind in ("all_gather", "reduce_scatter", "all_to_all"):
+        return n - 1, (n - 1) / n
+    if kind in ("broadcast", "reduce"):  # pipelined binomial tree: log2(n) steps, S/b stream
+        return math.ceil(math.log2(n)), 1.0
+    if kind == "send":  # one point-to-point message between two ranks of the group
+        return 1, 1.0
+    raise ValueError(f"no cost formula for collective {kind}")
+
+
+def fit_alpha_beta(rows: list[tuple[str, int, float]], world: int) -> tuple[float, float]:
+    """Least squares of t = steps * alpha + volume * S / b over the measured collectives, with
+    (steps, volume) = (2(n-1), 2(n-1)/n) for all-reduce and ((n-1), (n-1)/n) for all-gather
+    (:func:`ring_terms`), in relative error: each row weighted by 1/t, so a 4 KiB message's
+    milliseconds count as much as a 64 MiB one's (unweighted, the large messages decide
+    alpha too, and latency-bound plans were priced several times too fast). Returns (alpha
+    seconds, b bytes/s). When noise makes the fit unphysical (negative alpha or 1/b), latency
+    comes from the smallest message and bandwidth from the largest instead."""
+    xs = []
+    for kind, nbytes, seconds in rows:
+        steps, volume = ring_terms(kind, world)
+        xs.append((steps, volume * nbytes, seconds))
+    # normal equations for t/t = a * steps/t + c * bytes/t, c = 1/b
+    w = [(x / t, y / t) for x, y, t in xs]
+    s11 = sum(x * x for x, _ in w)
+    s12 = sum(x * y for x, y in w)
+    s22 = sum(y * y for _, y in w)
+    r1 = sum(x for x, _ in w)
+    r2 = sum(y for _, y in w)
+    det = s11 * s22 - s12 * s12
+    alpha = (r1 * s22 - r2 * s12) / det
+    c = (s11 * r2 - s12 * r1) / det
+    if c > 0 and alpha >= 0:
+        return alpha, 1.0 / c
+    # noisy timings (shared cores): latency from the smallest message, bandwidth from the largest
+    small = min(xs, key=lambda x: x[1])
+    large = max(xs, key=lambda x: x[1])
+    alpha = small[2] / small[0]
+    return alpha, large[1] / max(large[2] - large[0] * alpha, large[2] / 2)
+
+
+def fit_collective(rows: list[tuple[str, int, float]], world: int) -> CollectiveFit:
+    """One kind's fit: the alpha-beta of :func:`fit_alpha_beta` over its rows, and at each
+    measured payload the measured time over the fitted one (so the priced time is the measured
+    one at every measured size on ``world`` ranks)."""
+    alpha, b = fit_alpha_beta(rows, world)
+    points = []
+    for kind, nbytes, seconds in sorted(rows, key=lambda r: r[1]):
+        steps, volume = ring_terms(kind, world)
+        points.append((float(nbytes), seconds / (steps * alpha + volume * nbytes / b)))
+    return CollectiveFit(latency=alpha, bandwidth=b, scale=points)
+
+
 class HardwareProfile(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 

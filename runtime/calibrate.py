@@ -43,8 +43,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from planner.cost import ring_terms
-from planner.hardware import CollectiveFit, HardwareProfile, LinkTier, interpolate_log
+from planner.hardware import HardwareProfile, LinkTier, fit_alpha_beta, fit_collective, interpolate_log
 from planner.runtime.host_memory import keep_freed_memory
 
 
@@ -385,49 +384,6 @@ def matmul_efficiency(curve: list[tuple[int, float]], peak: float, overhead: flo
         busy = max(flops / rate - overhead, flops / peak)
         points.append((flops, min(1.0, flops / (busy * peak))))
     return points
-
-
-def fit_alpha_beta(rows: list[tuple[str, int, float]], world: int) -> tuple[float, float]:
-    """Least squares of t = steps * alpha + volume * S / b over the measured collectives, with
-    (steps, volume) = (2(n-1), 2(n-1)/n) for all-reduce and ((n-1), (n-1)/n) for all-gather
-    (planner.cost's ring formulas), in relative error: each row weighted by 1/t, so a 4 KiB
-    message's milliseconds count as much as a 64 MiB one's (unweighted, the large messages decide
-    alpha too, and latency-bound plans were priced several times too fast). Returns (alpha
-    seconds, b bytes/s). When noise makes the fit unphysical (negative alpha or 1/b), latency
-    comes from the smallest message and bandwidth from the largest instead."""
-    xs = []
-    for kind, nbytes, seconds in rows:
-        steps, volume = ring_terms(kind, world)
-        xs.append((steps, volume * nbytes, seconds))
-    # normal equations for t/t = a * steps/t + c * bytes/t, c = 1/b
-    w = [(x / t, y / t) for x, y, t in xs]
-    s11 = sum(x * x for x, _ in w)
-    s12 = sum(x * y for x, y in w)
-    s22 = sum(y * y for _, y in w)
-    r1 = sum(x for x, _ in w)
-    r2 = sum(y for _, y in w)
-    det = s11 * s22 - s12 * s12
-    alpha = (r1 * s22 - r2 * s12) / det
-    c = (s11 * r2 - s12 * r1) / det
-    if c > 0 and alpha >= 0:
-        return alpha, 1.0 / c
-    # noisy timings (shared cores): latency from the smallest message, bandwidth from the largest
-    small = min(xs, key=lambda x: x[1])
-    large = max(xs, key=lambda x: x[1])
-    alpha = small[2] / small[0]
-    return alpha, large[1] / max(large[2] - large[0] * alpha, large[2] / 2)
-
-
-def fit_collective(rows: list[tuple[str, int, float]], world: int) -> CollectiveFit:
-    """One kind's fit: the alpha-beta of :func:`fit_alpha_beta` over its rows, and at each
-    measured payload the measured time over the fitted one (so the priced time is the measured
-    one at every measured size on ``world`` ranks)."""
-    alpha, b = fit_alpha_beta(rows, world)
-    points = []
-    for kind, nbytes, seconds in sorted(rows, key=lambda r: r[1]):
-        steps, volume = ring_terms(kind, world)
-        points.append((float(nbytes), seconds / (steps * alpha + volume * nbytes / b)))
-    return CollectiveFit(latency=alpha, bandwidth=b, scale=points)
 
 
 def calibrate(*, quick: bool = False, world: int = 2, name: str | None = None) -> HardwareProfile:

@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from planner.hardware import PRESETS, load_profile
-from planner.runtime.calibrate import fit_alpha_beta
+from planner.hardware import PRESETS, fit_alpha_beta, load_profile
 from planner.runtime.memory import LiveMemory
 
 

@@ -75,7 +75,7 @@ def test_recomputation_runs_with_zero_0_to_2_and_without_cdp() -> None:
     full = [c for c in configs if c.recompute == "full"]
     assert {(c.zero, c.cdp) for c in full if not c.reason} == {(0, "off")}
     assert all("ZeRO-3" in c.reason or "CDP" in c.reason for c in full if c.reason)
-    with pytest.raises(ValueError, match="recompute.0 = 'attention': Input should be 'none', 'selective' or 'full'"):
+    with pytest.raises(ValueError, match=r"recompute\.0 = 'attention': Input should be 'none', 'selective' or 'full'"):
         SearchConfig.build(devices=4, recompute=("attention",))
     with pytest.raises(ValueError, match="ZeRO 0-2"):
         build_problem(_gpt_tiny(), Mesh(("dp",), (4,)), A100_80G, zero_stage=3, recompute="full")
