@@ -13,6 +13,7 @@ from planner.overlap import param_units
 from planner.plan import CommRecord, GradBucket, MemoryBreakdown, NodePlan, ParamUnit, Plan, SolverInfo, UnitGather, fingerprint
 from planner.rules import FALLBACK
 from planner.schemes import recompute as recompute_scheme
+from planner.schemes.base import settings_of
 from planner.schemes.tp import tp_family
 from planner.schemes.zero import zero_param_terms
 from planner.solve import Solution
@@ -65,13 +66,10 @@ def make_plan(
         mesh_roles=problem.mesh.roles_dict(),
         hardware=problem.hardware.name,
         tp=tp_family(problem, solution.assignment),
-        zero_stage=problem.zero_stage,
-        micro_batches=problem.micro_batches,
-        recompute=problem.recompute,  # type: ignore[arg-type]
+        **settings_of(problem),
         optimizer=optimizer,
         master_dtype=problem.master_dtype,
         zero_prefetch=problem.prefetch,
-        cdp=problem.cdp,  # type: ignore[arg-type]
         cdp_stages=problem.cdp_stages,
         memory_budget_bytes=int(memory_budget) if memory_budget != float("inf") else 0,
         step_time_s=ev.step_time,

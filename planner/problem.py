@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import cast
+from typing import Any, cast
 
 from planner.buckets import DEFAULT_BUCKET_BYTES
 from planner.cost import comm_time, compute_time, dtype_itemsize, optimizer_bytes_per_value, optimizer_step_time, ring_volume
@@ -31,7 +31,7 @@ from planner.mesh import Mesh
 from planner.overlap import ASYNC_SYNC, sync_rows
 from planner.peak import instants, peak
 from planner.rules import RuleContext, anchor_strategies, follow, is_follower
-from planner.schemes.base import NodePrice, ParamPrice, Tally
+from planner.schemes.base import OFF, NodePrice, ParamPrice, Tally
 from planner.schemes.registry import SCHEMES
 from planner.strategy import Comm, Strategy
 from planner.terms import Evaluation, Group, NodeTerms, Problem, StrategyFilter, input_bytes, instances_of, op_working_set
@@ -45,20 +45,18 @@ def build_problem(
     hardware: HardwareProfile,
     *,
     optimizer: str = "adamw",
-    zero_stage: int = 0,
     master_dtype: str | None = None,
     prefetch: bool = True,
-    cdp: str = "off",
     cdp_stages: int = 4,
     allow: StrategyFilter | None = None,
     edges: bool = True,
-    micro_batches: int = 1,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-    recompute: str = "none",
+    **settings: Any,
 ) -> Problem:
-    """The problem of planning ``graph`` on ``mesh``. The settings are the schemes' (each
-    documented in its module): ``zero_stage``, ``bucket_bytes`` and ``prefetch``
-    (:mod:`planner.schemes.zero`), ``cdp`` and ``cdp_stages`` (:mod:`planner.schemes.cdp`),
+    """The problem of planning ``graph`` on ``mesh``. ``settings``: a value of each scheme's
+    setting (:attr:`planner.schemes.base.Scheme.setting`; a scheme left out is off), each
+    documented in its module: ``zero_stage`` (:mod:`planner.schemes.zero`, with ``bucket_bytes``
+    and ``prefetch``), ``cdp`` (:mod:`planner.schemes.cdp`, with ``cdp_stages``),
     ``micro_batches`` (:mod:`planner.schemes.microbatch`: ``graph`` is traced on one micro-batch),
     ``recompute`` (:mod:`planner.schemes.recompute`).
 
@@ -73,10 +71,13 @@ def build_problem(
     ``allow(node, strategy)``, when given, pins choices: an anchor keeps only the strategies it
     accepts (a ValueError names the node if it accepts none)."""
     t0 = time.perf_counter()
+    unknown = sorted(set(settings) - set(OFF))
+    if unknown:
+        raise TypeError(f"build_problem got {', '.join(unknown)}: the schemes' settings are {', '.join(OFF)}")
+    settings = OFF | settings
     instances = {template: len(nodes) for template, nodes in instances_of(graph).items()}
-    problem = Problem(mesh, hardware, graph, {}, {}, {}, conversions={}, holds={}, instances=instances,
-                      zero_stage=zero_stage, master_dtype=master_dtype, prefetch=prefetch, cdp=cdp,
-                      cdp_stages=cdp_stages if cdp != "off" else 0, micro_batches=micro_batches, recompute=recompute, bucket_bytes=bucket_bytes)
+    problem = Problem(mesh, hardware, graph, {}, {}, {}, conversions={}, holds={}, instances=instances, master_dtype=master_dtype,
+                      prefetch=prefetch, cdp_stages=cdp_stages, bucket_bytes=bucket_bytes, **settings)
     for scheme in SCHEMES:
         scheme.configure(problem)
     op_anchors = {

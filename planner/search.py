@@ -395,7 +395,7 @@ def _plan_configuration(
     a rounded LP answer that fits goes to ``incumbents``."""
     t0 = time.perf_counter()
     budget, objective, front, resolution = config.budget, config.objective, config.front, config.resolution
-    done = Candidate(cand.mesh, cand.family, cand.zero, cand.cdp, cand.micro_batches, cand.recompute)
+    done = Candidate(cand.mesh, cand.family, cand.settings)
     if m_lb > budget:
         return replace(done, reason=f"no plan on mesh {cand.mesh} fits {format_bytes(budget)} per device: every plan needs at least "
                          f"{format_bytes(m_lb)} (a bound without an ILP), {format_bytes(m_lb - budget)} over",

@@ -6,25 +6,25 @@ cannot run are pruned before any solve.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field
 
 from planner.config import ALL_TP, SearchConfig
 from planner.ir import IRGraph
 from planner.mesh import Mesh
 from planner.plan import Plan
-from planner.schemes.base import Settings
+from planner.schemes.base import OFF, Settings
 from planner.schemes.registry import SCHEMES
 from planner.schemes.tp import family_meshes
 
 
 @dataclass(frozen=True)
 class Candidate:
+    """One configuration of a search: a mesh and a value of each scheme's setting (``settings``,
+    by :attr:`planner.schemes.base.Scheme.setting`), and, once searched, what it gave."""
+
     mesh: Mesh
     family: str
-    zero: int = 0
-    cdp: str = "off"
-    micro_batches: int = 1
-    recompute: str = "none"
+    settings: Settings = field(default_factory=lambda: dict(OFF))
     plan: Plan | None = None  # the configuration's fastest plan within the budget
     reason: str = ""  # why pruned or infeasible
     least_memory: float | None = None
@@ -33,16 +33,30 @@ class Candidate:
     front: tuple[Plan, ...] = ()  # the configuration's Pareto plans within the budget, fastest first
     seconds: float = 0.0  # building and solving this configuration
 
+    # the settings of the schemes a report names (a new scheme's is in ``settings``)
     @property
-    def settings(self) -> Settings:
-        """The schemes' settings of this configuration, as :func:`planner.problem.build_problem` takes them."""
-        return {"zero_stage": self.zero, "cdp": self.cdp, "micro_batches": self.micro_batches, "recompute": self.recompute}
+    def zero(self) -> int:
+        return int(self.settings["zero_stage"])
+
+    @property
+    def cdp(self) -> str:
+        return str(self.settings["cdp"])
+
+    @property
+    def micro_batches(self) -> int:
+        return int(self.settings["micro_batches"])
+
+    @property
+    def recompute(self) -> str:
+        return str(self.settings["recompute"])
 
 
 def candidate_meshes(config: SearchConfig, batch: int, graph: IRGraph | None = None) -> list[Candidate]:
-    """Every configuration of ``config`` for a global batch of ``batch`` rows, each pruned with its
-    reason where it cannot run (the batch does not split; a scheme refuses the combination or, given
-    the model's ``graph``, has nothing to act on: :meth:`planner.schemes.base.Scheme.unsupported`)."""
+    """Every configuration of ``config`` for a global batch of ``batch`` rows: each mesh of the
+    families asked for, with every combination of the values each scheme's setting takes there
+    (:meth:`planner.schemes.base.Scheme.values`), each pruned with its reason where it cannot run
+    (the batch does not split; a scheme refuses the combination or, given the model's ``graph``,
+    has nothing to act on: :meth:`planner.schemes.base.Scheme.unsupported`)."""
     out = []
     for family in ALL_TP:
         if family not in config.tp:
@@ -51,18 +65,30 @@ def candidate_meshes(config: SearchConfig, batch: int, graph: IRGraph | None = N
             dp = mesh.group_size(mesh.dp_axes)
             if config.dp is not None and dp != config.dp:
                 continue
-            for m in config.micro_batches:
+            for values in itertools.product(*(scheme.values(config, mesh) for scheme in SCHEMES)):
+                settings = {scheme.setting: value for scheme, value in zip(SCHEMES, values, strict=True)}
+                m = settings["micro_batches"]
                 if batch % (dp * m):
                     what = f"batch {batch} does not split {dp} ways" if m == 1 else f"batch {batch} does not split into {m} micro-batches x {dp} ways"
-                    out.append(Candidate(mesh, family, micro_batches=m, reason=what))
-                    continue
-                stages = [z for z in config.zero if z == 0 or dp > 1]
-                if not stages:  # ZeRO shards over data-parallel axes: with dp = 1 every stage is stage 0
-                    stages = [0]
-                for cdp, zero, recompute in itertools.product(config.cdp, stages, config.recompute):
-                    cand = Candidate(mesh, family, zero, cdp, micro_batches=m, recompute=recompute)
-                    reason = next((why for why in (scheme.unsupported(mesh, cand.settings, graph) for scheme in SCHEMES) if why), "")
-                    out.append(replace(cand, reason=reason))
+                    reason = what
+                else:
+                    reason = next((why for why in (scheme.unsupported(mesh, settings, graph) for scheme in SCHEMES) if why), "")
+                out.append(Candidate(mesh, family, settings, reason=reason))
+    return _once_per_split(out)
+
+
+def _once_per_split(candidates: list[Candidate]) -> list[Candidate]:
+    """A batch that does not split is one reason per mesh and micro-batch count, not one per
+    combination of the other settings."""
+    seen: set[tuple[str, int]] = set()
+    out = []
+    for c in candidates:
+        if c.reason.startswith("batch ") and "does not split" in c.reason:
+            key = (str(c.mesh), c.micro_batches)
+            if key in seen:
+                continue
+            seen.add(key)
+        out.append(c)
     return out
 
 

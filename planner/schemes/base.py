@@ -7,11 +7,12 @@ acts, through the hooks below, each a no-op here; the registry (:data:`planner.s
 runs them in its order, so a later scheme sees what an earlier one set (CDP replaces the
 collective gradient sync ZeRO priced). In the order a problem is built, solved and evaluated:
 
-0. :meth:`Scheme.unsupported` and :meth:`Scheme.label`: a search's configurations are the
-   product of the schemes' settings (``Settings``: the keywords of
-   :func:`planner.problem.build_problem`, e.g. ``{"zero_stage": 1, "cdp": "off", ...}``) over the
-   meshes; a combination a scheme cannot run is pruned with its reason, and a configuration is
-   printed as the mesh followed by each scheme's label;
+0. :meth:`Scheme.values`, :meth:`Scheme.unsupported` and :meth:`Scheme.label`: a search's
+   configurations are the product over the meshes of the values each scheme's setting takes
+   (``Settings``: by each scheme's :attr:`Scheme.setting`, the keywords of
+   :func:`planner.problem.build_problem`, e.g. ``{"zero_stage": 1, "cdp": "off", ...}``); a
+   combination a scheme cannot run is pruned with its reason, and a configuration is printed as
+   the mesh followed by each scheme's label;
 1. :meth:`Scheme.configure`: check the problem's settings (a ValueError that names the setting and
    what to change) and settle what the scheme decides once (recomputation's segments, whether
    gradients are summed by collectives);
@@ -35,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
+    from planner.config import SearchConfig
     from planner.ir import IRGraph, Node
     from planner.mesh import Mesh
     from planner.peak import Var
@@ -86,18 +88,35 @@ class Tally:
 
 
 Settings = Mapping[str, Any]  # a configuration's scheme settings, by build_problem keyword
-SETTINGS = ("zero_stage", "cdp", "micro_batches", "recompute")  # those keywords: a Problem and a Plan hold them by these names
+OFF: dict[str, Any] = {}  # each scheme's setting and the value that leaves it out, as the schemes are defined
 
 
 def settings_of(holder: object) -> Settings:
-    """The scheme settings a :class:`planner.terms.Problem` or a :class:`planner.plan.Plan` holds."""
-    return {key: getattr(holder, key) for key in SETTINGS}
+    """The scheme settings a :class:`planner.terms.Problem` or a :class:`planner.plan.Plan` holds
+    (both hold each scheme's setting under its name)."""
+    return {key: getattr(holder, key) for key in OFF}
 
 
 class Scheme:
-    """One parallelism dimension (see the module docstring for when each hook runs)."""
+    """One parallelism dimension (see the module docstring for when each hook runs).
+
+    ``setting``: its setting's name, the keyword :func:`planner.problem.build_problem` takes and
+    the attribute a :class:`planner.terms.Problem` and a :class:`planner.plan.Plan` hold it by;
+    ``searched``: the field of :class:`planner.config.SearchConfig` that lists the values a search
+    tries; ``off``: the value that leaves the scheme out (a problem built without the keyword)."""
 
     name: ClassVar[str]
+    setting: ClassVar[str]
+    searched: ClassVar[str]
+    off: ClassVar[Any]
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        OFF[cls.setting] = cls.off
+
+    def values(self, config: SearchConfig, mesh: Mesh) -> tuple[Any, ...]:
+        """The values of its setting a search of ``config`` tries on ``mesh``."""
+        return tuple(getattr(config, self.searched))
 
     def unsupported(self, mesh: Mesh, settings: Settings, graph: IRGraph | None = None) -> str:
         """Why this scheme cannot run ``settings`` on ``mesh`` ("" when it can): the search prunes

@@ -316,6 +316,9 @@ class CDP(Scheme):
     ``runtime.cdp``): gradients summed by a point-to-point chain and ring instead of collectives."""
 
     name = "cdp"
+    setting = "cdp"
+    searched = "cdp"
+    off = "off"
 
     def unsupported(self, mesh: Mesh, settings: Settings, graph: IRGraph | None = None) -> str:
         cdp, zero, micro_batches = settings["cdp"], settings["zero_stage"], settings["micro_batches"]
@@ -341,6 +344,7 @@ class CDP(Scheme):
         if why:
             raise ValueError(why)
         if problem.cdp == "off":
+            problem.cdp_stages = 0  # (a plan without CDP cuts no stages)
             return
         problem.collective_sync = False
         problem.param_stage = parameter_stages(problem.graph, problem.cdp_stages)

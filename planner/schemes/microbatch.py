@@ -18,6 +18,9 @@ from planner.terms import Problem
 
 class MicroBatching(Scheme):
     name = "micro_batches"
+    setting = "micro_batches"
+    searched = "micro_batches"
+    off = 1
 
     def unsupported(self, mesh: Mesh, settings: Settings, graph: IRGraph | None = None) -> str:
         m = settings["micro_batches"]

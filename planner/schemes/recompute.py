@@ -181,6 +181,9 @@ class Recomputation(Scheme):
     """Activation recomputation of repeated layers (module docstring): what its segments run again."""
 
     name = "recompute"
+    setting = "recompute"
+    searched = "recompute"
+    off = "none"
 
     def unsupported(self, mesh: Mesh, settings: Settings, graph: IRGraph | None = None) -> str:
         why = unsupported(settings["recompute"], settings["zero_stage"], settings["cdp"])

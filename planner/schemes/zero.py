@@ -19,6 +19,7 @@ forward (``prefetch``, :func:`planner.overlap.unit_terms`).
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import TYPE_CHECKING, Any
 
 from planner.cost import comm_time
 from planner.hardware import HardwareProfile
@@ -32,6 +33,9 @@ from planner.schemes.base import NodePrice, ParamPrice, Scheme, Settings, Tally,
 from planner.strategy import Comm, Strategy, dedupe
 from planner.terms import Problem, StrategyFilter
 from planner.trace import match_layer
+
+if TYPE_CHECKING:
+    from planner.config import SearchConfig
 
 
 def _unit_share_bytes(graph: IRGraph, bucket_bytes: int) -> int:
@@ -131,10 +135,18 @@ class ZeRO(Scheme):
     """Data parallelism's gradient sync and ZeRO's sharded states (module docstring)."""
 
     name = "zero"
+    setting = "zero_stage"
+    searched = "zero"
+    off = 0
 
     def unsupported(self, mesh: Mesh, settings: Settings, graph: IRGraph | None = None) -> str:
         stage = settings["zero_stage"]
         return "" if stage in (0, 1, 2, 3) else f"ZeRO stages are 0, 1, 2 and 3; got zero_stage={stage}"
+
+    def values(self, config: SearchConfig, mesh: Mesh) -> tuple[Any, ...]:
+        """ZeRO shards over the data-parallel axes: where they are 1, every stage is stage 0."""
+        dp = mesh.group_size(mesh.dp_axes)
+        return tuple(z for z in config.zero if z == 0 or dp > 1) or (0,)
 
     def label(self, settings: Settings) -> str:
         return f"ZeRO-{settings['zero_stage']}"
