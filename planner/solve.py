@@ -9,7 +9,7 @@ so far faster), and the LP relaxation within a budget (a lower bound on the time
 that fits, which lets the search skip configurations and budgets without a MIP). ``credited``
 models subtract what the evaluation may hide behind compute, so their optima bound evaluated times.
 HiGHS through highspy is the backend, the model handed over as arrays; CBC through PuLP the
-second, ``SolverSettings(backend="cbc")``.
+second, ``SolverSettings(backend="cbc")`` (both in :mod:`planner.backends`).
 """
 
 from __future__ import annotations
@@ -17,17 +17,15 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import os
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
-from types import ModuleType
 from typing import Literal, NamedTuple, cast
 
 import highspy
 import numpy as np
 
+from planner.backends import FEASIBILITY_TOL, Outcome, Status, highs_of, outcome, quiet, run_cbc, run_for
 from planner.ilp import NO_BUDGET, Expr, Model
 from planner.messages import infeasible_message
 from planner.problem import evaluate
@@ -38,13 +36,11 @@ log = logging.getLogger(__name__)
 
 
 TIE_BREAK = 1e-9  # weight of the secondary objective, both objectives normalised (see docstring)
-FEASIBILITY_TOL = 1e-9  # HiGHS' defaults (1e-6, 1e-7) let memory rows slip by ~1 KiB on small models
 MAX_RESOLVES = 4
 # a budget at a plan's exact memory is solved at that memory times (1 + FLOOR_SLACK): the time model's
 # memory row for that plan can sum to it plus a rounding error, which HiGHS without presolve reads as
 # infeasible (GPT-3 175B on 8 x 8: the least-memory point, 49.79 GiB, fell off the front that way)
 FLOOR_SLACK = 1e-9
-Status = Literal["optimal", "time_limit", "infeasible"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -87,39 +83,6 @@ class InfeasibleBudget(ValueError):
 class SolveStopped(RuntimeError):
     """A solve that ended at its time limit without any plan (only the least-memory ILP can:
     every other has a plan to fall back on); the message names the mesh and the limit."""
-
-
-def _pulp() -> ModuleType:
-    """PuLP, imported on first use (only the CBC backend needs it). PuLP keeps the error of each
-    solver it cannot import (a class attribute ``err``); its traceback holds every frame up that
-    import, so the code that first imported it kept its locals alive for good (measured: a function
-    that compiled a plan kept its ParallelModule after it returned). The tracebacks go; the
-    messages stay."""
-    import pulp
-
-    for name, module in list(sys.modules.items()):
-        if name == "pulp" or name.startswith("pulp."):
-            for value in list(vars(module).values()):
-                err = getattr(value, "err", None) if isinstance(value, type) else None
-                while isinstance(err, BaseException):
-                    err.__traceback__ = None
-                    err = err.__context__ or err.__cause__
-    return pulp
-
-
-@contextlib.contextmanager
-def _quiet_stdout() -> Iterator[None]:
-    """HiGHS prints a banner on file descriptor 1 the first time it runs, whatever its options."""
-    sys.stdout.flush()
-    saved = os.dup(1)
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, 1)
-    try:
-        yield
-    finally:
-        os.dup2(saved, 1)
-        os.close(saved)
-        os.close(devnull)
 
 
 def solve(
@@ -232,7 +195,7 @@ class BudgetILP:
         if self.backend != "highs":
             return None
         if self._solver is None:
-            with _quiet_stdout():  # HiGHS prints a banner when its first instance is made
+            with quiet():  # HiGHS prints a banner when its first instance is made
                 highs = self.model.lp.highs(self.costs)
             s = self.settings
             for key, value in {"mip_rel_gap": s.relative_gap, "mip_abs_gap": 0.0, "threads": s.threads,
@@ -241,6 +204,10 @@ class BudgetILP:
             self._solver = highs
             self._pair_rows(highs, on=False)
         return self._solver
+
+    def _highs_of(self, lp: highspy.HighsLp, options: dict[str, bool | str | float]) -> highspy.Highs:
+        """A new HiGHS solver of ``lp`` with the settings' threads and ``options``."""
+        return highs_of(lp, self.settings.threads, options)
 
     def _pair_rows(self, highs: highspy.Highs, *, on: bool) -> None:
         """The gathered weights' pair rows (:meth:`Model.hold`): on for a relaxation, off (free
@@ -251,11 +218,12 @@ class BudgetILP:
             lower = np.full(len(rows), 0.0 if on else -np.inf)
             highs.changeRowsBounds(len(rows), index, lower, np.full(len(rows), np.inf))  # type: ignore[attr-defined]
 
-    def _run(self, budget: float, costs: np.ndarray, gap: float, absolute_gap: float, cutoff: float) -> _Outcome:
+    def _run(self, budget: float, costs: np.ndarray, gap: float, absolute_gap: float, cutoff: float) -> Outcome:
         row = self.model.memory_budget(budget) if self.objective == "time" else None
         highs = self._highs()
         if highs is None:
-            return self._run_cbc(costs, gap, absolute_gap)
+            s = self.settings
+            return run_cbc(self.model, costs, time_limit_s=s.time_limit_s, threads=s.threads, gap=gap, absolute_gap=absolute_gap)
         if row is not None:
             highs.changeRowBounds(row, -NO_BUDGET, self.model.budget_bound)
         highs.setOptionValue("mip_rel_gap", gap)
@@ -270,7 +238,7 @@ class BudgetILP:
             self._run_mip(highs, budget)
         finally:
             highs.setOptionValue("objective_bound", math.inf)
-        return _outcome(highs)
+        return outcome(highs)
 
     def _run_mip(self, highs: highspy.Highs, budget: float) -> None:
         # without a budget (or with a budget that cannot bind) the MIP is easy, its root LP often
@@ -280,12 +248,12 @@ class BudgetILP:
         easy = budget == float("inf") or self.objective == "memory"
         if not easy:
             highs.setOptionValue("presolve", "choose")
-            _run_for(highs, self.settings.time_limit_s)
+            run_for(highs, self.settings.time_limit_s)
         else:
             self._run_without_presolve(highs)
 
     def _from_relaxation(self, highs: highspy.Highs, budget: float, costs: np.ndarray, gap: float, absolute_gap: float,
-                         cutoff: float) -> tuple[_Outcome | None, highspy.HighsSolution | None]:
+                         cutoff: float) -> tuple[Outcome | None, highspy.HighsSolution | None]:
         """The MIP (objective ``costs``, already the model's) answered from its LP relaxation where
         that suffices: (the outcome, None) when proven, else (None, a plan to start the MIP from, or None).
 
@@ -320,18 +288,18 @@ class BudgetILP:
                 highs.setOptionValue(k, v)
             solver, basis, row = highs, highs.getBasis(), self.model.budget_row
             if basis.valid and budget == float("inf") and row is not None and basis.row_status[row] != highspy.HighsBasisStatus.kBasic:
-                solver = self._copy(highs.getLp(), options)  # the budget bound in that basis: a poor start without it (see above)
+                solver = self._highs_of(highs.getLp(), options)  # the budget bound in that basis: a poor start without it (see above)
             elif self.objective == "memory" and not basis.valid:
                 index = np.arange(cols, dtype=np.int32)
                 highs.changeColsCost(cols, index, self._costs((self.time_e, 1.0), (self.mem_e, TIE_BREAK)))
                 try:
-                    _run_for(highs, cap)
+                    run_for(highs, cap)
                 finally:
                     highs.changeColsCost(cols, index, costs)
-            _run_for(solver, max(cap - (time.perf_counter() - t0), 0.1))
+            run_for(solver, max(cap - (time.perf_counter() - t0), 0.1))
             status = solver.getModelStatus()
             if status == highspy.HighsModelStatus.kInfeasible:
-                return _Outcome(None, None, "Infeasible"), None  # the pair rows are exact: no plan fits
+                return Outcome(None, None, "Infeasible"), None  # the pair rows are exact: no plan fits
             if status != highspy.HighsModelStatus.kOptimal:
                 log.debug("mesh %s: relaxation %s after %.2f s", self.problem.mesh, solver.modelStatusToString(status), time.perf_counter() - t0)
                 return None, None
@@ -340,15 +308,15 @@ class BudgetILP:
             if solver is not highs:
                 highs.setBasis(solver.getBasis())  # the next solves start from this one
         if bound >= cutoff:
-            return _Outcome(None, None, "Cut off"), None  # no plan beats the cutoff
+            return Outcome(None, None, "Cut off"), None  # no plan beats the cutoff
         lp = highs.getLp()  # the pair rows off again, as the MIP has them
         binary = np.asarray(self.model.lp.binary, dtype=np.int64)
         lower, upper = np.array(lp.col_lower_), np.array(lp.col_upper_)
         upper[binary[x[binary] < 1e-7]] = 0.0
         lower[binary[x[binary] > 1 - 1e-7]] = 1.0
         lp.col_lower_, lp.col_upper_ = lower, upper
-        sub = self._copy(lp, {"mip_rel_gap": gap, "mip_abs_gap": absolute_gap, "objective_bound": cutoff})
-        _run_for(sub, cap)
+        sub = self._highs_of(lp, {"mip_rel_gap": gap, "mip_abs_gap": absolute_gap, "objective_bound": cutoff})
+        run_for(sub, cap)
         if sub.getInfo().primal_solution_status != 2:  # 2: feasible
             log.debug("mesh %s: neighbourhood %s after %.2f s", self.problem.mesh, sub.modelStatusToString(sub.getModelStatus()), time.perf_counter() - t0)
             return None, None
@@ -356,46 +324,8 @@ class BudgetILP:
         log.debug("mesh %s: relaxation %.9g, its neighbourhood's plan %.9g (%.1e apart), %.2f s", self.problem.mesh, bound, z,
                   (z - bound) / max(abs(z), 1e-30), time.perf_counter() - t0)
         if z - bound <= max(gap * abs(z), absolute_gap):
-            return _Outcome("optimal", np.asarray(sub.getSolution().col_value), "Optimal (within the gap of the LP relaxation)"), None
+            return Outcome("optimal", np.asarray(sub.getSolution().col_value), "Optimal (within the gap of the LP relaxation)"), None
         return None, sub.getSolution()
-
-    def _copy(self, lp: highspy.HighsLp, options: dict[str, bool | str | float]) -> highspy.Highs:
-        """A new HiGHS solver of ``lp`` with the settings' threads and tolerances and ``options``."""
-        with _quiet_stdout():
-            copy = highspy.Highs()
-        copy.passModel(lp)
-        s = self.settings
-        for key, value in {"output_flag": False, "threads": s.threads, "mip_feasibility_tolerance": FEASIBILITY_TOL,
-                           "primal_feasibility_tolerance": FEASIBILITY_TOL, **options}.items():
-            copy.setOptionValue(key, value)
-        return copy
-
-    def _run_cbc(self, costs: np.ndarray, gap: float, absolute_gap: float) -> _Outcome:
-        """The model through PuLP's CBC, from the arrays (the relaxation-only pair rows left out)."""
-        pulp = _pulp()
-        lp, s = self.model.lp, self.settings
-        model = pulp.LpProblem(self.model.name, pulp.LpMinimize)
-        binary = set(lp.binary)
-        cols = [model.add_variable(name, lo, None if hi == math.inf else hi, cat="Binary" if k in binary else "Continuous")
-                for k, (name, lo, hi) in enumerate(zip(lp.names, lp.lower, lp.upper, strict=True))]
-        model.setObjective(pulp.LpAffineExpression([(cols[k], c) for k, c in enumerate(costs) if c]))
-        skip = set(self.model.pair_rows)
-        for r in range(lp.num_rows):
-            if r in skip:
-                continue
-            lo, hi = lp.row_lower[r], lp.row_upper[r]
-            if r == self.model.budget_row:
-                lo, hi = -math.inf, self.model.budget_bound
-            expr = pulp.LpAffineExpression([(cols[k], c) for k, c in lp.row_terms(r).items()])
-            sense, rhs = (pulp.LpConstraintEQ, lo) if lo == hi else (pulp.LpConstraintGE, lo) if hi == math.inf else (pulp.LpConstraintLE, hi)
-            model.addConstraint(pulp.LpConstraint(expr, sense, lp.row_names[r], rhs))
-        solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=s.time_limit_s, gapRel=gap, gapAbs=absolute_gap, threads=s.threads,
-                                   options=[f"primalTolerance {FEASIBILITY_TOL}", f"integerTolerance {FEASIBILITY_TOL}"])
-        model.solve(solver)
-        if pulp.LpStatus[model.status] in ("Infeasible", "Not Solved") or model.sol_status in (pulp.LpSolutionInfeasible, pulp.LpSolutionNoSolutionFound):
-            return _Outcome(None, None, pulp.LpStatus[model.status])
-        values = np.array([v.value() or 0.0 for v in cols])
-        return _Outcome("optimal" if model.sol_status == pulp.LpSolutionOptimal else "time_limit", values, pulp.LpStatus[model.status])
 
     def _run_without_presolve(self, highs: highspy.Highs) -> None:
         """An easy MIP without presolve, first for at most ``3 cap`` (``cap`` in proportion to the
@@ -422,7 +352,7 @@ class BudgetILP:
         highs.startCallback(highspy.cb.HighsCallbackType.kCallbackMipInterrupt)
         t0 = time.perf_counter()
         try:
-            _run_for(highs, min(limit, 3 * cap))
+            run_for(highs, min(limit, 3 * cap))
             stopped = highs.getModelStatus() in (highspy.HighsModelStatus.kInterrupt, highspy.HighsModelStatus.kTimeLimit)
         finally:
             highs.stopCallback(highspy.cb.HighsCallbackType.kCallbackMipInterrupt)
@@ -433,7 +363,7 @@ class BudgetILP:
             highs.setSolution(incumbent)
         else:
             highs.setOptionValue("presolve", "choose")
-        _run_for(highs, max(limit - (time.perf_counter() - t0), 1.0))
+        run_for(highs, max(limit - (time.perf_counter() - t0), 1.0))
 
     @contextlib.contextmanager
     def _relaxing(self, highs: highspy.Highs, keys: tuple[str, ...]) -> Iterator[dict[str, bool | str | float]]:
@@ -488,7 +418,7 @@ class BudgetILP:
         if main is None or self.objective != "time":
             return Relaxation(None, None)
         if self._relaxer is None:
-            self._relaxer = self._copy(main.getLp(), {"solve_relaxation": True, "presolve": "off"})
+            self._relaxer = self._highs_of(main.getLp(), {"solve_relaxation": True, "presolve": "off"})
             self._pair_rows(self._relaxer, on=True)
         highs = self._relaxer
         row = self.model.memory_budget(budget)
@@ -505,8 +435,8 @@ class BudgetILP:
             attempts.insert(0, ("simplex", max(0.5, 8e-5 * highs.getNumCol())))
         for solver, seconds in attempts:
             highs.setOptionValue("solver", solver)
-            with _quiet_stdout():
-                _run_for(highs, seconds)
+            with quiet():
+                run_for(highs, seconds)
             status = highs.getModelStatus()
             if status in (highspy.HighsModelStatus.kOptimal, highspy.HighsModelStatus.kInfeasible):
                 break
@@ -542,8 +472,8 @@ class BudgetILP:
             with self._relaxing(highs, tuple(options)):
                 for k, v in options.items():
                     highs.setOptionValue(k, v)
-                with _quiet_stdout():
-                    _run_for(highs, self.settings.time_limit_s)
+                with quiet():
+                    run_for(highs, self.settings.time_limit_s)
                 optimal = highs.getModelStatus() == highspy.HighsModelStatus.kOptimal
                 value = highs.getInfo().objective_function_value
         finally:
@@ -596,7 +526,7 @@ class BudgetILP:
         cutoff = math.inf
         if faster_than is not None and costs is None and self.objective == "time":
             cutoff = faster_than / self.model.t_unit * (1 + 1e-9) + TIE_BREAK * min(budget, NO_BUDGET) / self.model.m_unit
-        with _quiet_stdout():
+        with quiet():
             outcome = self._run(budget, self.costs if costs is None else costs, gap, absolute_gap, cutoff)
         elapsed = time.perf_counter() - t0
         log.debug("mesh %s: %s solve within %s took %.2f s", self.problem.mesh, self.objective, format_bytes(budget), elapsed)
@@ -626,32 +556,6 @@ class BudgetILP:
             num_constraints=self.model.lp.num_rows,
             backend="HiGHS" if self.backend == "highs" else "CBC",
         )
-
-
-class _Outcome(NamedTuple):
-    status: Status | None  # None: no plan (infeasible, or stopped without one)
-    values: np.ndarray | None  # the columns' values
-    reason: str  # the solver's word for how it ended
-
-
-def _outcome(highs: highspy.Highs) -> _Outcome:
-    """How a HiGHS run ended: optimal (within the gap), stopped with a plan, or no plan."""
-    status = highs.getModelStatus()
-    word = highs.modelStatusToString(status)
-    if status == highspy.HighsModelStatus.kOptimal:
-        return _Outcome("optimal", np.asarray(highs.getSolution().col_value), word)
-    if highs.getInfo().primal_solution_status == 2 and status not in (highspy.HighsModelStatus.kInfeasible, highspy.HighsModelStatus.kUnboundedOrInfeasible):
-        return _Outcome("time_limit", np.asarray(highs.getSolution().col_value), word)  # 2: feasible
-    return _Outcome(None, None, word)
-
-
-def _run_for(highs: highspy.Highs, seconds: float) -> None:
-    """One run of ``highs``, stopped after ``seconds``. HiGHS' ``time_limit`` bounds the object's
-    run clock, which adds up over all its runs (measured: three LPs of 3.3 s each, then a fourth
-    with a 1 s limit stopped at once), so each run's limit is that clock plus its own seconds.
-    (The MIP callback's ``running_time`` is per run.)"""
-    highs.setOptionValue("time_limit", highs.getRunTime() + seconds)
-    highs.run()
 
 
 def _dot(expr: Expr, values: np.ndarray) -> float:

@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import planner.backends as backends
 import planner.ilp as ilp_module
 import planner.solve as solve_module
 import planner.sweep as sweep_module
@@ -472,7 +473,7 @@ def test_every_solve_gets_its_own_time_limit_although_highs_adds_up_its_runs() -
     highs.run()
     assert highs.getModelStatus() == highspy.HighsModelStatus.kTimeLimit  # what plain runs did
     highs.clearSolver()
-    solve_module._run_for(highs, 0.5)
+    backends.run_for(highs, 0.5)
     assert highs.getModelStatus() == highspy.HighsModelStatus.kOptimal
     highs.setOptionValue("solve_relaxation", False)
     budget = between_pareto_budgets(c)[0]
@@ -484,12 +485,10 @@ def test_every_solve_gets_its_own_time_limit_although_highs_adds_up_its_runs() -
 def test_importing_the_planner_keeps_no_caller_frames_alive() -> None:
     """PuLP stores the ImportError of every solver it cannot load; with its traceback that held
     each frame up the first import of the planner, and their locals (a function that compiled a
-    plan kept its module alive). planner.solve imports PuLP only for CBC, and drops those tracebacks."""
+    plan kept its module alive). planner.backends imports PuLP only for CBC, and drops those tracebacks."""
     import sys
 
-    import planner.solve
-
-    planner.solve._pulp()
+    backends._pulp()
 
     kept = [
         f"{name}.{cls.__name__}"
