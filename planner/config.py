@@ -55,7 +55,7 @@ class SearchConfig(BaseModel):
     recompute: tuple[Recompute, ...] = Field(default=("none",), min_length=1)
     objective: Objective = "time"
     optimizer: Optimizer = "adamw"
-    master_dtype: Literal["float32"] | None = None  # mixed precision: float32 master weights and states
+    master_dtype: Literal["float32", "float64"] | None = None  # mixed precision: master weights and states in this dtype
     prefetch: bool = True  # ZeRO-3: gather each parameter one use ahead
     front: bool = True
     resolution: float = Field(default=0.05, ge=0, lt=1)

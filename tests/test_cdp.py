@@ -457,12 +457,12 @@ def test_nothing_fits_advises_cdp_only_where_its_stages_on_devices_would_hold_le
     from planner.units import format_bytes
 
     graph = trace(build_model("gpt-tiny", device="meta"), *example_inputs("gpt-tiny", batch=8, device="meta"))
-    space = SearchConfig(devices=4)
+    space = SearchConfig(devices=4, memory_budget=1.0)
     est = pipeline_estimate(graph, A100_80G, workers=4, stages=2)
     cand = candidate_meshes(space, 8)[0]
     memory = {"params": 1.0, "grads": 1.0, "optimizer": 2.0, "activations": 10.0, "transient": 0.0}
-    above = nothing_fits(space, graph, 1.0, 2 * est.peak_memory, cand, memory, est)
+    above = nothing_fits(space, graph, 2 * est.peak_memory, cand, memory, est)
     assert "CDP with its 2 stages on different devices" in above and format_bytes(est.peak_memory) in above
-    below = nothing_fits(space, graph, 1.0, est.peak_memory / 2, cand, memory, est)
+    below = nothing_fits(space, graph, est.peak_memory / 2, cand, memory, est)
     assert "CDP" not in below
-    assert "CDP" not in nothing_fits(space, graph, 1.0, 2 * est.peak_memory, cand, memory, None)
+    assert "CDP" not in nothing_fits(space, graph, 2 * est.peak_memory, cand, memory, None)

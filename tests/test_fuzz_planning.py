@@ -55,8 +55,9 @@ def test_a_plan_within_budget_or_a_reason_never_another_exception(
 ) -> None:
     t0 = time.perf_counter()
     try:
-        space = SearchConfig(devices=devices, tp=tp, zero=zero, cdp=cdp, micro_batches=micro_batches, dp=dp, memory_budget=budget, objective=objective, front=front, time_limit_s=10.0)
-        result = search(traced(model), space, model_name=model)
+        config = SearchConfig.build(devices=devices, tp=tp, zero=zero, cdp=cdp, micro_batches=micro_batches, dp=dp, memory_budget=budget,
+                                    objective=objective, front=front, time_limit_s=10.0)
+        result = search(traced(model), config, model_name=model)
     except (ValueError, TypeError) as exc:
         message = str(exc)
         assert len(message) > 20 and "\n" not in message, message  # one line that names the input
