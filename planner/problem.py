@@ -73,7 +73,7 @@ def build_problem(
     t0 = time.perf_counter()
     unknown = sorted(set(settings) - set(OFF))
     if unknown:
-        raise TypeError(f"build_problem got {', '.join(unknown)}: the schemes' settings are {', '.join(OFF)}")
+        raise TypeError(f"build_problem got {', '.join(unknown)}: the schemes' settings are {', '.join(s.setting for s in SCHEMES)}")
     settings = OFF | settings
     instances = {template: len(nodes) for template, nodes in instances_of(graph).items()}
     problem = Problem(mesh, hardware, graph, {}, {}, {}, conversions={}, holds={}, instances=instances, master_dtype=master_dtype,
