@@ -122,7 +122,8 @@ def _plan(task: Task, cdp: str, stages: int) -> str:
     x, y, _, _ = task.data()
     graph = trace(task.model(), (x[:BATCH],), {"targets": y[:BATCH]})
     config = SearchConfig(devices=WORLD, dp=WORLD, zero=(0,), tp=("none",), cdp=(cdp,), cdp_stages=stages, optimizer="sgd-momentum")
-    result = search(graph, config, model_name="cdp-convergence", allow=cdp_filter(graph, (DP_AXIS,), base=lambda node, s: node.target not in HEAVY or DP_AXIS in s.split_axes))
+    light = cdp_filter(graph, (DP_AXIS,), base=lambda node, s: node.target not in HEAVY or DP_AXIS in s.split_axes)
+    result = search(graph, config, model_name="cdp-convergence", allow=light)
     assert result.best is not None
     return result.best.model_dump_json()
 

@@ -45,7 +45,8 @@ def run(name: str, sc: Scenario, workers: int | None, gap: float | None = None) 
     t0 = time.perf_counter()
     graph = trace(model, args, kwargs)
     trace_s = time.perf_counter() - t0
-    config = SearchConfig(devices=sc.devices, zero=sc.zero, cdp=sc.cdp, hardware="a100-80g", front=sc.front, **({"relative_gap": gap} if gap is not None else {}))
+    gaps = {"relative_gap": gap} if gap is not None else {}
+    config = SearchConfig(devices=sc.devices, zero=sc.zero, cdp=sc.cdp, hardware="a100-80g", front=sc.front, **gaps)
     result = search(graph, config, model_name=sc.model, workers=workers)
     cands = result.candidates
     solved = sum(1 for c in cands if c.front)

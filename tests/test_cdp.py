@@ -38,7 +38,8 @@ def _plan(name: str, dp: int, allow: Any, cdp: str = "off", stages: int = 4, zer
     """A plan whose workers are independent (planner/schemes/cdp.py); ``cdp`` != off plans CDP itself."""
     model = build_model(name, dtype=torch.float64)
     args, kwargs = example_inputs(name, batch=BATCH, dtype=torch.float64)
-    space = SearchConfig(devices=4, dp=dp, zero=(zero,), tp=("none",) if dp == 4 else ("1d",), cdp=(cdp,), cdp_stages=stages, optimizer="sgd-momentum", front=False)
+    space = SearchConfig(devices=4, dp=dp, zero=(zero,), tp=("none",) if dp == 4 else ("1d",), cdp=(cdp,), cdp_stages=stages,
+                         optimizer="sgd-momentum", front=False)
     graph = trace(model, args, kwargs)
     result = search(graph, space, model_name=name, allow=cdp_filter(graph, (DP_AXIS,), base=allow))
     assert result.best is not None

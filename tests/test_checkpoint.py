@@ -213,7 +213,8 @@ def _plan(devices: int, dp: int, zero: int, family: str, allow: Any, dtype: torc
     model = build_model(MODEL, dtype=dtype)
     args, kwargs = example_inputs(MODEL, batch=4, dtype=dtype)
     master = "float32" if dtype == torch.bfloat16 else None
-    result = search(trace(model, args, kwargs), SearchConfig(devices=devices, dp=dp, zero=(zero,), tp=(family,), master_dtype=master, front=False), model_name=MODEL, allow=allow)
+    config = SearchConfig(devices=devices, dp=dp, zero=(zero,), tp=(family,), master_dtype=master, front=False)
+    result = search(trace(model, args, kwargs), config, model_name=MODEL, allow=allow)
     assert result.best is not None and result.best.zero_stage == zero
     return result.best.model_dump_json()
 

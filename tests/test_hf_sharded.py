@@ -92,7 +92,8 @@ def _cdp_plan(name: str, dtype: torch.dtype) -> Plan:
     batch), in float32 with AdamW for the memory check (tests/dist_checks.py's)."""
     same_math = dtype == torch.float64
     graph = _graph(name, dtype, CDP_BATCH if same_math else BATCH)
-    space = SearchConfig(devices=4, dp=4, tp=("none",), zero=(0,), cdp=("v1",), cdp_stages=CDP_STAGES, optimizer="sgd-momentum" if same_math else "adamw", front=False)
+    space = SearchConfig(devices=4, dp=4, tp=("none",), zero=(0,), cdp=("v1",), cdp_stages=CDP_STAGES,
+                         optimizer="sgd-momentum" if same_math else "adamw", front=False)
     result = search(graph, space, model_name=name, allow=cdp_filter(graph, (DP_AXIS,)))
     assert result.best is not None and result.best.cdp == "v1", (name, [c.reason for c in result.candidates])
     return result.best
