@@ -29,7 +29,11 @@ def best(graph, devices: int, family: str, hw, dp: int | None, settings: SolverS
     batch = graph.nodes[graph.input_names[0]].out.shape[0]
     found = None
     least = None
-    for cand in candidate_meshes(SearchConfig(devices=devices, tp=(family,), dp=dp), batch):
+    try:
+        config = SearchConfig(devices=devices, tp=(family,), dp=dp)
+    except ValueError:  # no mesh of the family tiles the devices with this dp (2-D on 8 with dp = 1)
+        return None, None
+    for cand in candidate_meshes(config, batch):
         if cand.reason:
             continue
         problem = build_problem(graph, cand.mesh, hw)
