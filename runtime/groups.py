@@ -121,9 +121,10 @@ def _release_at_exit(groups: MeshGroups) -> None:
     ran on) just after the rank that waited on it moves on. When that rank's next step is to exit,
     the drop can land while Python finalizes: releasing a tensor then takes the GIL, which a
     finalizing interpreter refuses to other threads by ending them, and ending a C++ thread there
-    aborts the process ("terminate called without an active exception"; measured: 2 of about 100
-    runs of examples/train_gpt_tiny.py on 2 ranks, rank 0 aborting after the final barrier, the
-    core's aborting thread in ProcessGroupGloo::runLoop releasing an AsyncBarrierWork). A
+    aborts the process ("terminate called without an active exception"; measured: 3 of 42
+    launches of examples/train_gpt_tiny.py on 2 ranks beside the test suite, a rank aborting after
+    the final barrier, the core's aborting thread in ProcessGroupGloo::runLoop releasing an
+    AsyncBarrierWork; 0 of 171 launches with this release). A
     process group's destructor joins its worker threads (with the GIL released), so a group
     freed while the interpreter is still whole ends them cleanly. After ``destroy_process_group``
     torch holds no group; a ParallelModule still does (through these MeshGroups), and it may
