@@ -71,8 +71,10 @@ def highs_of(lp: highspy.HighsLp, threads: int, options: dict[str, bool | str | 
     """A new HiGHS solver of ``lp``, silent, with ``threads``, this module's tolerances and ``options``."""
     with quiet():
         highs = highspy.Highs()
-    highs.passModel(lp)
-    for key, value in {"output_flag": False, "threads": threads, "mip_feasibility_tolerance": FEASIBILITY_TOL,
+    highs.setOptionValue("output_flag", False)  # before the model: passModel reports on its bounds
+    status = highs.passModel(lp)
+    assert status != highspy.HighsStatus.kError, "HiGHS refused the model"
+    for key, value in {"threads": threads, "mip_feasibility_tolerance": FEASIBILITY_TOL,
                        "primal_feasibility_tolerance": FEASIBILITY_TOL, **options}.items():
         highs.setOptionValue(key, value)
     return highs

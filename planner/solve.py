@@ -25,7 +25,7 @@ from typing import Literal, NamedTuple, cast
 import highspy
 import numpy as np
 
-from planner.backends import FEASIBILITY_TOL, Outcome, Status, highs_of, outcome, quiet, run_cbc, run_for
+from planner.backends import Outcome, Status, highs_of, outcome, quiet, run_cbc, run_for
 from planner.ilp import NO_BUDGET, Expr, Model
 from planner.messages import infeasible_message
 from planner.problem import evaluate
@@ -195,12 +195,7 @@ class BudgetILP:
         if self.backend != "highs":
             return None
         if self._solver is None:
-            with quiet():  # HiGHS prints a banner when its first instance is made
-                highs = self.model.lp.highs(self.costs)
-            s = self.settings
-            for key, value in {"mip_rel_gap": s.relative_gap, "mip_abs_gap": 0.0, "threads": s.threads,
-                               "mip_feasibility_tolerance": FEASIBILITY_TOL, "primal_feasibility_tolerance": FEASIBILITY_TOL}.items():
-                highs.setOptionValue(key, value)
+            highs = self._highs_of(self.model.lp.highs_lp(self.costs), {"mip_rel_gap": self.settings.relative_gap, "mip_abs_gap": 0.0})
             self._solver = highs
             self._pair_rows(highs, on=False)
         return self._solver
