@@ -81,7 +81,8 @@ def plan_model(
     counts to search (e.g. ``(1, 2, 4)``: a plan with ``m`` runs ``m`` micro-batches of the batch
     / ``m`` one after another and syncs gradients once, ``ParallelModule.forward_backward``);
     ``recompute``: ``("none", "selective", "full")`` lets the search trade a repeated layer's (or its attention core's) forward compute
-    for its saved activations (:mod:`planner.schemes.recompute`); ``bucket_bytes``: the gradient
+    for its saved activations (:mod:`planner.schemes.recompute`), ``recompute_layers`` the shares of each
+    stack's layers it recomputes (e.g. ``(0.5, 1.0)``: the first half, and all); ``bucket_bytes``: the gradient
     sync's bucket size (DDP's 25 MiB by default; :mod:`planner.buckets`). Every plan returned
     carries the configuration (``plan.search_config``). ``workers``, ``progress``: see
     :func:`planner.search.search`.

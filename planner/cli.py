@@ -6,7 +6,7 @@
     planner models
 
 SEARCH OPTIONS: [--batch B] [--config FILE] [--hardware NAME|FILE] [--memory BYTES] [--tp none,1d,2d,3d] [--zero 0,1,2,3]
-[--cdp off,v1,v2] [--cdp-stages L] [--micro-batches 1,2,4] [--recompute none,selective,full] [--dp N] [--objective time|memory|knee] [--best-only] [--resolution 0.02]
+[--cdp off,v1,v2] [--cdp-stages L] [--micro-batches 1,2,4] [--recompute none,selective,full] [--recompute-layers 0.5,1] [--dp N] [--objective time|memory|knee] [--best-only] [--resolution 0.02]
 [--max-points 12] [--precision fp32|bf16-mixed|fp16-mixed] [--optimizer adamw|sgd-momentum] [--no-prefetch]
 [--time-limit S] [--progress] [-v]
 
@@ -172,6 +172,9 @@ def _add_search_options(r: argparse.ArgumentParser) -> None:
     r.add_argument("--recompute", type=_list(str, MODES), default=("none",),
                    help="activation recomputation to search (comma list of none,selective,full; full re-runs each repeated layer's "
                         "forward in backward and keeps only its inputs, selective its attention cores; default none)")
+    r.add_argument("--recompute-layers", type=_list(float), default=(1.0,),
+                   help="with --recompute: the shares of each repeated stack's layers recomputed, its first ones (comma list, "
+                        "e.g. 0.25,0.5,1: a quarter, half and all of them; default 1)")
     r.add_argument("--dp", type=int, default=None, help="fix the data-parallel degree")
     r.add_argument("--objective", choices=("time", "memory", "knee"), default="time",
                    help="which front point is chosen: the fastest, the smallest, or the knee (best balance); default time")
@@ -306,6 +309,7 @@ _FLAGS: dict[str, tuple[str, Callable[[argparse.Namespace], Any]]] = {
     "dp": ("--dp", lambda a: a.dp),
     "micro_batches": ("--micro-batches", lambda a: a.micro_batches),
     "recompute": ("--recompute", lambda a: a.recompute),
+    "recompute_layers": ("--recompute-layers", lambda a: a.recompute_layers),
     "objective": ("--objective", lambda a: a.objective),
     "optimizer": ("--optimizer", lambda a: a.optimizer),
     "master_dtype": ("--precision", lambda a: PRECISIONS[a.precision][1]),

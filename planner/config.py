@@ -11,6 +11,7 @@ errors (``extra="forbid"``): a misspelt ``zeros = [0, 3]`` is named, not ignored
     hardware = "a100-80g"          # a preset, or a profile file written by planner calibrate
     zero = [0, 1, 2, 3]
     recompute = ["none", "full"]
+    recompute_layers = [0.5, 1.0]  # half of each stack's layers, and all
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ Optimizer = Literal["adamw", "sgd-momentum"]  # the optimizers whose states and 
 
 class SearchConfig(BaseModel):
     """What to search and how. ``tp``, ``zero``, ``cdp``, ``micro_batches``, ``recompute``: the
-    values searched of each dimension (a configuration per combination that can run);
+    values searched of each dimension (a configuration per combination that can run; a recomputing
+    mode once per share of ``recompute_layers``);
     ``memory_budget``: bytes per device (None: the device's memory); ``front``: each
     configuration's time/memory front (False: its fastest plan only); ``resolution``,
     ``max_points``: the front's spacing and size (:func:`planner.sweep.sweep`); ``time_limit_s``,
@@ -53,6 +55,9 @@ class SearchConfig(BaseModel):
     dp: int | None = Field(default=None, ge=1)
     micro_batches: tuple[int, ...] = Field(default=(1,), min_length=1)
     recompute: tuple[Recompute, ...] = Field(default=("none",), min_length=1)
+    # the shares of each repeated stack's layers a recomputing mode recomputes (its first ones):
+    # (0.5, 1.0) searches half the layers and all of them (planner.schemes.recompute)
+    recompute_layers: tuple[float, ...] = Field(default=(1.0,), min_length=1)
     objective: Objective = "time"
     optimizer: Optimizer = "adamw"
     master_dtype: Literal["float32", "float64"] | None = None  # mixed precision: master weights and states in this dtype
@@ -79,13 +84,20 @@ class SearchConfig(BaseModel):
     def _bytes(cls, value: Any) -> Any:
         return parse_bytes(value) if isinstance(value, str) else value
 
-    @field_validator("tp", "zero", "cdp", "micro_batches", "recompute", mode="before")
+    @field_validator("tp", "zero", "cdp", "micro_batches", "recompute", "recompute_layers", mode="before")
     @classmethod
     def _values(cls, value: Any) -> Any:
         """One value or a list; ``"0,1,2,3"`` as the CLI writes it."""
         if isinstance(value, str):
             return tuple(int(v) if v.strip().isdigit() else v.strip() for v in value.split(",") if v.strip())
         return value if isinstance(value, (list, tuple)) else (value,)
+
+    @field_validator("recompute_layers", mode="after")
+    @classmethod
+    def _shares(cls, value: tuple[float, ...]) -> tuple[float, ...]:
+        if any(not 0 < v <= 1 for v in value):
+            raise ValueError(f"recompute_layers are shares of each stack's layers, in (0, 1]: got {list(value)} (e.g. 0.25,0.5,1)")
+        return value
 
     @model_validator(mode="after")
     def _counts(self) -> SearchConfig:

@@ -74,8 +74,10 @@ def _price_edges(problem: Problem) -> None:
     dp_axes = set(mesh.active_dp_axes)
     consumers = graph.consumers()
     signatures: dict[str, tuple[tuple[str, int], ...]] = {}
-    # (producer template, output index, consumer template, input position, signature) -> producers
-    pending: dict[tuple[str, int, str, int, tuple[tuple[str, int], ...]], set[str]] = {}
+    # (producer template, output index, consumer template, input position, signature, whether the
+    # tensor's first consumer runs in a recomputed segment) -> producers
+    pending: dict[tuple[str, int, str, int, tuple[tuple[str, int], ...], bool], set[str]] = {}
+    reruns: dict[tuple[str, int], bool] = {}
     for v in graph.nodes.values():
         if v.kind == "output":
             continue
@@ -86,15 +88,21 @@ def _price_edges(problem: Problem) -> None:
             signature = signatures.get(u.name)
             if signature is None:
                 signature = signatures[u.name] = tuple(sorted({(graph.nodes[c].template, q) for c, q in consumers[u.name]}))
+            # a conversion runs where the first consumer that needs it runs (runtime.compile): priced as
+            # inside a recomputed segment when the tensor's first consumer is (exact unless an earlier
+            # consumer outside keeps the tensor as it is and a later one inside converts it)
+            rerun = reruns.get((u.name, ref.index))
+            if rerun is None:
+                rerun = reruns[(u.name, ref.index)] = bool(problem.segment_of) and _first_consumer_recomputed(problem, u.name, ref.index)
             # templates stand for their instances: same strategies, same groups
-            pending.setdefault((u.template, ref.index, v.template, p, signature), set()).add(u.name)
+            pending.setdefault((u.template, ref.index, v.template, p, signature, rerun), set()).add(u.name)
             if v.template == v.name:
                 _price_holds(problem, v, p, ref)
     outs: dict[tuple[str, int], tuple[int, ...]] = {}  # interned Spec ids per strategy, each end
     ins: dict[tuple[str, int], tuple[int, ...]] = {}
     cache = conversion_cache(mesh)
     sig_ids: dict[tuple[tuple[str, int], ...], int] = {}  # the conversion keys hold a consumer signature's id
-    for (ut, index, vt, p, signature), producers in pending.items():
+    for (ut, index, vt, p, signature, rerun), producers in pending.items():
         u = graph.nodes[ut]
         gu, gv = problem.node_group[ut], problem.node_group[vt]
         meta = u.outputs[index]
@@ -121,12 +129,8 @@ def _price_edges(problem: Problem) -> None:
             pairs = {(a, b): (ia, ib) for a, ia in src_sets.items() for b, ib in dst_sets.items() if a != b}
         problem.pending_work.append((ut, index, vt, gu, edge.index if edge is not None else None, tuple(pairs.items())))
         sig = sig_ids.setdefault(signature, len(sig_ids))
-        # a conversion runs where the first consumer that needs it runs (runtime.compile): priced as
-        # inside a recomputed segment when the tensor's first consumer is (exact unless an earlier
-        # consumer outside keeps the tensor as it is and a later one inside converts it)
-        rerun = problem.recompute != "none" and _first_consumer_recomputed(problem, next(iter(producers)), index)
         for (a, b), (iu, iv) in pairs.items():
-            key = ("conv", ut, index, a, b, sig)
+            key = ("conv", ut, index, a, b, sig, rerun)  # the instances recomputed and the others pay apart
             term = problem.conversions.get(key)
             if term is None:
                 in_unit = problem.in_units and u.kind == "param" and is_unit_gather(cache.conversion(a, b), mesh)
@@ -238,13 +242,14 @@ def _segment_input(problem: Problem, v: Node, p: int, ref: InputRef) -> None:
     u = graph.nodes[ref.node]
     if u.kind != "op" or segment_of.get(u.name) == segment_of[v.name]:
         return
-    roots = {_root(graph, w.inputs[p]) for w in instances_of(graph)[v.template]}
+    roots = {_root(graph, w.inputs[p]) for w in instances_of(graph)[v.template] if problem.recomputes(w)}
     made = [(i, s.outputs[ref.index]) for i, s in enumerate(problem.choices[u.template]) if ref.index < len(s.outputs)]
     _add_hold(problem, _root(graph, ref), problem.node_group[u.name], [(i, spec) for i, spec in made if spec is not None], v,
-              instances=len(roots))
+              instances=len(roots), checkpoint=True)
 
 
-def _add_hold(problem: Problem, root: InputRef, gv: str, specs: list[tuple[int, Spec]], v: Node, instances: int | None = None) -> None:
+def _add_hold(problem: Problem, root: InputRef, gv: str, specs: list[tuple[int, Spec]], v: Node, instances: int | None = None,
+              checkpoint: bool = False) -> None:
     graph, mesh = problem.graph, problem.mesh
     root_node = graph.nodes[root.node]
     meta = root_node.outputs[root.index]
@@ -255,16 +260,19 @@ def _add_hold(problem: Problem, root: InputRef, gv: str, specs: list[tuple[int, 
         by_axes[spec.layout.shard_axes].add(j)
     instances = problem.instances[v.template] if instances is None else instances
     # made inside the saver's recomputed segment (a parameter's converted copy, an op of the same
-    # instance): recomputed; a segment's input (made outside the instance) is kept by the checkpoint
+    # instance): recomputed, in the instances recomputed; a segment's input (made outside the
+    # instance) is kept by the checkpoint, in the instances recomputed
     inside = problem.recomputes(v) and (root_node.kind == "param" or problem.segment_of.get(root_node.name) == problem.segment_of[v.name])
+    share = problem.recomputed_instances(v.template) / problem.instances[v.template] if inside else 0.0
     for axes, idx in by_axes.items():
         key = ("hold", root_node.template, root.index, axes)
         term = problem.holds.get(key)
         if term is None:
-            term = HoldTerm(key, meta.nbytes / mesh.group_size(axes) * instances, saver=v.template, recomputed=inside)
+            term = HoldTerm(key, meta.nbytes / mesh.group_size(axes) * instances, saver=v.template, recomputed=share, checkpointed=checkpoint)
             problem.holds[key] = term
         elif not inside:  # another saver keeps it through the step
-            term.recomputed = False
+            term.recomputed = 0.0
+            term.checkpointed = term.checkpointed and checkpoint
         if root_node.kind == "param":
             gp = problem.node_group[root_node.name]
             stored = frozenset(

@@ -219,7 +219,7 @@ class Model:
                 if value:
                     terms.append((v, value / u))
         if part == "A":
-            terms += [(self.z[key], h.nbytes / u) for key, h in p.holds.items() if h.nbytes and not h.recomputed]
+            terms += [(self.z[key], h.nbytes * (1 - h.recomputed) / u) for key, h in p.holds.items() if h.nbytes and h.recomputed < 1]
         return summed(terms)
 
     def memory_expr(self) -> Expr:

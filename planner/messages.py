@@ -121,8 +121,8 @@ def nothing_fits(config: SearchConfig, graph: IRGraph, least: float, cand: Candi
         if batch_rows(graph) % more == 0:
             advice.append(f"gradient accumulation (--micro-batches {more}: each micro-batch holds a share of the activations)")
         if config.recompute == ("none",) and graph.repeated:
-            advice.append("activation recomputation (--recompute none,full: each repeated layer keeps only its input and runs "
-                          "its forward again in backward)")
+            advice.append("activation recomputation (--recompute none,full --recompute-layers 0.5,1: each repeated layer recomputed, "
+                          "all of them or the first half, keeps only its input and runs its forward again in backward)")
     if pipeline is not None and pipeline.peak_memory < least:
         advice.append(f"CDP with its {pipeline.stages} stages on different devices (runtime.cdp_pipeline.CDPPipeline, "
                       f"{pipeline.per_stage} devices a stage: each holds its stage's parameters and the activations of its workers "

@@ -136,8 +136,10 @@ def instants(problem: Problem) -> list[Instant]:
                     add(flight[k], form)
     for key, hold in problem.holds.items():
         places = by_template[hold.saver]
+        if hold.checkpointed:  # kept by the checkpoint of the recomputed instances
+            places = [p for p in places if problem.recomputes(order[p])] or places
         for p in places:
-            if hold.recomputed:
+            if hold.recomputed and problem.recomputes(order[p]):
                 rerun[segment(order[p].name)].append((p, {("z", key): hold.nbytes / len(places)}))
             else:
                 add(saved[upto(p)], {("z", key): hold.nbytes / len(places)})

@@ -19,7 +19,7 @@ from planner.config import SearchConfig
 from planner.ir import InputRef, IRGraph
 from planner.layout import Spec, parse_spec
 from planner.mesh import AxisRole, Mesh, roles_from_names
-from planner.schemes.recompute import Recompute
+from planner.schemes.recompute import Setting as RecomputeSetting
 from planner.trace import match_layer
 
 PLAN_VERSION = 1
@@ -147,7 +147,7 @@ class Plan(_Frozen):
     zero_stage: int = 0
     micro_batches: int = Field(default=1, ge=1, description="gradient accumulation: micro-batches per step (nodes and shapes are one micro-batch's)")
     cdp: Literal["off", "v1", "v2"] = "off"
-    recompute: Recompute = Field(default="none", description="activation recomputation: full re-runs each repeated layer's forward in backward, selective its attention cores (planner.schemes.recompute)")
+    recompute: RecomputeSetting = Field(default="none", description="activation recomputation: full re-runs each repeated layer's forward in backward, selective its attention cores; with a share (full 1/2) only the first layers of each stack (planner.schemes.recompute)")
     cdp_stages: int = Field(default=0, description="CDP: stages the graph is cut into (planner.stages)")
     optimizer: str = "adamw"
     master_dtype: str | None = Field(default=None, description="mixed precision: the optimizer's master weights and states dtype")

@@ -222,6 +222,7 @@ def _price_nodes(problem: Problem, optimizer: str, master_itemsize: int | None) 
         count = problem.instances[node.name]
         n = len(problem.choices[node.name])
         terms = problem.node_terms[node.name] = NodeTerms([0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n)
+        kept = count - problem.recomputed_instances(node.name)
         for i, strategy in enumerate(problem.choices[node.name]):
             # forward and backward run once per micro-batch
             compute = (compute_time(node, strategy, mesh, hw, input_bytes(graph, node, strategy, mesh)) * problem.micro_batches) if node.kind == "op" else 0.0
@@ -238,12 +239,14 @@ def _price_nodes(problem: Problem, optimizer: str, master_itemsize: int | None) 
                 scheme.price_op(problem, node, strategy, price)
             if price.loss_partial:
                 price.comms.append(Comm("all_reduce", mesh.sort_axes(price.loss_partial), node.out.itemsize, "fwd"))
-            if price.rerun is not None:
+            price.seconds += sum(comm_time(c, mesh, hw) * problem.repeats(c) for c in price.comms)
+            group.time[i] += price.seconds * count
+            if price.rerun is not None:  # in the recomputed instances only
                 if not group.rerun:
                     group.rerun = [0.0] * len(group.strategies)
                 group.rerun[i] += price.rerun
-            price.seconds += sum(comm_time(c, mesh, hw) * problem.repeats(c) for c in price.comms)
-            group.time[i] += price.seconds * count
+                group.time[i] += price.rerun
+                group.comms[i].extend((c, price.rerun_instances * problem.repeats(c)) for c in price.rerun_comms)
             group.credit[i] += price.credit
             if node.kind == "op" and problem.sync_overlapped:
                 total_flops = node.flops_fwd + node.flops_bwd
@@ -255,8 +258,8 @@ def _price_nodes(problem: Problem, optimizer: str, master_itemsize: int | None) 
                 terms.work[i] = float(op_working_set(graph, node, strategy, mesh, internal))
                 group.transient[i] = max(group.transient[i], terms.work[i])
             terms.saved[i] = internal
-            if not problem.recomputes(node):  # a recomputed op's intermediates live only while its segment's backward runs (planner.peak)
-                group.memory[i] += internal * count
+            # a recomputed instance's intermediates live only while its segment's backward runs (planner.peak)
+            group.memory[i] += internal * kept
     return sync_one, backward_one
 
 
@@ -364,7 +367,7 @@ def evaluate(problem: Problem, assignment: dict[str, int]) -> Evaluation:
     for hold_key, hold in problem.holds.items():
         if any(assignment[gu] in iu and (gv is None or assignment[gv] in iv) for gu, iu, gv, iv in hold.conditions):
             held.add(hold_key)
-            act += 0.0 if hold.recomputed else hold.nbytes
+            act += hold.nbytes * (1 - hold.recomputed)
 
     edges = list(problem.edges.values())
 

@@ -67,10 +67,17 @@ def cdp_text(plan: Plan) -> str:
 
 
 def recompute_layers(plan: Plan) -> str:
-    """The repeated layers a plan recomputes, e.g. ``h.* (12 layers)``."""
-    instances = {m for n in plan.nodes if (m := match_layer(n.module)) is not None}
-    stacks = sorted({prefix for prefix, _ in instances})
-    return ", ".join(f"{s}.* ({sum(1 for p, _ in instances if p == s)} layers)" for s in stacks) or "the repeated layers"
+    """The repeated layers a plan recomputes, e.g. ``h.* (12 layers)``, or the first ones of a
+    stack, ``h.0-h.5 (6 of 12 layers)``."""
+    every = {m for n in plan.nodes if (m := match_layer(n.module)) is not None}
+    redone = {m for n in plan.nodes if n.recompute_segment is not None and (m := match_layer(n.module)) is not None}
+    parts = []
+    for stack in sorted({prefix for prefix, _ in redone}):
+        mine = sorted(i for p, i in redone if p == stack)
+        total = sum(1 for p, _ in every if p == stack)
+        parts.append(f"{stack}.* ({total} layers)" if len(mine) == total else
+                     f"{stack}.{mine[0]}-{stack}.{mine[-1]} ({len(mine)} of {total} layers)")
+    return ", ".join(parts) or "the repeated layers"
 
 
 def recompute_text(plan: Plan) -> str:

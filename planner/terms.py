@@ -115,9 +115,12 @@ class HoldTerm:
     saver: str = ""  # the template of the first node that saves it (it is alive from there)
     # h >= [group_u in idx_u] (+ [group_v in idx_v] - 1 when group_v is given)
     conditions: list[tuple[str, frozenset[int], str | None, frozenset[int]]] = field(default_factory=list)
-    # saved inside a recomputed segment (planner.schemes.recompute): not held through the step,
-    # alive again while its segment's backward runs (an in-flight term of planner.peak)
-    recomputed: bool = False
+    # saved inside a recomputed segment (planner.schemes.recompute): in this share of its saver's
+    # instances (those recomputed: all, or the first ones of each stack) not held through the
+    # step, alive again while the segment's backward runs (an in-flight term of planner.peak)
+    recomputed: float = 0.0
+    # a recomputed segment's input the checkpoint keeps: alive at the recomputed instances only
+    checkpointed: bool = False
 
 
 @dataclass
@@ -200,6 +203,13 @@ class Problem:
     def recomputes(self, node: Node) -> bool:
         """Whether ``node`` runs in a recomputed segment (its forward runs again in backward)."""
         return node.name in self.segment_of
+
+    def recomputed_instances(self, template: str) -> int:
+        """How many instances of ``template`` run in a recomputed segment: all of a repeated
+        layer's, or the first ones of each stack (planner.schemes.recompute), or none."""
+        if not self.segment_of:
+            return 0
+        return sum(1 for n in instances_of(self.graph)[template] if n.name in self.segment_of)
 
     @property
     def in_units(self) -> bool:

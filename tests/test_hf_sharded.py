@@ -5,7 +5,8 @@ attention, Qwen2, Mistral, BERT (masked LM, ignored labels), ViT, BART (encoder-
 Mixtral (top-k mixture of experts; its float64 runs use transformers' batched-matmul experts,
 models/hf.py says why), plus a model of ours made of every multi-output op (tests/ops_models.py,
 on 4 ranks), each under data parallelism, ZeRO-3, Megatron 1-D over 4 (also with every repeated layer
-recomputed in backward; and GPT-2 with eager attention, its attention cores recomputed), dp=2 x tp=2, 2-D 2x2 and CDP v1 on 4 ranks and 3-D 2x2x2 on 8. For every plan: it shards (the
+recomputed in backward; GPT-2 and Llama with the first half of their layers recomputed; and GPT-2 with eager
+attention, its attention cores recomputed), dp=2 x tp=2, 2-D 2x2 and CDP v1 on 4 ranks and 3-D 2x2x2 on 8. For every plan: it shards (the
 tensor-parallel plans use their family on every op that multiplies by a weight, where shapes
 allow) and nothing falls back to replication; three optimizer steps in float64 give the single
 device's losses, gradients and parameters to 1e-9; the collectives executed equal the plan's
@@ -35,6 +36,7 @@ from planner.config import SearchConfig
 from planner.ir import IRGraph
 from planner.plan import Plan
 from planner.schemes.cdp import cdp_filter
+from planner.schemes.recompute import parse
 from planner.schemes.tp import DP_AXIS
 from planner.search import search
 from planner.trace import trace
@@ -59,8 +61,11 @@ KINDS = {
     "3d": (8, 1, "3d", "time"),
     "1d-recompute": (4, 1, "1d", "memory"),  # the least-memory 1-D plan, every repeated layer recomputed
     "1d-selective": (4, 1, "1d", "memory"),  # the same, each attention core recomputed (EAGER only)
+    "1d-recompute-half": (4, 1, "1d", "memory"),  # the same, the first half of the repeated layers recomputed (PARTIAL only)
 }
-RECOMPUTING = {"1d-recompute": "full", "1d-selective": "selective"}
+RECOMPUTING = {"1d-recompute": "full", "1d-selective": "selective", "1d-recompute-half": "full 1/2"}
+# the models whose plans recompute the first half of their layers, the others keeping their activations
+PARTIAL = {"hf-gpt2": ("1d-recompute-half",), "hf-llama": ("1d-recompute-half",)}
 # GPT-2 with eager attention (q k^T, mask, softmax, dropout, p v): its 1-D plans, with and without
 # selective recomputation, on the 4-rank world (the other models' attention is one fused op)
 EAGER = {"hf-gpt2-eager": ("1d", "1d-selective")}
@@ -80,8 +85,9 @@ def _plan(name: str, kind: str, dtype: torch.dtype) -> Plan:
     devices, dp, family, objective = KINDS[kind]
     graph = _graph(name, dtype)
     allow = require_family(graph, family_mesh(family, devices, dp)) if family != "none" and objective == "time" else None
+    mode, share = parse(RECOMPUTING.get(kind, "none"))
     space = SearchConfig(devices=devices, dp=dp, tp=(family,), zero=(3 if kind == "zero3" else 0,),
-                        recompute=(RECOMPUTING[kind],) if kind in RECOMPUTING else ("none",), objective=objective, front=False)
+                         recompute=(mode,), recompute_layers=(float(share),), objective=objective, front=False)
     result = search(graph, space, model_name=name, allow=allow)  # type: ignore[arg-type]
     assert result.best is not None, (name, kind, [c.reason for c in result.candidates])
     return result.best
@@ -120,9 +126,10 @@ def _plans(jobs: list[tuple[str, str, str]]) -> dict[tuple[str, str, str], Plan]
 
 def _world(devices: int) -> dict[str, Any]:
     t_plan = time.perf_counter()
-    kinds = [k for k, spec in KINDS.items() if spec[0] == devices and k != "1d-selective"]
+    kinds = [k for k, spec in KINDS.items() if spec[0] == devices and k not in ("1d-selective", "1d-recompute-half")]
     models = (*MODELS, OPS_MODEL) if devices == 4 else MODELS
-    pairs = [(m, k) for m in models for k in kinds] + ([(m, k) for m, ks in EAGER.items() for k in ks] if devices == 4 else [])
+    pairs = [(m, k) for m in models for k in kinds]
+    pairs += [(m, k) for m, ks in (EAGER | PARTIAL).items() for k in ks] if devices == 4 else []
     jobs = [(m, k, dtype) for dtype in ("float64", "float32") for m, k in pairs]
     jobs += [(m, "cdp", dtype) for dtype in ("float64", "float32") for m in MODELS if (m, dtype) not in NO_CDP] if devices == 4 else []
     plans = _plans(jobs)

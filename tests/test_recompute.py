@@ -8,6 +8,7 @@ Megatron 1-D, dp x tp ZeRO-1 and 3-D plans) and tests/test_hf_sharded.py (Huggin
 from __future__ import annotations
 
 import functools
+from fractions import Fraction
 
 import pytest
 import torch
@@ -17,7 +18,8 @@ from planner.config import SearchConfig
 from planner.hardware import A100_80G
 from planner.mesh import Mesh
 from planner.problem import build_problem, evaluate
-from planner.schemes.recompute import last_savers, segments
+from planner.report import recompute_layers
+from planner.schemes.recompute import last_savers, layers_recomputed, parse, segments, setting
 from planner.search import search
 from planner.solve import solve
 from planner.space import candidate_meshes
@@ -160,3 +162,51 @@ def test_a_plan_names_the_segment_each_node_recomputes_in() -> None:
         assert ops is None or all(sum(1 for s in marked.values() if s == k) == ops for k in (0, 1))
     plain = search(graph, SearchConfig(devices=2, dp=1, tp=("1d",), front=False), model_name="gpt-tiny").best
     assert plain is not None and all(n.recompute_segment is None and not n.ends_segment for n in plain.nodes)
+
+
+def test_a_share_recomputes_the_first_layers_of_each_stack_and_prices_only_those() -> None:
+    """``recompute="full 1/2"``: the first half of each stack's layers (rounded half up) run as
+    recomputed segments, the others keep their activations. For the same strategies the step
+    gains the recomputed instances' forwards only, and the activations held lie between none and
+    full; the explain text names the layers. (ILP against brute force: tests/test_solver.py
+    "repeated/dp1xtp2 recompute half"; the runtime: tests/test_same_math.py and, held = predicted,
+    tests/test_hf_sharded.py "1d-recompute-half".)"""
+    graph = _gpt_tiny()
+    assert {key for key in segments(graph, "full 1/2").values()} == {("h", 0, 0)}
+    assert layers_recomputed(12, Fraction(1, 2)) == 6 and layers_recomputed(3, Fraction(1, 2)) == 2 and layers_recomputed(2, Fraction(1, 4)) == 1
+    assert parse("full 1/2") == ("full", Fraction(1, 2)) and setting("full", 0.5) == "full 1/2" and setting("full", 1.0) == "full"
+    mesh = Mesh(("dp", "tp"), (1, 2))
+    problems = {mode: build_problem(graph, mesh, A100_80G, recompute=mode) for mode in ("none", "full 1/2", "full")}
+    small = solve(problems["full"], memory_budget=float("inf"), objective="memory").assignment
+    ev = {mode: evaluate(pb, small) for mode, pb in problems.items()}
+    assert ev["full"].memory["activations"] < ev["full 1/2"].memory["activations"] < ev["none"].memory["activations"]
+    assert 0 < ev["full 1/2"].recompute_time < ev["full"].recompute_time
+    assert ev["full 1/2"].step_time - ev["none"].step_time == pytest.approx(ev["full 1/2"].recompute_time, rel=1e-9)
+    plan = search(graph, SearchConfig(devices=2, dp=1, tp=("1d",), recompute=("full",), recompute_layers=(0.5,), front=False),
+                  model_name="gpt-tiny").best
+    assert plan is not None and plan.recompute == "full 1/2"
+    assert {n.recompute_segment for n in plan.nodes} == {None, 0}
+    assert recompute_layers(plan) == "h.0-h.0 (1 of 2 layers)"
+
+
+def test_the_shares_searched_fill_the_front_between_none_and_full() -> None:
+    """With ``recompute_layers=(0.5, 1)`` the front gains points between keeping every activation
+    and recomputing every layer. On a 2-layer GPT, recomputing the first layer only needs the
+    least memory that recomputing both does (the last layer's backward comes first, when every
+    activation is alive, so recomputing it saves nothing at the peak) and is faster: the whole
+    recomputing end of the front is the share's. Shares that round to no layer, or to all of
+    them, are not searched."""
+    graph = _gpt_tiny()
+    space = dict(devices=2, tp=("1d",), dp=1, recompute=("none", "full"))
+    whole = search(graph, SearchConfig(**space), model_name="gpt-tiny")  # type: ignore[arg-type]
+    shares = search(graph, SearchConfig(**space, recompute_layers=(0.5, 1.0)), model_name="gpt-tiny")  # type: ignore[arg-type]
+    halves = [p for p in shares.front if p.recompute == "full 1/2"]
+    assert halves and shares.front[-1] in halves
+    assert shares.front[-1].peak_memory_bytes == whole.front[-1].peak_memory_bytes
+    assert shares.front[-1].step_time_s < whole.front[-1].step_time_s
+    pruned = search(graph, SearchConfig(**space, recompute_layers=(0.1, 0.25, 0.75), front=False), model_name="gpt-tiny")  # type: ignore[arg-type]
+    reasons = {c.recompute: c.reason for c in pruned.candidates}
+    assert "1/10 of 2 layers rounds to none" in reasons["full 1/10"], reasons
+    assert "3/4 of 2 layers rounds to all of them" in reasons["full 3/4"] and "rounds" not in reasons["full 1/4"], reasons
+    with pytest.raises(ValueError, match=r"recompute_layers are shares of each stack's layers, in \(0, 1\]"):
+        SearchConfig.build(devices=2, recompute_layers=(0, 1))

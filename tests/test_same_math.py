@@ -20,6 +20,7 @@ import torch
 from planner.config import SearchConfig
 from planner.ir import Node
 from planner.models import build_model, example_inputs
+from planner.schemes.recompute import parse
 from planner.search import search
 from planner.strategy import Strategy
 from planner.trace import trace
@@ -70,8 +71,9 @@ def _plan(
     args, kwargs = example_inputs(model, batch=BATCH, dtype=torch.float64, device="meta" if start == "plan-on-meta" else "cpu")
     graph = trace(module, args, kwargs)
     buckets = {"bucket_bytes": bucket_bytes} if bucket_bytes else {}
-    config = SearchConfig(devices=devices, dp=dp, tp=(family,) if devices > dp else ("none",), zero=(zero,), recompute=(recompute,),  # type: ignore[arg-type]
-                          objective=objective, front=False, **buckets)
+    mode, share = parse(recompute)  # "full 1/2": the first half of the blocks
+    config = SearchConfig(devices=devices, dp=dp, tp=(family,) if devices > dp else ("none",), zero=(zero,), recompute=(mode,),  # type: ignore[arg-type]
+                          recompute_layers=(float(share),), objective=objective, front=False, **buckets)
     result = search(graph, config, model_name=model, allow=allow)
     assert result.best is not None
     if devices > dp:
@@ -124,6 +126,8 @@ CASES = {
         "tp=2 megatron planned on the CPU model, run from meta": dict(dp=1, allow=megatron, start="meta-from-cpu-plan"),
         "dp=2 recomputing every block": dict(dp=2, allow=data_parallel, recompute="full"),
         "tp=2 megatron recomputing every block": dict(dp=1, allow=megatron, recompute="full"),
+        "dp=2 recomputing the first block": dict(dp=2, allow=data_parallel, recompute="full 1/2"),
+        "tp=2 megatron recomputing the first block": dict(dp=1, allow=megatron, recompute="full 1/2"),
     },
     4: {
         "dp=2 x tp=2 megatron": dict(dp=2, allow=megatron_dp),
@@ -141,6 +145,7 @@ CASES = {
         "dp=2 x 2-D 2x2 least-memory": dict(dp=2, family="2d", objective="memory"),
         "dp=2 x 2-D 2x2 ZeRO-3, weights re-gathered over tp": dict(dp=2, family="2d", zero=3, allow=weight_regathering),
         "3-D 2x2x2 least-memory recomputing every block": dict(dp=1, family="3d", objective="memory", recompute="full"),
+        "3-D 2x2x2 least-memory recomputing the first block": dict(dp=1, family="3d", objective="memory", recompute="full 1/2"),
     },
 }
 

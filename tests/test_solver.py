@@ -147,6 +147,8 @@ CASES = {
     "repeated/dp1xtp2": ("repeated", Mesh(("dp", "tp"), (1, 2))),
     # every repeated layer recomputed in backward (planner.schemes.recompute)
     "repeated/dp1xtp2 recompute": ("repeated", Mesh(("dp", "tp"), (1, 2)), {"recompute": "full"}),
+    # the first half of the repeated layers recomputed, the others keeping their activations
+    "repeated/dp1xtp2 recompute half": ("repeated", Mesh(("dp", "tp"), (1, 2)), {"recompute": "full 1/2"}),
 }
 TINY = ("mlp-tiny/dp1xtp2", "two-linear/dp2xtp2")
 LARGE = ("wide-two-linear/dp2xtp2", "repeated/dp1xtp2")

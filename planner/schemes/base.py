@@ -68,6 +68,8 @@ class NodePrice:
     count: int  # instances
     credit: float = 0.0  # seconds evaluate() may hide behind compute, all instances
     rerun: float | None = None  # seconds recomputation adds, all instances (None: nothing recomputed)
+    rerun_comms: list[Comm] = field(default_factory=list)  # the collectives it runs again, in each recomputed instance
+    rerun_instances: int = 0  # the instances recomputed
     loss_partial: frozenset[str] | None = None  # the output's loss: the axes it is still a partial sum over
 
 

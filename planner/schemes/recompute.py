@@ -20,6 +20,16 @@ a saved tensor, before the segment's own backward. What that costs and saves, as
 Recomputation runs with ZeRO 0-2 and without CDP: ZeRO-3's units gather parameters through module
 hooks a recomputed forward would fire again, and CDP's stages run their own segments.
 
+A setting can recompute only the first part of each stack: ``recompute="full 1/2"`` recomputes
+the first half of every repeated stack's layers (``h.0`` .. ``h.5`` of 12; rounded half up), the
+rest keep their activations, so a front gains the points between no recomputation and all
+(Megatron-LM's ``--recompute-num-layers``; the search tries the shares ``recompute_layers`` lists).
+Every term above is per instance, so the sums count the recomputed instances only: a repeated
+layer's template prices ``k`` of its ``L`` instances recomputed (``Problem.recomputed_instances``), a
+conversion term is split by whether its producers' first consumer recomputes, and a hold
+recomputed in a segment is not held in ``k / L`` of its instances (``HoldTerm.recomputed``). The
+peak's instants are per instance already (:mod:`planner.peak`).
+
 Megatron-LM calls this full, uniform recomputation. ``recompute="selective"`` (Korthikanti et
 al. 2022) makes the attention cores the segments instead: the same rules, per core. Where
 attention is one fused op (as in this project's models, whose SDPA keeps only q, k, v, its output
@@ -32,8 +42,12 @@ layer has no selective configuration (the search prunes it, saying so).
 
 from __future__ import annotations
 
+import math
 from collections import Counter
-from typing import TYPE_CHECKING, Literal
+from fractions import Fraction
+from typing import TYPE_CHECKING, Annotated, Literal
+
+from pydantic import StringConstraints
 
 from planner.cost import comm_time, steps_comms
 from planner.ir import IRGraph, Node
@@ -44,10 +58,32 @@ from planner.strategy import Comm, Strategy
 from planner.trace import match_layer
 
 if TYPE_CHECKING:
+    from planner.config import SearchConfig
     from planner.terms import Problem, Segment
 
-Recompute = Literal["none", "selective", "full"]
+Recompute = Literal["none", "selective", "full"]  # a mode
 MODES: tuple[Recompute, ...] = ("none", "selective", "full")
+# a plan's setting: a mode, and for a part of each stack the share of its layers (``full 1/2``)
+Setting = Annotated[str, StringConstraints(pattern=r"^(none|(selective|full)( [1-9][0-9]*/[1-9][0-9]*)?)$")]
+
+
+def setting(mode: str, share: float | Fraction = 1) -> str:
+    """The setting that recomputes ``share`` of each stack's layers in ``mode`` (``full``, ``full 1/2``)."""
+    share = Fraction(share).limit_denominator(1024)
+    if mode == "none" or share >= 1:
+        return mode
+    return f"{mode} {share.numerator}/{share.denominator}"
+
+
+def parse(value: str) -> tuple[str, Fraction]:
+    """(mode, share of each stack's layers) of a setting: ``full 1/2`` -> ("full", 1/2)."""
+    mode, _, share = value.partition(" ")
+    return mode, Fraction(share) if share else Fraction(1)
+
+
+def layers_recomputed(count: int, share: Fraction) -> int:
+    """Of a stack of ``count`` layers, how many a share recomputes (its first ones; rounded half up)."""
+    return min(count, math.floor(count * share + Fraction(1, 2)))
 
 
 _MATMULS = ("aten.matmul.", "aten.bmm.", "aten.baddbmm.", "aten.einsum.")
@@ -55,7 +91,8 @@ _WALK = 8  # ops between an attention core's matmuls and its softmax, at most (s
 
 
 def segments(graph: IRGraph, mode: str = "full") -> dict[str, Segment]:
-    """The ops that run inside a recomputed segment, and the segment each runs in.
+    """The ops that run inside a recomputed segment, and the segment each runs in; ``mode`` is a
+    setting (:data:`Setting`: with a share, only the first instances of each stack are in one).
 
     ``full``: per instance of a repeated layer, its ops up to the last one that saves a tensor
     for backward. The ops after it save nothing, so they run outside the checkpoint (once; a
@@ -78,15 +115,22 @@ def segments(graph: IRGraph, mode: str = "full") -> dict[str, Segment]:
                 key = match_layer(node.module_path)
                 if key is not None:
                     by_instance.setdefault(key, []).append(node)
+        indices: dict[str, list[int]] = {}
+        for prefix, index in by_instance:
+            indices.setdefault(prefix, []).append(index)
+        first = {prefix: set(sorted(idx)[:layers_recomputed(len(idx), share)]) for prefix, idx in indices.items()}
         out: dict[str, Segment] = {}
         for (prefix, index), ops in by_instance.items():
-            parts = _attention_cores(graph, ops) if mode == "selective" else [ops]
+            if index not in first[prefix]:
+                continue
+            parts = _attention_cores(graph, ops) if kind == "selective" else [ops]
             for k, part in enumerate(parts):
                 last = max((j for j, n in enumerate(part) if n.saved), default=-1)
                 out.update((n.name, (prefix, index, k)) for n in part[: last + 1])
         return out
 
-    if mode not in ("selective", "full"):
+    kind, share = parse(mode)
+    if kind not in ("selective", "full"):
         return {}
     return graph.memo(("recompute_segments", mode), make)
 
@@ -143,7 +187,7 @@ def last_savers(graph: IRGraph, mode: str = "full") -> frozenset[str]:
 
 def unsupported(recompute: str, zero: int, cdp: str) -> str:
     """Why a configuration cannot recompute ("" when it can)."""
-    if recompute == "none":
+    if parse(recompute)[0] == "none":
         return ""
     if zero == 3:
         return "recomputation runs with ZeRO 0-2: ZeRO-3's units gather parameters through hooks a recomputed forward would fire again"
@@ -154,7 +198,7 @@ def unsupported(recompute: str, zero: int, cdp: str) -> str:
 
 def check(modes: tuple[str, ...]) -> None:
     """Raise on an unknown mode, naming the ones there are."""
-    unknown = [m for m in modes if m not in MODES]
+    unknown = [m for m in modes if parse(m)[0] not in MODES]
     if unknown or not modes:
         raise ValueError(f"recompute modes are {', '.join(MODES)}; got {', '.join(modes) or 'none at all'}")
 
@@ -185,12 +229,27 @@ class Recomputation(Scheme):
     searched = "recompute"
     off = "none"
 
+    def values(self, config: SearchConfig, mesh: Mesh) -> tuple[str, ...]:
+        """Each mode searched, and each share of the stacks' layers (``recompute_layers``) for a mode that recomputes."""
+        return tuple(dict.fromkeys(setting(m, share) for m in config.recompute for share in (config.recompute_layers if m != "none" else (1,))))
+
     def unsupported(self, mesh: Mesh, settings: Settings, graph: IRGraph | None = None) -> str:
-        why = unsupported(settings["recompute"], settings["zero_stage"], settings["cdp"])
-        if not why and settings["recompute"] == "selective" and graph is not None and not segments(graph, "selective"):
-            why = ("selective recomputation: no repeated layer of this model has an attention core (a softmax between "
-                   "two matmuls of activations, or a fused scaled-dot-product attention)")
-        return why
+        value = settings["recompute"]
+        why = unsupported(value, settings["zero_stage"], settings["cdp"])
+        mode, share = parse(value)
+        if why or graph is None or mode == "none":
+            return why
+        if mode == "selective" and not segments(graph, "selective"):
+            return ("selective recomputation: no repeated layer of this model has an attention core (a softmax between "
+                    "two matmuls of activations, or a fused scaled-dot-product attention)")
+        if share < 1:
+            counts = [r.count for r in graph.repeated]
+            parts = [layers_recomputed(c, share) for c in counts]
+            if not any(parts):
+                return f"{share} of {' and '.join(map(str, counts))} layers rounds to none: recompute a larger share"
+            if parts == counts:
+                return f"{share} of {' and '.join(map(str, counts))} layers rounds to all of them: the same plans as recompute {mode}"
+        return ""
 
     def label(self, settings: Settings) -> str:
         return f"recompute {settings['recompute']}" if settings["recompute"] != "none" else ""
@@ -205,11 +264,11 @@ class Recomputation(Scheme):
     def price_op(self, problem: Problem, node: Node, strategy: Strategy, price: NodePrice) -> None:
         if not problem.recomputes(node):
             return
-        # the forward runs again in backward: its compute and its forward collectives
+        # the forward runs again in backward, in each recomputed instance: its compute and its forward collectives
         mesh = problem.mesh
         flops = node.flops_fwd + node.flops_bwd
         again = rerun_comms(node, strategy, mesh, node.name in last_savers(problem.graph, problem.recompute))
         rerun = price.compute * (node.flops_fwd / flops if flops else 1 / 3)
-        price.seconds += rerun
-        price.comms += again
-        price.rerun = (rerun + sum(comm_time(c, mesh, problem.hardware) * problem.repeats(c) for c in again)) * price.count
+        price.rerun_instances = problem.recomputed_instances(node.name)
+        price.rerun_comms = again
+        price.rerun = (rerun + sum(comm_time(c, mesh, problem.hardware) * problem.repeats(c) for c in again)) * price.rerun_instances
