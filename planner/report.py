@@ -75,8 +75,8 @@ def recompute_layers(plan: Plan) -> str:
     for stack in sorted({prefix for prefix, _ in redone}):
         mine = sorted(i for p, i in redone if p == stack)
         total = sum(1 for p, _ in every if p == stack)
-        parts.append(f"{stack}.* ({total} layers)" if len(mine) == total else
-                     f"{stack}.{mine[0]}-{stack}.{mine[-1]} ({len(mine)} of {total} layers)")
+        span = f"{stack}.{mine[0]}" + (f"-{stack}.{mine[-1]}" if len(mine) > 1 else "")
+        parts.append(f"{stack}.* ({total} layers)" if len(mine) == total else f"{span} ({len(mine)} of {total} layers)")
     return ", ".join(parts) or "the repeated layers"
 
 

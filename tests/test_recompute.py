@@ -186,7 +186,7 @@ def test_a_share_recomputes_the_first_layers_of_each_stack_and_prices_only_those
                   model_name="gpt-tiny").best
     assert plan is not None and plan.recompute == "full 1/2"
     assert {n.recompute_segment for n in plan.nodes} == {None, 0}
-    assert recompute_layers(plan) == "h.0-h.0 (1 of 2 layers)"
+    assert recompute_layers(plan) == "h.0 (1 of 2 layers)"
 
 
 def test_the_shares_searched_fill_the_front_between_none_and_full() -> None:
