@@ -46,7 +46,7 @@ from __future__ import annotations
 import functools
 import heapq
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from planner.stages import stage_owners
@@ -444,54 +444,3 @@ def _stretch(workers: int, stages: int, owners: tuple[int, ...], rule: str, has_
     lag = {(n, op): clock.actions(n, op).start - clock.due(n, op) for op in range(2 * stages * steps) for n in range(workers)}
     last, before = 2 * stages * (steps - 1), 2 * stages * (steps - 4)
     return max(lag[(n, last)] - lag[(n, before)] for n in range(workers))
-
-
-def step_period(workers: int, stages: int, owners: Sequence[int], rule: str, has_params: Sequence[bool],
-                durations: Sequence[float], latency: Callable[[Message], float], steps: int = 8, hold: bool = False) -> float:
-    """Seconds a step takes as runtime.cdp.CDPTrainer runs the clock, once it has settled (the
-    planner's price of CDP, planner.schemes.cdp): the clock's actions replayed in seconds, in the
-    order the clock does them, each rank blocking where the clock puts its waits. ``durations``:
-    seconds of op j of a step (2L); ``latency(message)``: seconds a message takes from its send
-    (a token's too, from its op's end). A receive ends when the message has arrived; a send's
-    wait when its receiver has it; a token wait when the predecessor's op has ended and its token
-    arrived; an op starts when its actions are done. Returns the slowest worker's time over its
-    last two simulated steps, halved."""
-    clock = Clock(workers, stages, owners, rule, has_params, hold=hold)
-    period = 2 * stages
-    # two steps more than measured: a worker ahead of another in the clock's order runs ops of a later step
-    acts = [(n, op, clock.actions(n, op)) for op in range(period * (steps + 2)) for n in range(workers)]
-    events: list[tuple[int, int, int, int]] = []  # (order, worker, op, log index; -1: the op itself)
-    for n, op, a in acts:
-        events += [(order, n, op, i) for i, order in enumerate(a.log_order)]
-        events.append((a.order, n, op, -1))
-    by_key = {(n, op): a for n, op, a in acts}
-    now = [0.0] * workers
-    sent: dict[Message, float] = {}
-    taken: dict[Message, float] = {}
-    ends: dict[tuple[int, int], float] = {}
-    starts: dict[tuple[int, int], float] = {}
-    for _, n, op, i in sorted(events):
-        a = by_key[(n, op)]
-        if i < 0:  # the op: then the chain it heads leaves
-            starts[(n, op)] = now[n]
-            now[n] += durations[op % period]
-            ends[(n, op)] = now[n]
-            if a.head is not None:
-                sent[a.head] = now[n]
-            continue
-        kind, item, _ = a.log[i]
-        if kind == "tokens":
-            pred = (n - 1) % workers
-            last = int(item)  # type: ignore[arg-type]
-            now[n] = max(now[n], ends.get((pred, last), now[n]) + latency(Message(last, -1, "token", 0, pred, n)))
-        elif kind == "recv":  # (a "post" only starts the receive: the message moves from its send)
-            assert isinstance(item, Message)
-            now[n] = max(now[n], sent.get(item, now[n]) + latency(item))
-            taken[item] = now[n]
-            if item in a.forwards:
-                sent[a.forwards[item]] = now[n]
-        elif kind == "wait" and isinstance(item, Message) and item.kind != "token":  # a send's completion: its receive
-            now[n] = max(now[n], taken.get(item, now[n]))
-    # (beyond the measured ops, what an op waits for may not have been replayed: it is not measured)
-    last_op, first_op = period * (steps - 1), period * (steps - 3)
-    return max(starts[(n, last_op)] - starts[(n, first_op)] for n in range(workers)) / 2

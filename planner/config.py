@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, field_validator, model_validator
 
 from planner.buckets import DEFAULT_BUCKET_BYTES
 from planner.hardware import PRESETS, HardwareProfile, load_profile
-from planner.schemes.recompute import Recompute
 from planner.schemes.tp import family_meshes
 from planner.units import parse_bytes
 
@@ -32,6 +31,9 @@ Family = Literal["none", "1d", "2d", "3d"]
 ALL_TP: tuple[Family, ...] = ("none", "1d", "2d", "3d")
 Objective = Literal["time", "memory", "knee"]
 Optimizer = Literal["adamw", "sgd-momentum"]  # the optimizers whose states and step planner.cost prices
+Recompute = Literal["none", "selective", "full"]  # activation recomputation's modes (planner.schemes.recompute)
+# a plan's recomputation: a mode, and for a part of each stack the share of its layers (``full 1/2``)
+RecomputeSetting = Annotated[str, StringConstraints(pattern=r"^(none|(selective|full)( [1-9][0-9]*/[1-9][0-9]*)?)$")]
 
 
 class SearchConfig(BaseModel):

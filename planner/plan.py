@@ -15,11 +15,10 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from planner.buckets import DEFAULT_BUCKET_BYTES
-from planner.config import SearchConfig
+from planner.config import RecomputeSetting, SearchConfig
 from planner.ir import InputRef, IRGraph
 from planner.layout import Spec, parse_spec
 from planner.mesh import AxisRole, Mesh, roles_from_names
-from planner.schemes.recompute import Setting as RecomputeSetting
 from planner.trace import match_layer
 
 PLAN_VERSION = 1

@@ -384,11 +384,11 @@ def test_cdp_is_priced_by_its_clock() -> None:
     share of the worker's busy seconds, each message its alpha-beta time): with overlap efficiency
     1 the priced step is the clock's settled step, with 0.5 half of what the clock hides is
     credited; v2, whose fresh stages wait for their rings within the step, is never cheaper than v1."""
-    from planner.cdp_clock import ring_hold, schedule_owners, step_period
+    from planner.cdp_clock import ring_hold, schedule_owners
     from planner.cost import comm_time
     from planner.mesh import Mesh
     from planner.problem import build_problem
-    from planner.schemes.cdp import cdp_traffic, stage_message_bytes
+    from planner.schemes.cdp import cdp_traffic, stage_message_bytes, step_period
     from planner.solve import solve
     from planner.stages import cut_stages
     from planner.strategy import Comm

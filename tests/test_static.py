@@ -46,3 +46,38 @@ def test_mypy_finds_nothing(tmp_path: Path) -> None:
     proc = subprocess.run([*_tool("mypy"), "--config-file", str(ROOT / "pyproject.toml"), "planner"], cwd=tmp_path, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert "Success" in proc.stdout and "source files" in proc.stdout
+
+
+# What the runtime may load of the planner: the plan and the types it is made of (its search
+# configuration with the hardware profile, the mesh and the families' meshes it validates against,
+# layouts, bucket sizes, byte units), the traced graph its nodes name and the tracer that makes it
+# again on each rank, and CDP's stage cut and clock (what runs when: the planner prices them, the
+# runtime follows them). Not the search, the solvers, the pricing or the rules.
+RUNTIME_CONTRACT = frozenset({
+    "planner", "planner.plan", "planner.config", "planner.hardware", "planner.mesh", "planner.schemes", "planner.schemes.tp",
+    "planner.layout", "planner.buckets", "planner.units", "planner.ir", "planner.trace", "planner.stages", "planner.cdp_clock",
+})
+
+
+def test_the_runtime_loads_of_the_planner_only_the_plan_and_what_it_is_made_of() -> None:
+    """Every runtime module's imports of planner modules (deferred ones included, read from the
+    source), and what importing all of them loads (in a fresh interpreter: the package's names
+    load on first use, planner/__init__.py), are within RUNTIME_CONTRACT."""
+    import ast
+
+    named: dict[str, set[str]] = {}
+    for path in sorted((ROOT / "runtime").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            modules = [node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            for module in modules:
+                if module.startswith("planner") and not module.startswith(("planner.runtime", "planner.models")):
+                    named.setdefault(module, set()).add(path.name)
+    assert set(named) <= RUNTIME_CONTRACT, {m: sorted(files) for m, files in named.items() if m not in RUNTIME_CONTRACT}
+    names = [f"planner.runtime.{p.stem}" for p in sorted((ROOT / "runtime").glob("*.py")) if p.stem != "__init__"]
+    code = ("import importlib, sys\n"
+            f"for name in {names!r}: importlib.import_module(name)\n"
+            "print(' '.join(sorted(m for m in sys.modules if m.startswith('planner') and not m.startswith(('planner.runtime', 'planner.models')))))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    loaded = set(proc.stdout.split())
+    assert loaded <= RUNTIME_CONTRACT, sorted(loaded - RUNTIME_CONTRACT)

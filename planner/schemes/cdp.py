@@ -21,9 +21,10 @@ point-to-point chain, not by the step-phase collectives DP would price.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from planner.cdp_clock import TOKEN_BYTES, Message, ring_hold, schedule_owners, step_period
+from planner.cdp_clock import TOKEN_BYTES, Clock, Message, ring_hold, schedule_owners
 from planner.cost import STATES_PER_VALUE, comm_time
 from planner.hardware import HardwareProfile
 from planner.ir import IRGraph, Node
@@ -197,7 +198,7 @@ def cdp_overlap(problem: Problem, traffic: Traffic, busy: float, p2p: float) -> 
     ``busy``: a worker's seconds of ops a step (compute and the collectives inside its ops, e.g.
     tensor parallelism's); ``p2p``: the busiest rank's seconds of messages a step
     (:func:`cdp_messages`). The clock's actions are replayed in seconds
-    (:func:`planner.cdp_clock.step_period`): stage l's forward and backward take l's share of
+    (:func:`step_period`): stage l's forward and backward take l's share of
     ``busy`` (by the cut's FLOPs, a third forward, two thirds backward), every message its
     alpha-beta time on the data-parallel link, the tokens included, and each rank blocks where the
     clock puts its receives, send waits and token waits. The replay's settled step is the price:
@@ -416,3 +417,54 @@ class CDP(Scheme):
         if problem.zero_stage == 1:
             average, busiest = cdp_owner_bytes(problem, assignment, traffic)
             tally.optimizer += busiest - average
+
+
+def step_period(workers: int, stages: int, owners: Sequence[int], rule: str, has_params: Sequence[bool],
+                durations: Sequence[float], latency: Callable[[Message], float], steps: int = 8, hold: bool = False) -> float:
+    """Seconds a step takes as runtime.cdp.CDPTrainer runs the clock, once it has settled (the
+    planner's price of CDP, planner.schemes.cdp): the clock's actions replayed in seconds, in the
+    order the clock does them, each rank blocking where the clock puts its waits. ``durations``:
+    seconds of op j of a step (2L); ``latency(message)``: seconds a message takes from its send
+    (a token's too, from its op's end). A receive ends when the message has arrived; a send's
+    wait when its receiver has it; a token wait when the predecessor's op has ended and its token
+    arrived; an op starts when its actions are done. Returns the slowest worker's time over its
+    last two simulated steps, halved."""
+    clock = Clock(workers, stages, owners, rule, has_params, hold=hold)
+    period = 2 * stages
+    # two steps more than measured: a worker ahead of another in the clock's order runs ops of a later step
+    acts = [(n, op, clock.actions(n, op)) for op in range(period * (steps + 2)) for n in range(workers)]
+    events: list[tuple[int, int, int, int]] = []  # (order, worker, op, log index; -1: the op itself)
+    for n, op, a in acts:
+        events += [(order, n, op, i) for i, order in enumerate(a.log_order)]
+        events.append((a.order, n, op, -1))
+    by_key = {(n, op): a for n, op, a in acts}
+    now = [0.0] * workers
+    sent: dict[Message, float] = {}
+    taken: dict[Message, float] = {}
+    ends: dict[tuple[int, int], float] = {}
+    starts: dict[tuple[int, int], float] = {}
+    for _, n, op, i in sorted(events):
+        a = by_key[(n, op)]
+        if i < 0:  # the op: then the chain it heads leaves
+            starts[(n, op)] = now[n]
+            now[n] += durations[op % period]
+            ends[(n, op)] = now[n]
+            if a.head is not None:
+                sent[a.head] = now[n]
+            continue
+        kind, item, _ = a.log[i]
+        if kind == "tokens":
+            pred = (n - 1) % workers
+            last = int(item)  # type: ignore[arg-type]
+            now[n] = max(now[n], ends.get((pred, last), now[n]) + latency(Message(last, -1, "token", 0, pred, n)))
+        elif kind == "recv":  # (a "post" only starts the receive: the message moves from its send)
+            assert isinstance(item, Message)
+            now[n] = max(now[n], sent.get(item, now[n]) + latency(item))
+            taken[item] = now[n]
+            if item in a.forwards:
+                sent[a.forwards[item]] = now[n]
+        elif kind == "wait" and isinstance(item, Message) and item.kind != "token":  # a send's completion: its receive
+            now[n] = max(now[n], taken.get(item, now[n]))
+    # (beyond the measured ops, what an op waits for may not have been replayed: it is not measured)
+    last_op, first_op = period * (steps - 1), period * (steps - 3)
+    return max(starts[(n, last_op)] - starts[(n, first_op)] for n in range(workers)) / 2

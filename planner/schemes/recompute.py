@@ -45,10 +45,9 @@ from __future__ import annotations
 import math
 from collections import Counter
 from fractions import Fraction
-from typing import TYPE_CHECKING, Annotated, Literal
+from typing import TYPE_CHECKING
 
-from pydantic import StringConstraints
-
+from planner.config import Recompute, SearchConfig
 from planner.cost import comm_time, steps_comms
 from planner.ir import IRGraph, Node
 from planner.layout import spec_conversion
@@ -58,13 +57,10 @@ from planner.strategy import Comm, Strategy
 from planner.trace import match_layer
 
 if TYPE_CHECKING:
-    from planner.config import SearchConfig
+
     from planner.terms import Problem, Segment
 
-Recompute = Literal["none", "selective", "full"]  # a mode
 MODES: tuple[Recompute, ...] = ("none", "selective", "full")
-# a plan's setting: a mode, and for a part of each stack the share of its layers (``full 1/2``)
-Setting = Annotated[str, StringConstraints(pattern=r"^(none|(selective|full)( [1-9][0-9]*/[1-9][0-9]*)?)$")]
 
 
 def setting(mode: str, share: float | Fraction = 1) -> str:
@@ -76,7 +72,8 @@ def setting(mode: str, share: float | Fraction = 1) -> str:
 
 
 def parse(value: str) -> tuple[str, Fraction]:
-    """(mode, share of each stack's layers) of a setting: ``full 1/2`` -> ("full", 1/2)."""
+    """(mode, share of each stack's layers) of a setting (:data:`planner.config.RecomputeSetting`):
+    ``full 1/2`` -> ("full", 1/2)."""
     mode, _, share = value.partition(" ")
     return mode, Fraction(share) if share else Fraction(1)
 
@@ -92,7 +89,8 @@ _WALK = 8  # ops between an attention core's matmuls and its softmax, at most (s
 
 def segments(graph: IRGraph, mode: str = "full") -> dict[str, Segment]:
     """The ops that run inside a recomputed segment, and the segment each runs in; ``mode`` is a
-    setting (:data:`Setting`: with a share, only the first instances of each stack are in one).
+    setting (:data:`planner.config.RecomputeSetting`: with a share, only the first instances of
+    each stack are in one).
 
     ``full``: per instance of a repeated layer, its ops up to the last one that saves a tensor
     for backward. The ops after it save nothing, so they run outside the checkpoint (once; a
