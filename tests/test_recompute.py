@@ -193,7 +193,8 @@ def test_the_shares_searched_fill_the_front_between_none_and_full() -> None:
     """With ``recompute_layers=(0.5, 1)`` the front gains points between keeping every activation
     and recomputing every layer. On a 2-layer GPT, recomputing the first layer only needs the
     least memory that recomputing both does (the last layer's backward comes first, when every
-    activation is alive, so recomputing it saves nothing at the peak) and is faster: the whole
+    activation is alive, and its recomputed saves are alive again then: recomputing it saves nothing
+    at this model's peak) and is faster: the whole
     recomputing end of the front is the share's. Shares that round to no layer, or to all of
     them, are not searched."""
     graph = _gpt_tiny()

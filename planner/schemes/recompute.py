@@ -57,7 +57,6 @@ from planner.strategy import Comm, Strategy
 from planner.trace import match_layer
 
 if TYPE_CHECKING:
-
     from planner.terms import Problem, Segment
 
 MODES: tuple[Recompute, ...] = ("none", "selective", "full")
