@@ -136,7 +136,8 @@ def _inputs(model_name: str, batch: int, seed: int) -> tuple[tuple[Any, ...], di
     return (), {"input_ids": ids, "labels": ids}
 
 
-RECOMPUTE_LABELS = {"none": "1 device", "selective": "1 device, attention cores recomputed", "full": "1 device, every block recomputed"}
+RECOMPUTE_LABELS = {"none": "1 device", "selective": "1 device, attention cores recomputed", "full": "1 device, every block recomputed",
+                    "full 1/2": "1 device, the first half of the blocks recomputed"}
 
 
 def _plans(model_name: str, batch: int, profile: Any, world: int) -> list[tuple[str, str]]:
@@ -146,7 +147,8 @@ def _plans(model_name: str, batch: int, profile: Any, world: int) -> list[tuple[
 
     graph = trace(_build(model_name, 0), *_inputs(model_name, batch, 1))
     same = {"hardware": profile, "front": False}
-    spaces = {label: SearchConfig(devices=1, tp=("none",), recompute=(mode,), **same) for mode, label in RECOMPUTE_LABELS.items()} if world == 1 else {
+    spaces = {label: SearchConfig(devices=1, tp=("none",), recompute=(setting.split()[0],), recompute_layers=(0.5 if " " in setting else 1.0,), **same)
+              for setting, label in RECOMPUTE_LABELS.items()} if world == 1 else {
         f"dp={world}": SearchConfig(devices=world, dp=world, tp=("none",), zero=(0,), **same),
         f"dp={world} zero1": SearchConfig(devices=world, dp=world, tp=("none",), zero=(1,), **same),
         f"tp={world} (1-D)": SearchConfig(devices=world, dp=1, tp=("1d",), zero=(0,), **same),
