@@ -105,6 +105,10 @@ class SearchConfig(BaseModel):
     def _counts(self) -> SearchConfig:
         if any(m < 1 for m in self.micro_batches):
             raise ValueError(f"micro_batches are counts >= 1, got {list(self.micro_batches)}")
+        if self.recompute == ("none",) and self.recompute_layers != (1.0,):
+            shares = ",".join(f"{v:g}" for v in self.recompute_layers)
+            raise ValueError(f"recompute_layers {shares} are shares of the layers a recomputing mode recomputes, and recompute is none: "
+                             f"search one (e.g. --recompute none,full --recompute-layers {shares})")
         if self.dp is not None and self.devices % self.dp:
             raise ValueError(f"dp = {self.dp} does not divide devices = {self.devices}")
         if not any(self.dp is None or m.group_size(m.dp_axes) == self.dp for f in self.tp for m in family_meshes(self.devices, f)):

@@ -210,4 +210,6 @@ def test_the_shares_searched_fill_the_front_between_none_and_full() -> None:
     assert "1/10 of 2 layers rounds to none" in reasons["full 1/10"], reasons
     assert "3/4 of 2 layers rounds to all of them" in reasons["full 3/4"] and "rounds" not in reasons["full 1/4"], reasons
     with pytest.raises(ValueError, match=r"recompute_layers are shares of each stack's layers, in \(0, 1\]"):
-        SearchConfig.build(devices=2, recompute_layers=(0, 1))
+        SearchConfig.build(devices=2, recompute=("full",), recompute_layers=(0, 1))
+    with pytest.raises(ValueError, match=r"and recompute is none: search one \(e.g. --recompute none,full --recompute-layers 0.5\)"):
+        SearchConfig.build(devices=2, recompute_layers=(0.5,))
