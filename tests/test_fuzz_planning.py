@@ -45,18 +45,22 @@ def _subset(values: tuple[object, ...]) -> st.SearchStrategy[tuple[object, ...]]
     zero=_subset((0, 1, 2, 3)),
     cdp=_subset(("off", "v1", "v2")),
     micro_batches=_subset((1, 2, 3, 4)),
+    recompute=_subset(("none", "selective", "full")),
+    recompute_layers=_subset((0.25, 0.5, 1.0)),
     dp=st.one_of(st.none(), st.integers(1, 8)),
     objective=st.sampled_from(("time", "memory", "knee")),
     front=st.booleans(),
 )
 def test_a_plan_within_budget_or_a_reason_never_another_exception(
     model: str, devices: int, budget: float | None, tp: tuple[str, ...], zero: tuple[int, ...],
-    cdp: tuple[str, ...], micro_batches: tuple[int, ...], dp: int | None, objective: str, front: bool,
+    cdp: tuple[str, ...], micro_batches: tuple[int, ...], recompute: tuple[str, ...], recompute_layers: tuple[float, ...], dp: int | None,
+    objective: str, front: bool,
 ) -> None:
     t0 = time.perf_counter()
     try:
-        config = SearchConfig.build(devices=devices, tp=tp, zero=zero, cdp=cdp, micro_batches=micro_batches, dp=dp, memory_budget=budget,
-                                    objective=objective, front=front, time_limit_s=10.0)
+        config = SearchConfig.build(devices=devices, tp=tp, zero=zero, cdp=cdp, micro_batches=micro_batches, recompute=recompute,
+                                    recompute_layers=recompute_layers, dp=dp, memory_budget=budget, objective=objective, front=front,
+                                    time_limit_s=10.0)
         result = search(traced(model), config, model_name=model)
     except (ValueError, TypeError) as exc:
         message = str(exc)

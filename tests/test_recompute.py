@@ -142,10 +142,15 @@ def test_selective_recomputes_the_attention_cores_between_none_and_full() -> Non
     assert ev["full"].memory["activations"] < ev["selective"].memory["activations"] < ev["none"].memory["activations"]
     assert 0 < ev["selective"].recompute_time < ev["full"].recompute_time
     assert ev["selective"].step_time - ev["none"].step_time == pytest.approx(ev["selective"].recompute_time, rel=1e-9)
-    model, args, kwargs, _ = load_model("mlp-tiny", 8)
-    result = search(trace(model, args, kwargs), SearchConfig(devices=2, recompute=("none", "selective"), front=False), model_name="mlp-tiny")
+    from tests.test_solver import _graph
+
+    result = search(_graph("repeated"), SearchConfig(devices=2, recompute=("none", "selective"), front=False), model_name="repeated")
     pruned = [c for c in result.candidates if c.recompute == "selective"]
     assert pruned and all("no repeated layer of this model has an attention core" in c.reason for c in pruned)
+    model, args, kwargs, _ = load_model("mlp-tiny", 8)  # no repeated layers at all: no recomputing configuration
+    result = search(trace(model, args, kwargs), SearchConfig(devices=2, recompute=("none", "full"), front=False), model_name="mlp-tiny")
+    pruned = [c for c in result.candidates if c.recompute == "full"]
+    assert pruned and all("this model has no repeated layers to recompute" in c.reason for c in pruned)
 
 
 def test_a_plan_names_the_segment_each_node_recomputes_in() -> None:

@@ -236,6 +236,9 @@ class Recomputation(Scheme):
         mode, share = parse(value)
         if why or graph is None or mode == "none":
             return why
+        if not graph.repeated:
+            return ("recomputation: this model has no repeated layers to recompute (a stack of identical numbered modules, "
+                    "h.0, h.1, ...)")
         if mode == "selective" and not segments(graph, "selective"):
             return ("selective recomputation: no repeated layer of this model has an attention core (a softmax between "
                     "two matmuls of activations, or a fused scaled-dot-product attention)")
