@@ -423,7 +423,7 @@ class CDP(Scheme):
 def step_period(workers: int, stages: int, owners: Sequence[int], rule: str, has_params: Sequence[bool],
                 durations: Sequence[float], latency: Callable[[Message], float], steps: int = 8, hold: bool = False) -> float:
     """Seconds a step takes as runtime.cdp.CDPTrainer runs the clock, once it has settled (the
-    planner's price of CDP, planner.schemes.cdp): the clock's actions replayed in seconds, in the
+    planner's price of CDP, :func:`cdp_overlap`): the clock's actions replayed in seconds, in the
     order the clock does them, each rank blocking where the clock puts its waits. ``durations``:
     seconds of op j of a step (2L); ``latency(message)``: seconds a message takes from its send
     (a token's too, from its op's end). A receive ends when the message has arrived; a send's
