@@ -1,9 +1,11 @@
 """Activation recomputation as a searched dimension (planner.schemes.recompute).
 
-The runtime side (same losses and gradients as one device, collectives executed = priced with the
-recomputed forwards' collectives, held = predicted) is checked in tests/test_same_math.py (DP,
-Megatron 1-D, dp x tp ZeRO-1 and 3-D plans) and tests/test_hf_sharded.py (Hugging Face models,
-1-D); the ILP against brute force in tests/test_solver.py ("repeated/dp1xtp2 recompute")."""
+The runtime side is checked elsewhere: same losses and gradients as one device and collectives
+executed = priced with the recomputed forwards' collectives in tests/test_same_math.py (DP, Megatron
+1-D, dp x tp ZeRO-1 and 3-D plans, every block and the first block of two) and
+tests/test_hf_sharded.py (Hugging Face models, 1-D), which also checks held = predicted (within its
+10 %; every layer, attention cores, and the first half of GPT-2's and Llama's layers); the ILP
+against brute force in tests/test_solver.py ("repeated/dp1xtp2 recompute", "... recompute half")."""
 
 from __future__ import annotations
 
