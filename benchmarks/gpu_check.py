@@ -142,13 +142,15 @@ RECOMPUTE_LABELS = {"none": "1 device", "selective": "1 device, attention cores 
 
 def _plans(model_name: str, batch: int, profile: Any, world: int) -> list[tuple[str, str]]:
     from planner.config import SearchConfig
+    from planner.schemes.recompute import parse
     from planner.search import search
     from planner.trace import trace
 
     graph = trace(_build(model_name, 0), *_inputs(model_name, batch, 1))
     same = {"hardware": profile, "front": False}
-    spaces = {label: SearchConfig(devices=1, tp=("none",), recompute=(setting.split()[0],), recompute_layers=(0.5 if " " in setting else 1.0,), **same)
-              for setting, label in RECOMPUTE_LABELS.items()} if world == 1 else {
+    modes = {label: parse(setting) for setting, label in RECOMPUTE_LABELS.items()}  # (mode, share of the blocks)
+    spaces = {label: SearchConfig(devices=1, tp=("none",), recompute=(mode,), recompute_layers=(float(share),), **same)
+              for label, (mode, share) in modes.items()} if world == 1 else {
         f"dp={world}": SearchConfig(devices=world, dp=world, tp=("none",), zero=(0,), **same),
         f"dp={world} zero1": SearchConfig(devices=world, dp=world, tp=("none",), zero=(1,), **same),
         f"tp={world} (1-D)": SearchConfig(devices=world, dp=1, tp=("1d",), zero=(0,), **same),

@@ -18,6 +18,7 @@ import torch
 from planner.cli import load_model
 from planner.config import SearchConfig
 from planner.hardware import A100_80G
+from planner.ir import IRGraph
 from planner.mesh import Mesh
 from planner.problem import build_problem, evaluate
 from planner.report import recompute_layers
@@ -120,6 +121,19 @@ def test_explain_says_which_layers_recompute_and_what_it_costs(capsys: pytest.Ca
     assert "of the step) of the above: the forward of h.* (2 layers) again in backward" in line, line
 
 
+def _between_none_and_full(graph: IRGraph, middle: str, solved: str) -> None:
+    """The same strategies (the least-memory plan of recompute ``solved``, 1-D over 2 devices)
+    recomputing ``middle`` hold fewer activations than none and more than full, cost less
+    recomputation time than full, and are slower than none by exactly their recompute time."""
+    mesh = Mesh(("dp", "tp"), (1, 2))
+    problems = {mode: build_problem(graph, mesh, A100_80G, recompute=mode) for mode in ("none", middle, "full")}
+    small = solve(problems[solved], memory_budget=float("inf"), objective="memory").assignment
+    ev = {mode: evaluate(pb, small) for mode, pb in problems.items()}
+    assert ev["full"].memory["activations"] < ev[middle].memory["activations"] < ev["none"].memory["activations"], middle
+    assert 0 < ev[middle].recompute_time < ev["full"].recompute_time, middle
+    assert ev[middle].step_time - ev["none"].step_time == pytest.approx(ev[middle].recompute_time, rel=1e-9)
+
+
 def test_selective_recomputes_the_attention_cores_between_none_and_full() -> None:
     """Selective segments are the attention cores: the fused SDPA op of this project's GPT, and on
     GPT-2 with eager attention the ops from q k^T to p v (scale, mask, softmax, dropout between).
@@ -137,13 +151,7 @@ def test_selective_recomputes_the_attention_cores_between_none_and_full() -> Non
     assert targets[0] == targets[-1] == "matmul" and "softmax" in targets and "dropout" in targets and "linear" not in targets, targets
     ends = last_savers(graph, "selective")  # p v ends each core
     assert len(ends) == 2 and all(graph.nodes[n].target.startswith("aten.matmul") and n in cores for n in ends)
-    mesh = Mesh(("dp", "tp"), (1, 2))
-    problems = {mode: build_problem(graph, mesh, A100_80G, recompute=mode) for mode in ("none", "selective", "full")}
-    small = solve(problems["selective"], memory_budget=float("inf"), objective="memory").assignment
-    ev = {mode: evaluate(pb, small) for mode, pb in problems.items()}
-    assert ev["full"].memory["activations"] < ev["selective"].memory["activations"] < ev["none"].memory["activations"]
-    assert 0 < ev["selective"].recompute_time < ev["full"].recompute_time
-    assert ev["selective"].step_time - ev["none"].step_time == pytest.approx(ev["selective"].recompute_time, rel=1e-9)
+    _between_none_and_full(graph, "selective", solved="selective")
     from tests.test_solver import _graph
 
     result = search(_graph("repeated"), SearchConfig(devices=2, recompute=("none", "selective"), front=False), model_name="repeated")
@@ -182,13 +190,7 @@ def test_a_share_recomputes_the_first_layers_of_each_stack_and_prices_only_those
     assert {key for key in segments(graph, "full 1/2").values()} == {("h", 0, 0)}
     assert layers_recomputed(12, Fraction(1, 2)) == 6 and layers_recomputed(3, Fraction(1, 2)) == 2 and layers_recomputed(2, Fraction(1, 4)) == 1
     assert parse("full 1/2") == ("full", Fraction(1, 2)) and setting("full", 0.5) == "full 1/2" and setting("full", 1.0) == "full"
-    mesh = Mesh(("dp", "tp"), (1, 2))
-    problems = {mode: build_problem(graph, mesh, A100_80G, recompute=mode) for mode in ("none", "full 1/2", "full")}
-    small = solve(problems["full"], memory_budget=float("inf"), objective="memory").assignment
-    ev = {mode: evaluate(pb, small) for mode, pb in problems.items()}
-    assert ev["full"].memory["activations"] < ev["full 1/2"].memory["activations"] < ev["none"].memory["activations"]
-    assert 0 < ev["full 1/2"].recompute_time < ev["full"].recompute_time
-    assert ev["full 1/2"].step_time - ev["none"].step_time == pytest.approx(ev["full 1/2"].recompute_time, rel=1e-9)
+    _between_none_and_full(graph, "full 1/2", solved="full")
     plan = search(graph, SearchConfig(devices=2, dp=1, tp=("1d",), recompute=("full",), recompute_layers=(0.5,), front=False),
                   model_name="gpt-tiny").best
     assert plan is not None and plan.recompute == "full 1/2"
