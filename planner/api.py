@@ -77,15 +77,12 @@ def plan_model(
     or JSON file of its keys, or a saved plan's JSON, whose search it repeats), or its fields as
     keywords (``devices=64, zero=(0, 1, 2, 3), memory_budget="40GiB", hardware="h100-80g"``); both
     together: the keywords win. Among them: ``front=False`` finds only each configuration's fastest
-    plan (quicker; ``knee`` then picks among those); ``micro_batches``: gradient-accumulation
-    counts to search (e.g. ``(1, 2, 4)``: a plan with ``m`` runs ``m`` micro-batches of the batch
-    / ``m`` one after another and syncs gradients once, ``ParallelModule.forward_backward``);
-    ``recompute``: ``("none", "selective", "full")`` lets the search trade a repeated layer's (or its attention core's) forward compute
-    for its saved activations (:mod:`planner.schemes.recompute`), ``recompute_layers`` the shares of each
-    stack's layers it recomputes (e.g. ``(0.5, 1.0)``: the first half, and all); ``bucket_bytes``: the gradient
-    sync's bucket size (DDP's 25 MiB by default; :mod:`planner.buckets`). Every plan returned
-    carries the configuration (``plan.search_config``). ``workers``, ``progress``: see
-    :func:`planner.search.search`.
+    plan (quicker; ``knee`` then picks among those); each scheme's field lists the values its
+    dimension is searched with (``zero=(0, 1, 2, 3)``, ``micro_batches=(1, 2, 4)``:
+    :class:`planner.config.SearchConfig`; each scheme's module in :mod:`planner.schemes` says what
+    its values do); ``bucket_bytes``: the gradient sync's bucket size (DDP's 25 MiB by default;
+    :mod:`planner.buckets`). Every plan returned carries the configuration
+    (``plan.search_config``). ``workers``, ``progress``: see :func:`planner.search.search`.
 
     Mixed precision: hand the model in its compute dtype (``model.to(torch.bfloat16)``) and set
     ``master_dtype="float32"``; the optimizer then keeps float32 master weights and states."""

@@ -1,5 +1,5 @@
-"""A solved assignment turned into a :class:`planner.plan.Plan`: each node's strategy, the
-recomputed segments, the gradient buckets and ZeRO-3 units the runtime runs, the collectives
+"""A solved assignment turned into a :class:`planner.plan.Plan`: each node's strategy, what each
+scheme marks on it (:meth:`planner.schemes.base.Scheme.node_fields`), the gradient buckets and ZeRO-3 units the runtime runs, the collectives
 priced, and the predicted time and memory broken down.
 """
 
@@ -12,8 +12,8 @@ from planner.ir import IRGraph
 from planner.overlap import param_units
 from planner.plan import CommRecord, GradBucket, MemoryBreakdown, NodePlan, ParamUnit, Plan, SolverInfo, UnitGather, fingerprint
 from planner.rules import FALLBACK
-from planner.schemes import recompute as recompute_scheme
 from planner.schemes.base import settings_of
+from planner.schemes.registry import SCHEMES
 from planner.schemes.tp import tp_family
 from planner.schemes.zero import zero_param_terms
 from planner.solve import Solution
@@ -32,9 +32,6 @@ def make_plan(
 ) -> Plan:
     nodes = []
     fallbacks = []
-    segment_of = problem.segment_of  # (planner.schemes.recompute.segments, settled when the problem was built)
-    number = {key: k for k, key in enumerate(dict.fromkeys(segment_of.values()))}
-    ends = recompute_scheme.last_savers(graph, problem.recompute)
     for name, strategies in problem.choices.items():
         s = strategies[solution.assignment[problem.node_group[name]]]
         nodes.append(
@@ -49,8 +46,7 @@ def make_plan(
                 raw_output=s.raw_output.encode() if s.raw_output is not None else None,
                 regather=tuple((pos, spec.encode()) for pos, spec in s.regather),
                 module=graph.nodes[name].module_path,
-                recompute_segment=number[segment_of[name]] if name in segment_of else None,
-                ends_segment=name in ends,
+                **{key: value for scheme in SCHEMES for key, value in scheme.node_fields(problem, name).items()},
             )
         )
         if s.algorithm == FALLBACK:
@@ -69,14 +65,12 @@ def make_plan(
         **settings_of(problem),
         optimizer=optimizer,
         master_dtype=problem.master_dtype,
-        zero_prefetch=problem.prefetch,
-        cdp_stages=problem.cdp_stages,
         memory_budget_bytes=int(memory_budget) if memory_budget != float("inf") else 0,
         step_time_s=ev.step_time,
         compute_time_s=ev.compute_time,
         comm_time_s=ev.comm_time,
         overlap_time_s=ev.overlap_time,
-        recompute_time_s=ev.recompute_time,
+        **{key: value for scheme in SCHEMES for key, value in scheme.plan_fields(problem, ev).items()},
         peak_memory_bytes=int(ev.peak_memory),
         memory_breakdown=_breakdown(ev),
         nodes=tuple(nodes),

@@ -5,10 +5,11 @@
     planner explain MODEL --devices N [SEARCH OPTIONS] [--point K]
     planner models
 
-SEARCH OPTIONS: [--batch B] [--config FILE] [--hardware NAME|FILE] [--memory BYTES] [--tp none,1d,2d,3d] [--zero 0,1,2,3]
-[--cdp off,v1,v2] [--cdp-stages L] [--micro-batches 1,2,4] [--recompute none,selective,full] [--recompute-layers 0.5,1] [--dp N] [--objective time|memory|knee] [--best-only] [--resolution 0.02]
-[--max-points 12] [--precision fp32|bf16-mixed|fp16-mixed] [--optimizer adamw|sgd-momentum] [--no-prefetch]
-[--time-limit S] [--progress] [-v]
+SEARCH OPTIONS: [--batch B] [--config FILE] [--hardware NAME|FILE] [--memory BYTES] [--tp none,1d,2d,3d] [--dp N]
+[--objective time|memory|knee] [--best-only] [--resolution 0.02] [--max-points 12] [--precision fp32|bf16-mixed|fp16-mixed]
+[--optimizer adamw|sgd-momentum] [--time-limit S] [--progress] [-v], and each scheme's flags (its module's
+``Scheme.flags``): [--zero 0,1,2,3] [--no-prefetch] [--cdp off,v1,v2] [--cdp-stages L] [--micro-batches 1,2,4]
+[--recompute none,selective,full] [--recompute-layers 0.5,1]
 
 ``report`` prints the time/memory front (every plan no other beats on both, the knee and the
 objective's choice marked), what happened to every configuration, and the chosen plan; ``explain``
@@ -42,9 +43,12 @@ import torch
 from planner.config import ALL_TP, SearchConfig
 from planner.hardware import PRESETS, HardwareProfile
 from planner.ir import IRGraph
-from planner.schemes.recompute import MODES
+from planner.schemes.base import Flag
+from planner.schemes.registry import SCHEMES
 from planner.search import SearchProgress, SearchResult
 from planner.units import parse_bytes
+
+SCHEME_FLAGS = [flag for scheme in SCHEMES for flag in scheme.flags]
 
 
 def _bytes_arg(text: str) -> float:
@@ -164,17 +168,12 @@ def _add_search_options(r: argparse.ArgumentParser) -> None:
     r.add_argument("--hardware", default="a100-80g", help=f"preset ({', '.join(PRESETS)}) or a JSON profile file")
     r.add_argument("--memory", type=_bytes_arg, default=None, help="memory budget per device (default: the device's memory), e.g. 40GiB")
     r.add_argument("--tp", type=_list(str, ALL_TP), default=ALL_TP, help="tensor-parallel families to search (comma list of none,1d,2d,3d)")
-    r.add_argument("--zero", type=_list(int, (0, 1, 2, 3)), default=(0,), help="ZeRO stages to search (comma list, e.g. 0,1,2,3; default 0)")
-    r.add_argument("--cdp", type=_list(str, ("off", "v1", "v2")), default=("off",), help="CDP modes to search (comma list)")
-    r.add_argument("--cdp-stages", type=int, default=4, help="CDP: stages the model is cut into (default 4)")
-    r.add_argument("--micro-batches", type=_list(int), default=(1,),
-                   help="gradient accumulation: micro-batch counts to search (comma list, e.g. 1,2,4; default 1)")
-    r.add_argument("--recompute", type=_list(str, MODES), default=("none",),
-                   help="activation recomputation to search (comma list of none,selective,full; full re-runs each repeated layer's "
-                        "forward in backward and keeps only its inputs, selective its attention cores; default none)")
-    r.add_argument("--recompute-layers", type=_list(float), default=(1.0,),
-                   help="with --recompute: the shares of each repeated stack's layers recomputed, its first ones (comma list, "
-                        "e.g. 0.25,0.5,1: a quarter, half and all of them; default 1)")
+    for flag in SCHEME_FLAGS:  # each scheme's own (planner.schemes.base.Flag), defaults from SearchConfig
+        if flag.switch_off:
+            r.add_argument(flag.name, action="store_true", help=flag.help)
+        else:
+            kind = _list(flag.item, flag.choices) if flag.many else flag.item
+            r.add_argument(flag.name, type=kind, default=SearchConfig.model_fields[flag.field].default, help=flag.help)
     r.add_argument("--dp", type=int, default=None, help="fix the data-parallel degree")
     r.add_argument("--objective", choices=("time", "memory", "knee"), default="time",
                    help="which front point is chosen: the fastest, the smallest, or the knee (best balance); default time")
@@ -184,7 +183,6 @@ def _add_search_options(r: argparse.ArgumentParser) -> None:
     r.add_argument("--max-points", type=_max_points, default=8, help="front points per configuration at most (default 8)")
     r.add_argument("--precision", choices=tuple(PRECISIONS), default="fp32",
                    help="fp32, or mixed: compute in bf16/fp16 with float32 master weights and optimizer states (default fp32)")
-    r.add_argument("--no-prefetch", action="store_true", help="ZeRO-3: gather each parameter when used, not one ahead")
     r.add_argument("--optimizer", choices=("adamw", "sgd-momentum"), default="adamw", help="optimizer whose states are priced (default adamw)")
     r.add_argument("--gap", type=_fraction("--gap", "the relative MIP gap"), default=1e-6, help="relative MIP gap at which a solve stops as optimal (default 1e-6; a front of resolution r stops its weighted and budgeted MIPs at r/5 if larger: --resolution 0 for the exact front)")
     r.add_argument("--time-limit", type=_seconds("--time-limit"), default=120.0, help="time limit of each ILP solve, seconds (a solve stopped by it is reported as time_limit, not optimal)")
@@ -296,6 +294,13 @@ class Searched:
     config: SearchConfig
 
 
+def _reader(flag: Flag) -> Callable[[argparse.Namespace], Any]:
+    """How a scheme's flag's value is read off the parsed flags."""
+    if flag.switch_off:
+        return lambda a: not getattr(a, flag.dest)
+    return lambda a: getattr(a, flag.dest)
+
+
 # SearchConfig's fields the CLI sets: the flag that sets each (given flags win over --config FILE)
 # and how the field's value is read off the parsed flags
 _FLAGS: dict[str, tuple[str, Callable[[argparse.Namespace], Any]]] = {
@@ -303,23 +308,16 @@ _FLAGS: dict[str, tuple[str, Callable[[argparse.Namespace], Any]]] = {
     "hardware": ("--hardware", lambda a: a.hardware),
     "memory_budget": ("--memory", lambda a: a.memory),
     "tp": ("--tp", lambda a: a.tp),
-    "zero": ("--zero", lambda a: a.zero),
-    "cdp": ("--cdp", lambda a: a.cdp),
-    "cdp_stages": ("--cdp-stages", lambda a: a.cdp_stages),
     "dp": ("--dp", lambda a: a.dp),
-    "micro_batches": ("--micro-batches", lambda a: a.micro_batches),
-    "recompute": ("--recompute", lambda a: a.recompute),
-    "recompute_layers": ("--recompute-layers", lambda a: a.recompute_layers),
     "objective": ("--objective", lambda a: a.objective),
     "optimizer": ("--optimizer", lambda a: a.optimizer),
     "master_dtype": ("--precision", lambda a: PRECISIONS[a.precision][1]),
-    "prefetch": ("--no-prefetch", lambda a: not a.no_prefetch),
     "front": ("--best-only", lambda a: not a.best_only),
     "resolution": ("--resolution", lambda a: a.resolution),
     "max_points": ("--max-points", lambda a: a.max_points),
     "time_limit_s": ("--time-limit", lambda a: a.time_limit),
     "relative_gap": ("--gap", lambda a: a.gap),
-}
+} | {flag.field: (flag.name, _reader(flag)) for flag in SCHEME_FLAGS}
 
 
 def search_config(args: argparse.Namespace) -> SearchConfig:

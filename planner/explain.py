@@ -25,7 +25,9 @@ from planner.hardware import HardwareProfile
 from planner.ir import IRGraph
 from planner.mesh import mesh_text
 from planner.plan import CommRecord, Plan
-from planner.report import candidate_status, cdp_text, format_plan, needs_text, point_marks, recompute_layers, render
+from planner.report import candidate_status, format_plan, needs_text, point_marks, render
+from planner.schemes.base import settings_of
+from planner.schemes.registry import SCHEMES
 from planner.search import SearchResult
 from planner.space import Candidate
 from planner.strategy import Comm
@@ -55,7 +57,7 @@ def explain(result: SearchResult, hardware: HardwareProfile, *, point: int | Non
     marks = point_marks(result, plan)
     header = (f"Point {index} of {len(result.front)} on the front" + (f" ({marks}; objective {result.objective})" if marks else "")
               + f": step time {format_seconds(plan.step_time_s)}, memory {format_bytes(plan.peak_memory_bytes)} per device, "
-              f"mesh {mesh_text(plan.mesh)}, TP {plan.tp}, ZeRO {plan.zero_stage}, CDP {cdp_text(plan)}")
+              f"mesh {mesh_text(plan.mesh)}, TP {plan.tp}" + "".join(f", {part}" for scheme in SCHEMES if (part := scheme.summary(plan))))
     return "\n\n".join([
         header,
         "== Strategy ==\n" + format_plan(plan, graph=graph),
@@ -92,9 +94,7 @@ def time_section(plan: Plan, hardware: HardwareProfile) -> str:
     if plan.overlap_time_s:
         lines.append(f"  overlap        {format_seconds(plan.overlap_time_s)} of the communication runs behind compute "
                      f"({'CDP' if plan.cdp != 'off' else 'ZeRO-3 prefetch'})")
-    if plan.recompute != "none":
-        lines.append(f"  recompute      {format_seconds(plan.recompute_time_s)} ({_share(plan.recompute_time_s, step)} of the step) of the above: the forward of "
-                     f"{recompute_layers(plan)} again in backward, to hold their saved tensors only while their backward runs")
+    lines += [line for scheme in SCHEMES for line in scheme.time_lines(plan)]
     priced = [(r, collective_seconds(r, plan, hardware)) for r in plan.comms]
     timed = sorted(((r, s) for r, s in priced if s is not None), key=lambda rs: -rs[1] * rs[0].count)
     if not timed:
@@ -209,16 +209,14 @@ def alternative_line(plan: Plan, label: str, plans: list[Plan], cands: list[Cand
 
 
 def alternatives_section(result: SearchResult, index: int, plan: Plan) -> str:
-    """Neighbouring front points, then each other TP family, ZeRO stage, CDP mode and micro-batch
-    count searched."""
+    """Neighbouring front points, then each other TP family and each other value of every
+    scheme's setting searched (ZeRO stage, CDP mode, micro-batch count, recomputation)."""
     lines = ["  Neighbours on the front:", *neighbour_lines(result, index, plan), "",
              "  Other choices (each one's fastest plan, compared with this point):"]
     dimensions: list[tuple[str, Callable[[Plan], str], Callable[[Candidate], str]]] = [
         ("TP", lambda p: p.tp, lambda c: c.family),
-        ("ZeRO", lambda p: str(p.zero_stage), lambda c: str(c.zero)),
-        ("CDP", lambda p: p.cdp, lambda c: c.cdp),
-        ("micro-batches", lambda p: str(p.micro_batches), lambda c: str(c.micro_batches)),
-        ("recompute", lambda p: p.recompute, lambda c: c.recompute),
+        *((scheme.title, lambda p, key=scheme.setting: str(settings_of(p)[key]), lambda c, key=scheme.setting: str(c.settings[key]))
+          for scheme in SCHEMES),
     ]
     feasible = result.feasible
     others = 0
@@ -232,6 +230,7 @@ def alternatives_section(result: SearchResult, index: int, plan: Plan) -> str:
             cands = [c for c in result.candidates if c.plan is None and of_cand(c) == value]
             lines.append(alternative_line(plan, f"{name} {value}", plans, cands, result.memory_budget))
     if not others:
-        lines.append("    none: every plan found uses this point's TP family, ZeRO stage, CDP mode and micro-batch count "
-                     "(widen --tp, --zero, --cdp, --micro-batches)")
+        searched = [scheme.flags[0].name for scheme in SCHEMES if scheme.flags]
+        lines.append(f"    none: every plan found uses this point's TP family and {', '.join(s.title for s in SCHEMES)} settings "
+                     f"(widen --tp, {', '.join(searched)})")
     return "\n".join(lines)

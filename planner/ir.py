@@ -153,6 +153,10 @@ class IRGraph:
 
         return self.memo("consumers", make)
 
+    def batch_rows(self) -> int:
+        """The traced batch: dim 0 of the first input (1 without inputs)."""
+        return self.nodes[self.input_names[0]].out.shape[0] if self.input_names else 1
+
     def num_params(self) -> int:
         return sum(n.out.numel for n in self.params)
 

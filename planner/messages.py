@@ -17,7 +17,7 @@ from planner.plan import Plan
 from planner.schemes.base import Settings, settings_of
 from planner.schemes.cdp import PipelineEstimate
 from planner.schemes.registry import SCHEMES
-from planner.space import Candidate, batch_rows
+from planner.space import Candidate
 from planner.terms import Evaluation, Problem
 from planner.units import format_bytes, format_seconds
 
@@ -112,17 +112,9 @@ def nothing_fits(config: SearchConfig, graph: IRGraph, least: float, cand: Candi
     terms = sorted(memory.items(), key=lambda kv: -kv[1])
     parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in terms if v)
     state = memory["params"] + memory["grads"] + memory["optimizer"]
-    advice = []
-    if max(config.zero) < 3:
-        advice.append("ZeRO (--zero 1,2,3: stage 3 divides parameters, gradients and optimizer states by the data-parallel degree)")
+    advice = [part for scheme in SCHEMES if (part := scheme.advice(config, graph, memory))]
     if memory["activations"] >= state / 2:
         advice.append("a smaller batch per step (--batch), since activations are a large share")
-        more = max(config.micro_batches) * 2
-        if batch_rows(graph) % more == 0:
-            advice.append(f"gradient accumulation (--micro-batches {more}: each micro-batch holds a share of the activations)")
-        if config.recompute == ("none",) and graph.repeated:
-            advice.append("activation recomputation (--recompute none,full --recompute-layers 0.5,1: each repeated layer recomputed, "
-                          "all of them or the first half, keeps only its input and runs its forward again in backward)")
     if pipeline is not None and pipeline.peak_memory < least:
         advice.append(f"CDP with its {pipeline.stages} stages on different devices (runtime.cdp_pipeline.CDPPipeline, "
                       f"{pipeline.per_stage} devices a stage: each holds its stage's parameters and the activations of its workers "
@@ -130,10 +122,8 @@ def nothing_fits(config: SearchConfig, graph: IRGraph, least: float, cand: Candi
     advice.append(f"more devices (at least {least / budget:.1f}x the memory in all: more tensor or data parallelism spreads the "
                   f"{'parameter, gradient and optimizer state' if state >= memory['activations'] else 'activation'} bytes)")
     return (f"No plan on {config.devices} devices fits {format_bytes(budget)} per device. The least memory any plan needs is "
-            f"{format_bytes(least)} ({format_bytes(least - budget)} over), on mesh {cand.mesh} with ZeRO-{cand.zero}"
-            + (f" and CDP {cand.cdp}" if cand.cdp != "off" else "")
-            + (f" in {cand.micro_batches} micro-batches" if cand.micro_batches > 1 else "")
-            + (f", recomputing {cand.recompute}" if cand.recompute != "none" else "") + f": {parts}. To fit, try " + "; or ".join(advice) + ".")
+            f"{format_bytes(least)} ({format_bytes(least - budget)} over), on {configuration_text(cand)}: {parts}. "
+            "To fit, try " + "; or ".join(advice) + ".")
 
 
 def infeasible_message(problem: Problem, budget: float, least: Evaluation) -> str:

@@ -7,7 +7,8 @@ front, or why it was pruned or cannot fit) and the chosen plan's detail (:func:`
 
 :func:`search_json` is the document ``planner report --json`` prints: a ``pareto`` array (the merged
 front, fastest first; each entry ``step_time_s``, ``peak_memory_bytes``, ``memory_breakdown``,
-``mesh``, ``tp``, ``zero_stage``, ``cdp``, ``cdp_stages``, ..., and the booleans ``knee`` and
+``mesh``, ``tp``, each scheme's fields (``zero_stage``, ``cdp``, ``cdp_stages``, ``micro_batches``, ``recompute``:
+:meth:`planner.schemes.base.Scheme.fields`), ..., and the booleans ``knee`` and
 ``best``), a ``candidates`` array (every configuration: ``feasible``, ``status``
 (:func:`candidate_status`), ``reason``, ``least_memory_bytes``, ``least_is_bound``,
 ``front_points`` (how many points its own front has) and ``front`` (those points)), ``objective``,
@@ -25,11 +26,13 @@ from typing import TYPE_CHECKING, Any
 from planner.hardware import HardwareProfile
 from planner.ir import IRGraph
 from planner.mesh import Mesh, mesh_text
+from planner.messages import configuration_text
 from planner.plan import Plan
+from planner.schemes.base import Settings, settings_of
+from planner.schemes.registry import SCHEMES
 from planner.schemes.tp import TP_AXES
 from planner.search import SearchResult
 from planner.space import Candidate
-from planner.trace import match_layer
 from planner.units import format_bytes, format_seconds
 
 if TYPE_CHECKING:
@@ -61,32 +64,12 @@ def render(rows: list[list[str]], header: list[str], *, markdown: bool = False) 
     return _markdown_table(rows, header) if markdown else _table(rows, header)
 
 
-def cdp_text(plan: Plan) -> str:
-    """``off``, or the mode with its stage count (``v1, 4 stages``)."""
-    return plan.cdp if plan.cdp == "off" else f"{plan.cdp}, {plan.cdp_stages} stages"
+def settings_cells(settings: Settings, plan: Plan | None = None) -> list[str]:
+    """Each scheme's cell of a table row (:meth:`planner.schemes.base.Scheme.cell`)."""
+    return [scheme.cell(settings, plan) for scheme in SCHEMES]
 
 
-def recompute_layers(plan: Plan) -> str:
-    """The repeated layers a plan recomputes, e.g. ``h.* (12 layers)``, or the first ones of a
-    stack, ``h.0-h.5 (6 of 12 layers)``."""
-    every = {m for n in plan.nodes if (m := match_layer(n.module)) is not None}
-    redone = {m for n in plan.nodes if n.recompute_segment is not None and (m := match_layer(n.module)) is not None}
-    parts = []
-    for stack in sorted({prefix for prefix, _ in redone}):
-        mine = sorted(i for p, i in redone if p == stack)
-        total = sum(1 for p, _ in every if p == stack)
-        span = f"{stack}.{mine[0]}" + (f"-{stack}.{mine[-1]}" if len(mine) > 1 else "")
-        parts.append(f"{stack}.* ({total} layers)" if len(mine) == total else f"{span} ({len(mine)} of {total} layers)")
-    return ", ".join(parts) or "the repeated layers"
-
-
-def recompute_text(plan: Plan) -> str:
-    """Which layers a plan recomputes and what it costs (planner.schemes.recompute)."""
-    where = recompute_layers(plan)
-    share = f", {100 * plan.recompute_time_s / plan.step_time_s:.1f} % of the step" if plan.step_time_s > 0 else ""
-    return (f"each instance of {where} keeps only its inputs in forward and runs its forward again in backward: "
-            f"{format_seconds(plan.recompute_time_s)} more per step (that compute and its forward collectives{share}); "
-            "its saved tensors are held only while its backward runs")
+SCHEME_COLUMNS = [scheme.column for scheme in SCHEMES]
 
 
 def point_marks(result: SearchResult, plan: Plan) -> str:
@@ -95,14 +78,14 @@ def point_marks(result: SearchResult, plan: Plan) -> str:
     return ", ".join(marks)
 
 
-FRONT_HEADER = ["#", "step time", "memory/device", "mesh", "tp", "zero", "cdp", "micro-batches", "recompute", ""]
+FRONT_HEADER = ["#", "step time", "memory/device", "mesh", "tp", *SCHEME_COLUMNS, ""]
 
 
 def front_rows(result: SearchResult) -> list[list[str]]:
     """One row per merged-front point, fastest first, numbered from 1 (``planner explain --point``)."""
     return [
-        [str(i), format_seconds(p.step_time_s), format_bytes(p.peak_memory_bytes), mesh_text(p.mesh), p.tp, str(p.zero_stage), cdp_text(p),
-         str(p.micro_batches), p.recompute, point_marks(result, p)]
+        [str(i), format_seconds(p.step_time_s), format_bytes(p.peak_memory_bytes), mesh_text(p.mesh), p.tp, *settings_cells(settings_of(p), p),
+         point_marks(result, p)]
         for i, p in enumerate(result.front, start=1)
     ]
 
@@ -115,7 +98,7 @@ def mesh_family(mesh: Mesh) -> str:
     return next((family for family, axes in TP_AXES.items() if set(axes) == set(mesh.tp_axes)), "mixed")
 
 
-CONFIG_HEADER = ["mesh", "tp", "zero", "cdp", "micro-batches", "recompute", "points", "on front", "fastest", "its memory", "least memory", "status"]
+CONFIG_HEADER = ["mesh", "tp", *SCHEME_COLUMNS, "points", "on front", "fastest", "its memory", "least memory", "status"]
 
 
 def candidate_status(c: Candidate, budget: float) -> str:
@@ -138,9 +121,8 @@ def needs_text(c: Candidate) -> str:
 
 def _config_row(c: Candidate, on_front: set[int], budget: float) -> list[str]:
     """What happened to one configuration: its front's two ends, or why it has none."""
-    cdp = c.cdp if c.cdp == "off" or c.plan is None else cdp_text(c.plan)
     status = candidate_status(c, budget)
-    head = [str(c.mesh), mesh_family(c.mesh), str(c.zero), cdp, str(c.micro_batches), c.recompute]
+    head = [str(c.mesh), mesh_family(c.mesh), *settings_cells(c.settings, c.plan)]
     if c.plan is None:
         return [*head, "0", "0", "-", "-", needs_text(c) if status == "infeasible" else "-", status]
     points = c.front or (c.plan,)
@@ -173,10 +155,7 @@ def format_configurations(result: SearchResult, *, markdown: bool = False) -> st
     if failed:
         out.append("")
         bullet = "- " if markdown else "  "
-        out += [f"{bullet}{c.mesh}" + (f" ZeRO-{c.zero}" if c.zero else "") + (f" CDP {c.cdp}" if c.cdp != "off" else "")
-                + (f" x{c.micro_batches} micro-batches" if c.micro_batches > 1 else "")
-                + (f" recompute {c.recompute}" if c.recompute != "none" else "") + f": {c.reason}"
-                for c in failed]
+        out += [f"{bullet}{configuration_text(c)}: {c.reason}" for c in failed]
     return "\n".join(out)
 
 
@@ -245,14 +224,11 @@ def format_search(
 
 def plan_summary(plan: Plan, *, objective: str) -> list[str]:
     """The chosen plan in two or three lines: what it is, its time and memory, and a note where it shards nothing."""
-    extra = [f"CDP {plan.cdp} ({plan.cdp_stages} stages)"] if plan.cdp != "off" else []
-    extra += [f"{plan.micro_batches} micro-batches"] if plan.micro_batches > 1 else []
-    extra += [f"recompute {plan.recompute}"] if plan.recompute != "none" else []
+    extra = [part for scheme in SCHEMES if (part := scheme.summary(plan))]
     extra += [f"master weights {plan.master_dtype}"] if plan.master_dtype else []
     hidden = f", {format_seconds(plan.overlap_time_s)} of it hidden" if plan.overlap_time_s else ""
     return [
-        f"Chosen plan ({objective}): mesh {mesh_text(plan.mesh)}, tensor parallelism {plan.tp}, ZeRO {plan.zero_stage}"
-        + "".join(f", {e}" for e in extra),
+        f"Chosen plan ({objective}): mesh {mesh_text(plan.mesh)}, tensor parallelism {plan.tp}" + "".join(f", {e}" for e in extra),
         f"  {format_seconds(plan.step_time_s)} per step (compute {format_seconds(plan.compute_time_s)}, communication "
         f"{format_seconds(plan.comm_time_s)}{hidden}); {format_bytes(plan.peak_memory_bytes)} per device of "
         f"{format_bytes(plan.memory_budget_bytes) if plan.memory_budget_bytes else 'no budget'}",
@@ -263,30 +239,17 @@ def plan_summary(plan: Plan, *, objective: str) -> list[str]:
 def format_plan(plan: Plan, *, graph: IRGraph | None = None) -> str:
     mesh = mesh_text(plan.mesh)
     m = plan.memory_breakdown
-    cdp = []
-    if plan.cdp != "off":
-        cdp = [
-            f"  CDP {plan.cdp}, {plan.cdp_stages} stages: the data-parallel workers run staggered and sum each stage's gradient "
-            "along a point-to-point chain (2(N-1) messages per stage, overlapping compute) instead of an all-reduce; "
-            + ("the update uses the previous step's gradient" if plan.cdp == "v1" else "workers use the newest parameters on the stages already updated, the previous version elsewhere")
-            + " (a one-step gradient delay), and holds "
-            + ("the delayed gradient" if plan.cdp == "v1" else "a second parameter version")
-            + ". Run it with planner.runtime.cdp.CDPTrainer.",
-        ]
+    settings = "".join(f", {part}" for scheme in SCHEMES if (part := scheme.summary(plan)))
     lines = [
-        f"Plan: mesh {mesh}, tensor parallelism {plan.tp}, ZeRO {plan.zero_stage}, CDP {plan.cdp}, optimizer {plan.optimizer}"
+        f"Plan: mesh {mesh}, tensor parallelism {plan.tp}{settings}, optimizer {plan.optimizer}"
         + (f" (master weights {plan.master_dtype})" if plan.master_dtype else ""),
         f"  predicted step time {format_seconds(plan.step_time_s)}: compute {format_seconds(plan.compute_time_s)}, communication {format_seconds(plan.comm_time_s)} "
         + (f"({format_seconds(plan.overlap_time_s)} of it hidden behind compute: {'CDP' if plan.cdp != 'off' else 'ZeRO-3 prefetch' if plan.zero_stage == 3 and plan.zero_prefetch else 'gradient sync beside backward'})"
            if plan.overlap_time_s else "(not overlapped)"),
         f"  memory per device {format_bytes(plan.peak_memory_bytes)} of {format_bytes(plan.memory_budget_bytes) if plan.memory_budget_bytes else 'no budget'}: "
         f"params {format_bytes(m.params)}, grads {format_bytes(m.grads)}, optimizer {format_bytes(m.optimizer)}, activations {format_bytes(m.activations)}, transient {format_bytes(m.transient)}",
-        *cdp,
-        *([f"  recompute {plan.recompute}: {recompute_text(plan)}"] if plan.recompute != "none" else []),
+        *(line for scheme in SCHEMES for line in scheme.describe(plan)),
         *([f"  {plan.shards_nothing_note()}"] if plan.shards_nothing else []),
-        *([f"  gradient accumulation: {plan.micro_batches} micro-batches of {plan.input_shapes[0][0] if plan.input_shapes else '?'} rows per step, "
-           "one after another, gradients synced and the optimizer stepped once (run a step with ParallelModule.forward_backward)"]
-          if plan.micro_batches > 1 else []),
         f"  solver: {plan.solver.status} ({plan.solver.backend}, {plan.solver.num_variables} variables, {plan.solver.num_constraints} constraints, "
         f"build {plan.solver.build_s:.2f} s, solve {plan.solver.solve_s:.2f} s)",
         "",
@@ -348,11 +311,7 @@ def search_json(result: SearchResult, *, model_name: str, devices: int, hardware
             "memory_breakdown": p.memory_breakdown.model_dump(),
             "mesh": dict(p.mesh),
             "tp": p.tp,
-            "zero_stage": p.zero_stage,
-            "cdp": p.cdp,
-            "cdp_stages": p.cdp_stages,
-            "micro_batches": p.micro_batches,
-            "recompute": p.recompute,
+            **{key: value for scheme in SCHEMES for key, value in scheme.fields(p).items()},
             "compute_time_s": p.compute_time_s,
             "comm_time_s": p.comm_time_s,
             "overlap_time_s": p.overlap_time_s,
@@ -364,7 +323,7 @@ def search_json(result: SearchResult, *, model_name: str, devices: int, hardware
 
     def candidate(c: Candidate) -> dict[str, Any]:
         points = c.front or ((c.plan,) if c.plan is not None else ())
-        return {"mesh": c.mesh.as_dict(), "tp": mesh_family(c.mesh), "zero_stage": c.zero, "cdp": c.cdp, "micro_batches": c.micro_batches, "recompute": c.recompute, "feasible": c.plan is not None,
+        return {"mesh": c.mesh.as_dict(), "tp": mesh_family(c.mesh), **c.settings, "feasible": c.plan is not None,
                 "status": candidate_status(c, result.memory_budget), "reason": c.reason,
                 "least_memory_bytes": c.least_memory, "least_is_bound": c.least_is_bound, "front_points": len(points),
                 "front": [point(p) for p in points], "seconds": c.seconds}

@@ -64,7 +64,7 @@ from planner.solve import (
     solve,
     solve_within,
 )
-from planner.space import Candidate, batch_rows, candidate_meshes
+from planner.space import Candidate, candidate_meshes
 from planner.sweep import sweep
 from planner.terms import Problem, StrategyFilter
 from planner.units import format_bytes
@@ -185,7 +185,7 @@ def search(
     ``m`` > 1 of ``config.micro_batches`` (:func:`planner.trace.micro_batch_inputs` cuts the inputs)."""
     t0 = time.perf_counter()
     budget = config.budget
-    batch = batch_rows(graph)
+    batch = graph.batch_rows()
     result = SearchResult(best=None, objective=config.objective, memory_budget=budget, config=config)
     configs = candidate_meshes(config, batch, graph)
     if all(c.reason for c in configs):  # nothing to solve, and memory is not why: the user's options are
@@ -316,7 +316,7 @@ def _micro_graphs(graph: IRGraph, batch: int, counts: set[int], micro_graph: Cal
             raise ValueError(f"micro-batch count {m} needs the graph of one micro-batch: pass micro_graph= (e.g. "
                              "lambda m: trace(model, *micro_batch_inputs(args, kwargs, m)))")
         g = micro_graph(m)
-        rows = batch_rows(g)
+        rows = g.batch_rows()
         if rows * m != batch:
             raise ValueError(f"micro_graph({m}) traced a batch of {rows}; one of {m} micro-batches of {batch} has {batch // m}")
         graphs[m] = g
@@ -488,7 +488,7 @@ def _plan_configuration(
                        f"{larger_text(resolution)} than plans of the configurations above", seconds=time.perf_counter() - t0)
     plans = merge([make_plan(problem.graph, problem, sol, model_name=model_name, memory_budget=budget, optimizer=config.optimizer) for sol in solutions],
                   resolution if front else 0.0)
-    log.info("mesh %s ZeRO-%d CDP %s: %d points", cand.mesh, cand.zero, cand.cdp, len(plans))
+    log.info("%s: %d points", configuration_text(cand), len(plans))
     return replace(done, family=plans[0].tp, plan=plans[0], front=tuple(plans), seconds=time.perf_counter() - t0)
 
 
@@ -572,5 +572,5 @@ def least_memory_message(graphs: dict[int, IRGraph], config: SearchConfig, resul
     graph = graphs[1]
     # CDP's one saving: with its stages on different devices (runtime.cdp_pipeline.CDPPipeline),
     # a device holds only its stage's parameters and the activations of its workers in flight
-    pipelines = pipeline_estimates(graph, config.hardware, devices=config.devices, batch=batch_rows(graph), optimizer=config.optimizer)
+    pipelines = pipeline_estimates(graph, config.hardware, devices=config.devices, batch=graph.batch_rows(), optimizer=config.optimizer)
     return nothing_fits(config, graph, least, cand, memory, min(pipelines, key=lambda e: e.peak_memory, default=None))

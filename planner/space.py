@@ -33,7 +33,7 @@ class Candidate:
     front: tuple[Plan, ...] = ()  # the configuration's Pareto plans within the budget, fastest first
     seconds: float = 0.0  # building and solving this configuration
 
-    # the settings of the schemes a report names (a new scheme's is in ``settings``)
+    # shorthands for three schemes' settings (every scheme's is in ``settings``, by its setting)
     @property
     def zero(self) -> int:
         return int(self.settings["zero_stage"])
@@ -45,10 +45,6 @@ class Candidate:
     @property
     def micro_batches(self) -> int:
         return int(self.settings["micro_batches"])
-
-    @property
-    def recompute(self) -> str:
-        return str(self.settings["recompute"])
 
 
 def candidate_meshes(config: SearchConfig, batch: int, graph: IRGraph | None = None) -> list[Candidate]:
@@ -90,8 +86,3 @@ def _once_per_split(candidates: list[Candidate]) -> list[Candidate]:
             seen.add(key)
         out.append(c)
     return out
-
-
-def batch_rows(graph: IRGraph) -> int:
-    """The traced batch: dim 0 of the first input (1 without inputs)."""
-    return graph.nodes[graph.input_names[0]].out.shape[0] if graph.input_names else 1

@@ -98,7 +98,7 @@ def test_cli_text_report_names_the_best_mesh(capsys: pytest.CaptureFixture[str])
 def test_cli_searches_cdp_and_prunes_what_it_cannot_run(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["report", "gpt-tiny", "--devices", "8", "--tp", "none,1d", "--zero", "0,2", "--cdp", "off,v1", "--cdp-stages", "2", "--verbose"]) == 0
     out = capsys.readouterr().out
-    assert "dp=1 x tp=8 CDP v1: CDP runs over the data-parallel axis: needs dp > 1" in out
+    assert "dp=1 x tp=8 ZeRO-0 CDP v1: CDP runs over the data-parallel axis: needs dp > 1" in out
     assert "CDP with ZeRO-2 is not built in the runtime" in out
     assert " v1 " in out
 

@@ -21,8 +21,7 @@ from planner.hardware import A100_80G
 from planner.ir import IRGraph
 from planner.mesh import Mesh
 from planner.problem import build_problem, evaluate
-from planner.report import recompute_layers
-from planner.schemes.recompute import last_savers, layers_recomputed, parse, segments, setting
+from planner.schemes.recompute import last_savers, layers_recomputed, parse, recomputed_layers, segments, setting
 from planner.search import search
 from planner.solve import solve
 from planner.space import candidate_meshes
@@ -77,7 +76,7 @@ def test_recomputing_holds_fewer_activations_and_costs_the_forward_again(mesh: M
 def test_recomputation_runs_with_zero_0_to_2_and_without_cdp() -> None:
     space = SearchConfig(devices=4, tp=("none",), zero=(0, 3), cdp=("off", "v1"), recompute=("none", "full"))
     configs = candidate_meshes(space, 8)
-    full = [c for c in configs if c.recompute == "full"]
+    full = [c for c in configs if c.settings["recompute"] == "full"]
     assert {(c.zero, c.cdp) for c in full if not c.reason} == {(0, "off")}
     assert all("ZeRO-3" in c.reason or "CDP" in c.reason for c in full if c.reason)
     with pytest.raises(ValueError, match=r"recompute\.0 = 'attention': Input should be 'none', 'selective' or 'full'"):
@@ -155,11 +154,11 @@ def test_selective_recomputes_the_attention_cores_between_none_and_full() -> Non
     from tests.test_solver import _graph
 
     result = search(_graph("repeated"), SearchConfig(devices=2, recompute=("none", "selective"), front=False), model_name="repeated")
-    pruned = [c for c in result.candidates if c.recompute == "selective"]
+    pruned = [c for c in result.candidates if c.settings["recompute"] == "selective"]
     assert pruned and all("no repeated layer of this model has an attention core" in c.reason for c in pruned)
     model, args, kwargs, _ = load_model("mlp-tiny", 8)  # no repeated layers at all: no recomputing configuration
     result = search(trace(model, args, kwargs), SearchConfig(devices=2, recompute=("none", "full"), front=False), model_name="mlp-tiny")
-    pruned = [c for c in result.candidates if c.recompute == "full"]
+    pruned = [c for c in result.candidates if c.settings["recompute"] == "full"]
     assert pruned and all("this model has no repeated layers to recompute" in c.reason for c in pruned)
 
 
@@ -195,7 +194,7 @@ def test_a_share_recomputes_the_first_layers_of_each_stack_and_prices_only_those
                   model_name="gpt-tiny").best
     assert plan is not None and plan.recompute == "full 1/2"
     assert {n.recompute_segment for n in plan.nodes} == {None, 0}
-    assert recompute_layers(plan) == "h.0 (1 of 2 layers)"
+    assert recomputed_layers(plan) == "h.0 (1 of 2 layers)"
 
 
 def test_the_shares_searched_fill_the_front_between_none_and_full() -> None:
@@ -215,7 +214,7 @@ def test_the_shares_searched_fill_the_front_between_none_and_full() -> None:
     assert shares.front[-1].peak_memory_bytes == whole.front[-1].peak_memory_bytes
     assert shares.front[-1].step_time_s < whole.front[-1].step_time_s
     pruned = search(graph, SearchConfig(**space, recompute_layers=(0.1, 0.25, 0.75), front=False), model_name="gpt-tiny")  # type: ignore[arg-type]
-    reasons = {c.recompute: c.reason for c in pruned.candidates}
+    reasons = {c.settings["recompute"]: c.reason for c in pruned.candidates}
     assert "1/10 of 2 layers rounds to none" in reasons["full 1/10"], reasons
     assert "3/4 of 2 layers rounds to all of them" in reasons["full 3/4"] and "rounds" not in reasons["full 1/4"], reasons
     with pytest.raises(ValueError, match=r"recompute_layers are shares of each stack's layers, in \(0, 1\]"):

@@ -26,7 +26,17 @@ collective gradient sync ZeRO priced). In the order a problem is built, solved a
    holds and which collectives it runs (:class:`ParamPrice`, :class:`NodePrice`);
 6. :meth:`Scheme.edges_priced`: terms that need the edges (CDP's stage buffers);
 7. :meth:`Scheme.adjust`: an assignment's evaluation, where the scheme runs differently from the
-   sum of its terms (ZeRO-3's units, CDP's messages per stage) (:class:`Tally`).
+   sum of its terms (ZeRO-3's units, CDP's messages per stage) (:class:`Tally`);
+8. :meth:`Scheme.node_fields` and :meth:`Scheme.plan_fields`: what the scheme writes into the
+   plan the runtime runs (:func:`planner.assemble.make_plan`).
+
+What a person sees of a scheme is the scheme's too, so a new one reaches the command line and
+every report without touching them: its :attr:`Scheme.flags` (:mod:`planner.cli` renders them,
+their defaults are :class:`planner.config.SearchConfig`'s), its :attr:`Scheme.column` in the
+report's tables (:meth:`Scheme.cell`), its part of a plan's summary, description and time
+(:meth:`Scheme.summary`, :meth:`Scheme.describe`, :meth:`Scheme.time_lines`), its JSON fields
+(:meth:`Scheme.fields`), its entry among ``planner explain``'s alternatives (:attr:`Scheme.title`)
+and the advice it gives when nothing fits (:meth:`Scheme.advice`).
 """
 
 from __future__ import annotations
@@ -40,8 +50,9 @@ if TYPE_CHECKING:
     from planner.ir import IRGraph, Node
     from planner.mesh import Mesh
     from planner.peak import Var
+    from planner.plan import Plan
     from planner.strategy import Comm, Strategy
-    from planner.terms import Problem, StrategyFilter
+    from planner.terms import Evaluation, Problem, StrategyFilter
 
 
 @dataclass
@@ -89,6 +100,27 @@ class Tally:
     value: Callable[[Var], float]  # the assignment's value of an ILP indicator (planner.peak.Var)
 
 
+@dataclass(frozen=True)
+class Flag:
+    """A command-line flag of a scheme, which sets :class:`planner.config.SearchConfig`'s ``field``
+    (its default is the field's): a comma list of ``item`` values (``many``; ``choices``, when
+    given, are the values allowed), one value, or, with ``switch_off``, a switch that sets the
+    field to False (``--no-prefetch``)."""
+
+    name: str
+    field: str
+    help: str
+    item: type = str
+    choices: tuple[Any, ...] | None = None
+    many: bool = True
+    switch_off: bool = False
+
+    @property
+    def dest(self) -> str:
+        """The attribute argparse reads the flag into."""
+        return self.name.removeprefix("--").replace("-", "_")
+
+
 Settings = Mapping[str, Any]  # a configuration's scheme settings, by build_problem keyword
 OFF: dict[str, Any] = {}  # each scheme's setting and the value that leaves it out, as the schemes are defined
 
@@ -105,12 +137,17 @@ class Scheme:
     ``setting``: its setting's name, the keyword :func:`planner.problem.build_problem` takes and
     the attribute a :class:`planner.terms.Problem` and a :class:`planner.plan.Plan` hold it by;
     ``searched``: the field of :class:`planner.config.SearchConfig` that lists the values a search
-    tries; ``off``: the value that leaves the scheme out (a problem built without the keyword)."""
+    tries; ``off``: the value that leaves the scheme out (a problem built without the keyword);
+    ``flags``: its command-line flags; ``column``: its column's header in the report's tables;
+    ``title``: its name where ``planner explain`` compares plans by their settings."""
 
     name: ClassVar[str]
     setting: ClassVar[str]
     searched: ClassVar[str]
     off: ClassVar[Any]
+    flags: ClassVar[tuple[Flag, ...]] = ()
+    column: ClassVar[str]
+    title: ClassVar[str]
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -158,3 +195,41 @@ class Scheme:
 
     def adjust(self, problem: Problem, assignment: dict[str, int], tally: Tally) -> None:
         """Change an assignment's evaluation where the scheme runs otherwise than its terms sum."""
+
+    def node_fields(self, problem: Problem, name: str) -> dict[str, Any]:
+        """Fields of node ``name``'s :class:`planner.plan.NodePlan` the scheme sets (what the runtime
+        reads of it: recomputation's segment)."""
+        return {}
+
+    def plan_fields(self, problem: Problem, evaluation: Evaluation) -> dict[str, Any]:
+        """Fields of the :class:`planner.plan.Plan` the scheme sets beside its setting (the
+        seconds it adds to the step, its own parameters)."""
+        return {}
+
+    # ------------------------------------------------------------------ what a person sees
+
+    def cell(self, settings: Settings, plan: Plan | None = None) -> str:
+        """Its cell in a row of the report's tables: a configuration's ``settings``, and, where it
+        has one, its ``plan``."""
+        return str(settings[self.setting])
+
+    def summary(self, plan: Plan) -> str:
+        """Its part of a plan's one-line summary ("" where it says nothing: off)."""
+        return self.label(settings_of(plan))
+
+    def describe(self, plan: Plan) -> list[str]:
+        """Lines of a plan's description (:func:`planner.report.format_plan`): what it runs and how."""
+        return []
+
+    def time_lines(self, plan: Plan) -> list[str]:
+        """Lines of ``planner explain``'s time section: the seconds it adds and why."""
+        return []
+
+    def fields(self, plan: Plan) -> dict[str, Any]:
+        """Its fields in a front point of ``planner report --json``."""
+        return {self.setting: getattr(plan, self.setting)}
+
+    def advice(self, config: SearchConfig, graph: IRGraph, memory: Mapping[str, float]) -> str:
+        """What to search to need less memory, when no plan fits ("" for nothing): ``memory`` is
+        the least-memory plan's terms (params, grads, optimizer, activations, ...)."""
+        return ""

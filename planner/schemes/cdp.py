@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from planner.cdp_clock import TOKEN_BYTES, Clock, Message, OpActions, ring_hold, schedule_owners
 from planner.cost import STATES_PER_VALUE, comm_time
@@ -33,11 +34,14 @@ from planner.layout import Spec
 from planner.mesh import Mesh
 from planner.peak import Form
 from planner.rules.anchors import broadcasts_batch
-from planner.schemes.base import NodePrice, ParamPrice, Scheme, Settings, Tally, settings_of
+from planner.schemes.base import Flag, NodePrice, ParamPrice, Scheme, Settings, Tally, settings_of
 from planner.schemes.zero import zero_param_terms
 from planner.stages import cut_stages, in_flight, parameter_stages
 from planner.strategy import Comm, Strategy
-from planner.terms import Problem, StrategyFilter
+from planner.terms import Evaluation, Problem, StrategyFilter
+
+if TYPE_CHECKING:
+    from planner.plan import Plan
 
 LOSS_TARGETS = ("aten.cross_entropy_loss.default",)
 
@@ -321,6 +325,10 @@ class CDP(Scheme):
     setting = "cdp"
     searched = "cdp"
     off = "off"
+    flags = (Flag("--cdp", "cdp", "CDP modes to search (comma list)", str, ("off", "v1", "v2")),
+             Flag("--cdp-stages", "cdp_stages", "CDP: stages the model is cut into (default 4)", int, many=False))
+    column = "cdp"
+    title = "CDP"
 
     def unsupported(self, mesh: Mesh, settings: Settings, graph: IRGraph | None = None) -> str:
         cdp, zero, micro_batches = settings["cdp"], settings["zero_stage"], settings["micro_batches"]
@@ -340,6 +348,33 @@ class CDP(Scheme):
 
     def label(self, settings: Settings) -> str:
         return f"CDP {settings['cdp']}" if settings["cdp"] != "off" else ""
+
+    def cell(self, settings: Settings, plan: Plan | None = None) -> str:
+        """``off``, or the mode, with its stage count where there is a plan (``v1, 4 stages``)."""
+        cdp = settings["cdp"]
+        return cdp if cdp == "off" or plan is None else f"{cdp}, {plan.cdp_stages} stages"
+
+    def summary(self, plan: Plan) -> str:
+        return f"CDP {plan.cdp} ({plan.cdp_stages} stages)" if plan.cdp != "off" else ""
+
+    def describe(self, plan: Plan) -> list[str]:
+        if plan.cdp == "off":
+            return []
+        return [
+            f"  CDP {plan.cdp}, {plan.cdp_stages} stages: the data-parallel workers run staggered and sum each stage's gradient "
+            "along a point-to-point chain (2(N-1) messages per stage, overlapping compute) instead of an all-reduce; "
+            + ("each update applies the gradient summed a step before (a one-step gradient delay), so a worker holds that sum beside the step's own"
+               if plan.cdp == "v1" else
+               "a worker updates a stage just before its forward where the stage's sum is ready, a step later elsewhere (a one-step gradient delay "
+               "at most), holding the sum until then, not a second parameter version")
+            + ". Run it with planner.runtime.cdp.CDPTrainer."
+        ]
+
+    def fields(self, plan: Plan) -> dict[str, Any]:
+        return {"cdp": plan.cdp, "cdp_stages": plan.cdp_stages}
+
+    def plan_fields(self, problem: Problem, evaluation: Evaluation) -> dict[str, Any]:
+        return {"cdp_stages": problem.cdp_stages}
 
     def configure(self, problem: Problem) -> None:
         why = self.unsupported(problem.mesh, settings_of(problem))

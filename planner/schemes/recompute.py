@@ -44,20 +44,24 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Mapping
 from fractions import Fraction
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from planner.config import Recompute, SearchConfig
 from planner.cost import comm_time, steps_comms
 from planner.ir import IRGraph, Node
 from planner.layout import spec_conversion
 from planner.mesh import Mesh
-from planner.schemes.base import NodePrice, Scheme, Settings, settings_of
+from planner.schemes.base import Flag, NodePrice, Scheme, Settings, settings_of
+from planner.schemes.microbatch import activations_dominate
 from planner.strategy import Comm, Strategy
 from planner.trace import match_layer
+from planner.units import format_seconds
 
 if TYPE_CHECKING:
-    from planner.terms import Problem, Segment
+    from planner.plan import Plan
+    from planner.terms import Evaluation, Problem, Segment
 
 MODES: tuple[Recompute, ...] = ("none", "selective", "full")
 
@@ -218,6 +222,29 @@ def rerun_comms(node: Node, strategy: Strategy, mesh: Mesh, last: bool) -> list[
     return again
 
 
+def segment_numbers(graph: IRGraph, mode: str) -> dict[Segment, int]:
+    """Each recomputed segment's number in the plan (graph order, from 0)."""
+    return graph.memo(("recompute_numbers", mode), lambda: {key: k for k, key in enumerate(dict.fromkeys(segments(graph, mode).values()))})
+
+
+def recomputed_layers(plan: Plan) -> str:
+    """The repeated layers a plan recomputes, e.g. ``h.* (12 layers)``, or the first ones of a
+    stack, ``h.0-h.5 (6 of 12 layers)``."""
+    every = {m for n in plan.nodes if (m := match_layer(n.module)) is not None}
+    redone = {m for n in plan.nodes if n.recompute_segment is not None and (m := match_layer(n.module)) is not None}
+    parts = []
+    for stack in sorted({prefix for prefix, _ in redone}):
+        mine = sorted(i for p, i in redone if p == stack)
+        total = sum(1 for p, _ in every if p == stack)
+        span = f"{stack}.{mine[0]}" + (f"-{stack}.{mine[-1]}" if len(mine) > 1 else "")
+        parts.append(f"{stack}.* ({total} layers)" if len(mine) == total else f"{span} ({len(mine)} of {total} layers)")
+    return ", ".join(parts) or "the repeated layers"
+
+
+def _percent(part: float, whole: float) -> str:
+    return f"{100 * part / whole:.1f}%" if whole > 0 else "-"
+
+
 class Recomputation(Scheme):
     """Activation recomputation of repeated layers (module docstring): what its segments run again."""
 
@@ -225,6 +252,12 @@ class Recomputation(Scheme):
     setting = "recompute"
     searched = "recompute"
     off = "none"
+    flags = (Flag("--recompute", "recompute", "activation recomputation to search (comma list of none,selective,full; full re-runs each "
+                  "repeated layer's forward in backward and keeps only its inputs, selective its attention cores; default none)", str, MODES),
+             Flag("--recompute-layers", "recompute_layers", "with --recompute: the shares of each repeated stack's layers recomputed, its "
+                  "first ones (comma list, e.g. 0.25,0.5,1: a quarter, half and all of them; default 1)", float))
+    column = "recompute"
+    title = "recompute"
 
     def values(self, config: SearchConfig, mesh: Mesh) -> tuple[str, ...]:
         """Each mode searched, and each share of the stacks' layers (``recompute_layers``) for a mode that recomputes."""
@@ -253,6 +286,37 @@ class Recomputation(Scheme):
 
     def label(self, settings: Settings) -> str:
         return f"recompute {settings['recompute']}" if settings["recompute"] != "none" else ""
+
+    def describe(self, plan: Plan) -> list[str]:
+        if plan.recompute == "none":
+            return []
+        share = f", {_percent(plan.recompute_time_s, plan.step_time_s)} of the step" if plan.step_time_s > 0 else ""
+        return [f"  recompute {plan.recompute}: each instance of {recomputed_layers(plan)} keeps only its inputs in forward and runs its "
+                f"forward again in backward: {format_seconds(plan.recompute_time_s)} more per step (that compute and its forward "
+                f"collectives{share}); its saved tensors are held only while its backward runs"]
+
+    def time_lines(self, plan: Plan) -> list[str]:
+        if plan.recompute == "none":
+            return []
+        return [f"  recompute      {format_seconds(plan.recompute_time_s)} ({_percent(plan.recompute_time_s, plan.step_time_s)} of the step) "
+                f"of the above: the forward of {recomputed_layers(plan)} again in backward, to hold their saved tensors only while "
+                "their backward runs"]
+
+    def advice(self, config: SearchConfig, graph: IRGraph, memory: Mapping[str, float]) -> str:
+        if config.recompute != ("none",) or not graph.repeated or not activations_dominate(memory):
+            return ""
+        return ("activation recomputation (--recompute none,full --recompute-layers 0.5,1: each repeated layer recomputed, all of them "
+                "or the first half, keeps only its input and runs its forward again in backward)")
+
+    def node_fields(self, problem: Problem, name: str) -> dict[str, Any]:
+        segment = problem.segment_of.get(name)
+        if segment is None:
+            return {}
+        ends = name in last_savers(problem.graph, problem.recompute)
+        return {"recompute_segment": segment_numbers(problem.graph, problem.recompute)[segment], "ends_segment": ends}
+
+    def plan_fields(self, problem: Problem, evaluation: Evaluation) -> dict[str, Any]:
+        return {"recompute_time_s": evaluation.recompute_time}
 
     def configure(self, problem: Problem) -> None:
         check((problem.recompute,))

@@ -19,6 +19,7 @@ forward (``prefetch``, :func:`planner.overlap.unit_terms`).
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from planner.cost import comm_time
@@ -29,13 +30,14 @@ from planner.mesh import Mesh
 from planner.overlap import unit_terms
 from planner.rules import RuleContext
 from planner.rules.variants import regather_variants
-from planner.schemes.base import NodePrice, ParamPrice, Scheme, Settings, Tally, settings_of
+from planner.schemes.base import Flag, NodePrice, ParamPrice, Scheme, Settings, Tally, settings_of
 from planner.strategy import Comm, Strategy, dedupe
-from planner.terms import Problem, StrategyFilter
+from planner.terms import Evaluation, Problem, StrategyFilter
 from planner.trace import match_layer
 
 if TYPE_CHECKING:
     from planner.config import SearchConfig
+    from planner.plan import Plan
 
 
 def _unit_share_bytes(graph: IRGraph, bucket_bytes: int) -> int:
@@ -138,6 +140,10 @@ class ZeRO(Scheme):
     setting = "zero_stage"
     searched = "zero"
     off = 0
+    flags = (Flag("--zero", "zero", "ZeRO stages to search (comma list, e.g. 0,1,2,3; default 0)", int, (0, 1, 2, 3)),
+             Flag("--no-prefetch", "prefetch", "ZeRO-3: gather each parameter when used, not one ahead", switch_off=True))
+    column = "zero"
+    title = "ZeRO"
 
     def unsupported(self, mesh: Mesh, settings: Settings, graph: IRGraph | None = None) -> str:
         stage = settings["zero_stage"]
@@ -150,6 +156,17 @@ class ZeRO(Scheme):
 
     def label(self, settings: Settings) -> str:
         return f"ZeRO-{settings['zero_stage']}"
+
+    def summary(self, plan: Plan) -> str:
+        return f"ZeRO {plan.zero_stage}"
+
+    def plan_fields(self, problem: Problem, evaluation: Evaluation) -> dict[str, Any]:
+        return {"zero_prefetch": problem.prefetch}
+
+    def advice(self, config: SearchConfig, graph: IRGraph, memory: Mapping[str, float]) -> str:
+        if max(config.zero) == 3:
+            return ""
+        return "ZeRO (--zero 1,2,3: stage 3 divides parameters, gradients and optimizer states by the data-parallel degree)"
 
     def configure(self, problem: Problem) -> None:
         why = self.unsupported(problem.mesh, settings_of(problem))
