@@ -12,7 +12,6 @@ from planner.ir import IRGraph
 from planner.overlap import param_units
 from planner.plan import CommRecord, GradBucket, MemoryBreakdown, NodePlan, ParamUnit, Plan, SolverInfo, UnitGather, fingerprint
 from planner.rules import FALLBACK
-from planner.schemes.base import settings_of
 from planner.schemes.registry import SCHEMES
 from planner.schemes.tp import tp_family
 from planner.schemes.zero import zero_param_terms
@@ -62,7 +61,7 @@ def make_plan(
         mesh_roles=problem.mesh.roles_dict(),
         hardware=problem.hardware.name,
         tp=tp_family(problem, solution.assignment),
-        **settings_of(problem),
+        **problem.settings,
         optimizer=optimizer,
         master_dtype=problem.master_dtype,
         memory_budget_bytes=int(memory_budget) if memory_budget != float("inf") else 0,

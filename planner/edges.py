@@ -24,13 +24,15 @@ _PRICED_KEPT = 4  # the priced terms of the last few problems a graph's searches
 
 def shared_edges(problem: Problem) -> None:
     """:func:`_price_edges`, or the terms an earlier problem priced from the same inputs (the
-    graph, mesh, hardware, strategies, micro-batch count and ZeRO-3's units): ZeRO 0, 1 and 2 of
+    graph, mesh, hardware, strategies, ZeRO-3's units and the settings that change edge terms,
+    ``problem.edge_settings``: micro-batches, CDP, recomputation): ZeRO 0, 1 and 2 of
     one mesh have the same strategies, so a search prices their edges once (measured, gpt2-small
     on 64 devices, one plan: 21 of the 35 problems it prices are priced, the rest share). The
     terms are not changed after pricing, so the problems share them. The last
     :data:`_PRICED_KEPT` are kept on the graph, so what a search drops is freed."""
-    key = (problem.mesh, id(problem.hardware), problem.micro_batches, problem.in_units and problem.unit_share_bytes, problem.recompute,
-           problem.cdp != "off", tuple((g, tuple(grp.strategies)) for g, grp in problem.groups.items()))
+    key = (problem.mesh, id(problem.hardware), problem.in_units and problem.unit_share_bytes,
+           problem.edge_settings,
+           tuple((g, tuple(grp.strategies)) for g, grp in problem.groups.items()))
     kept = cast(dict[object, tuple[object, ...]], problem.graph.memo("priced_edges", dict))
     entry = kept.pop(key, None)
     if entry is None or entry[0] is not problem.hardware:
@@ -71,7 +73,7 @@ def _price_edges(problem: Problem) -> None:
     """Conversion terms of every producer -> consumer edge. Identical edges of the instances of a
     repeated layer are gathered first and priced once (their producers counted together)."""
     graph, mesh, hw = problem.graph, problem.mesh, problem.hardware
-    dp_axes = set(mesh.active_dp_axes)
+    barred = problem.barred_axes
     consumers = graph.consumers()
     signatures: dict[str, tuple[tuple[str, int], ...]] = {}
     # (producer template, output index, consumer template, input position, signature, whether the
@@ -137,8 +139,8 @@ def _price_edges(problem: Problem) -> None:
                 comms = cache.conversion_comms(a, b, meta.nbytes, with_grad, problem.unit_share_bytes if in_unit else 0)
                 again = tuple(c for c in comms if c.phase == "fwd") if rerun else ()  # its forward steps, when the segment is recomputed
                 term = problem.conversions[key] = ConversionTerm(key, 0.0, comms + again, rerun=len(again))
-                # CDP's workers run at different times: no collective over them (planner.schemes.cdp)
-                term.forbidden = problem.cdp != "off" and any(set(c.axes) & dp_axes for c in comms if c.kind != "send")
+                # no collective over axes whose ranks run at different times (CDP's workers, planner.schemes.cdp)
+                term.forbidden = bool(barred) and any(set(c.axes) & barred for c in comms if c.kind != "send")
             term.producers |= producers
             cond = (gu, iu, gv, iv)
             if cond not in term.conditions:

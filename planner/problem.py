@@ -77,7 +77,8 @@ def build_problem(
     settings = OFF | settings
     instances = {template: len(nodes) for template, nodes in instances_of(graph).items()}
     problem = Problem(mesh, hardware, graph, {}, {}, {}, conversions={}, holds={}, instances=instances, master_dtype=master_dtype,
-                      prefetch=prefetch, cdp_stages=cdp_stages, bucket_bytes=bucket_bytes, **settings)
+                      prefetch=prefetch, cdp_stages=cdp_stages, bucket_bytes=bucket_bytes, settings=settings,
+                      edge_settings=tuple(settings[s.setting] for s in SCHEMES if s.changes_edges))
     for scheme in SCHEMES:
         scheme.configure(problem)
     op_anchors = {

@@ -26,6 +26,7 @@ import functools
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from planner.buckets import DEFAULT_BUCKET_BYTES
 from planner.cost import steps_comms, steps_working_set
@@ -134,10 +135,14 @@ class Problem:
     conversions: dict[tuple[object, ...], ConversionTerm]
     holds: dict[tuple[object, ...], HoldTerm]
     edges: dict[tuple[object, ...], EdgeTerm] = field(default_factory=dict)
-    zero_stage: int = 0
+    # each scheme's setting, by its name (planner.schemes.base.Scheme.setting: zero_stage, cdp,
+    # micro_batches, recompute, ...); the ones the sum itself reads have a property below
+    settings: dict[str, Any] = field(default_factory=dict)
+    # the settings that change the edge terms (planner.schemes.base.Scheme.changes_edges): problems
+    # alike in them and in their strategies share their priced edges (planner.edges.shared_edges)
+    edge_settings: tuple[Any, ...] = ()
     master_dtype: str | None = None
     prefetch: bool = False  # ZeRO-3 parameter gathers started one ahead (planner.overlap)
-    cdp: str = "off"  # cyclic data parallelism over the dp axis: off, v1, v2 (planner.schemes.cdp)
     cdp_stages: int = 0
     param_stage: dict[str, int] = field(default_factory=dict)  # CDP: parameter node -> stage
     cdp_owned: dict[str, list[float]] = field(default_factory=dict)  # CDP + ZeRO: owner bytes per strategy
@@ -149,12 +154,11 @@ class Problem:
     priced_memo: dict[str, object] = field(default_factory=dict)
     conversions_priced: bool = False  # conversion and hold terms built (price_conversions)
     edges_priced: bool = False  # and the conversions' working sets, the schemes' edge terms, the instants (price_edges)
-    # gradient accumulation: the graph is one micro-batch; a step runs this many of them one after
-    # another and syncs gradients once (forward/backward terms repeat, the step phase does not)
-    micro_batches: int = 1
-    # activation recomputation of repeated layers (planner.schemes.recompute): none, selective or full
-    recompute: str = "none"
-    segment_of: dict[str, Segment] = field(default_factory=dict)  # op -> the recomputed segment it runs in
+    # ops whose forward runs again in backward, by the segment each runs in (a scheme sets them:
+    # planner.schemes.recompute); what they save is held only while their segment's backward runs
+    segment_of: dict[str, Segment] = field(default_factory=dict)
+    # mesh axes no collective may run over inside forward or backward (CDP's staggered workers)
+    barred_axes: frozenset[str] = frozenset()
     # the gradient sync's collectives packed into buckets of this many bytes (planner.buckets)
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     packed_whole: bool = True  # every packed gradient fits one bucket, whatever the choices
@@ -187,6 +191,22 @@ class Problem:
     # the gradient sync's exposure (planner.overlap.sync_rows): E >= each form (seconds over x),
     # E >= 0; a step hides overlap_efficiency * (sum of Group.sync chosen - E)
     sync_rows: list[Form] = field(default_factory=list)
+
+    @property
+    def zero_stage(self) -> int:
+        """ZeRO's stage (planner.schemes.zero)."""
+        return int(self.settings.get("zero_stage", 0))
+
+    @property
+    def cdp(self) -> str:
+        """Cyclic data parallelism over the dp axis: off, v1, v2 (planner.schemes.cdp)."""
+        return str(self.settings.get("cdp", "off"))
+
+    @property
+    def micro_batches(self) -> int:
+        """Gradient accumulation: the graph is one micro-batch; a step runs this many of them one
+        after another and syncs gradients once (forward/backward terms repeat, the step phase does not)."""
+        return int(self.settings.get("micro_batches", 1))
 
     @property
     def overlap_efficiency(self) -> float:

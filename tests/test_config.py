@@ -90,31 +90,35 @@ def test_report_config_repeats_a_saved_plans_search_and_flags_win(tmp_path: Path
 
 def test_every_scheme_has_its_setting_where_it_is_searched_stored_and_built() -> None:
     """A scheme declares its setting once (planner/schemes/base.py): the search's configurations,
-    build_problem's keywords and a plan's settings follow from the declaration, and the setting
-    must be a field where it is searched (SearchConfig), stored (Problem, Plan) and built, with
-    the scheme off by default everywhere. A scheme half added fails here, naming what it lacks."""
-    import dataclasses
-
+    build_problem's keywords, a problem's settings and a plan's follow from the declaration, and
+    the setting must be a field where it is searched (SearchConfig) and stored for the runtime
+    (Plan), with the scheme off by default everywhere; its flags set SearchConfig fields, and it
+    names its column in the report. A scheme half added fails here, naming what it lacks."""
+    from planner.cli import _parser
     from planner.mesh import Mesh
     from planner.problem import build_problem
     from planner.schemes.base import OFF
     from planner.schemes.registry import SCHEMES
     from planner.space import candidate_meshes
-    from planner.terms import Problem
     from planner.trace import trace
 
-    problem_fields = {f.name: f for f in dataclasses.fields(Problem)}
+    args = _parser().parse_args(["report", "mlp-tiny", "--devices", "8"])
     for scheme in SCHEMES:
         assert scheme.setting in OFF and OFF[scheme.setting] == scheme.off, scheme.name
         assert scheme.searched in SearchConfig.model_fields, f"{scheme.name}: SearchConfig has no field {scheme.searched!r}"
         assert SearchConfig(devices=8).model_dump()[scheme.searched] == (scheme.off,), f"{scheme.name}: a search tries it off by default"
-        assert problem_fields[scheme.setting].default == scheme.off, f"{scheme.name}: Problem.{scheme.setting} is off by default"
         assert Plan.model_fields[scheme.setting].default == scheme.off, f"{scheme.name}: Plan.{scheme.setting} is off by default"
+        assert scheme.column and scheme.title, f"{scheme.name}: a column and a title for the reports"
+        assert scheme.searched in {flag.field for flag in scheme.flags}, f"{scheme.name}: a flag sets SearchConfig.{scheme.searched}"
+        for flag in scheme.flags:
+            assert flag.field in SearchConfig.model_fields, f"{scheme.name}: {flag.name} sets SearchConfig.{flag.field}, which is no field"
+            default = SearchConfig.model_fields[flag.field].default
+            assert getattr(args, flag.dest) == (False if flag.switch_off else default), f"{flag.name}'s default is SearchConfig's"
     # a configuration holds every scheme's setting, and they build its problem and name its plan
     cand = candidate_meshes(SearchConfig(devices=4, tp=("none",), zero=(1,), micro_batches=(2,)), batch=8)[0]
     assert dict(cand.settings) == {"zero_stage": 1, "cdp": "off", "micro_batches": 2, "recompute": "none"} and not cand.reason
     graph = trace(build_model("mlp-tiny", device="meta"), *example_inputs("mlp-tiny", batch=4, device="meta"))
     problem = build_problem(graph, Mesh(("dp", "tp"), (4, 1)), A100_80G, **cand.settings)
-    assert (problem.zero_stage, problem.micro_batches) == (1, 2)
+    assert problem.settings == cand.settings and (problem.zero_stage, problem.micro_batches) == (1, 2)
     with pytest.raises(TypeError, match="build_problem got zero: the schemes' settings are zero_stage, "):
         build_problem(graph, Mesh(("dp", "tp"), (4, 1)), A100_80G, zero=1)

@@ -125,10 +125,10 @@ Settings = Mapping[str, Any]  # a configuration's scheme settings, by build_prob
 OFF: dict[str, Any] = {}  # each scheme's setting and the value that leaves it out, as the schemes are defined
 
 
-def settings_of(holder: object) -> Settings:
-    """The scheme settings a :class:`planner.terms.Problem` or a :class:`planner.plan.Plan` holds
-    (both hold each scheme's setting under its name)."""
-    return {key: getattr(holder, key) for key in OFF}
+def settings_of(plan: Plan) -> Settings:
+    """The scheme settings a :class:`planner.plan.Plan` holds, each under its name (a
+    :class:`planner.terms.Problem` holds them as ``problem.settings``)."""
+    return {key: getattr(plan, key) for key in OFF}
 
 
 class Scheme:
@@ -139,7 +139,9 @@ class Scheme:
     ``searched``: the field of :class:`planner.config.SearchConfig` that lists the values a search
     tries; ``off``: the value that leaves the scheme out (a problem built without the keyword);
     ``flags``: its command-line flags; ``column``: its column's header in the report's tables;
-    ``title``: its name where ``planner explain`` compares plans by their settings."""
+    ``title``: its name where ``planner explain`` compares plans by their settings;
+    ``changes_edges``: whether its setting changes the conversion and hold terms (problems that
+    differ only in settings that do not share them: ZeRO 0, 1 and 2 of one mesh)."""
 
     name: ClassVar[str]
     setting: ClassVar[str]
@@ -148,6 +150,7 @@ class Scheme:
     flags: ClassVar[tuple[Flag, ...]] = ()
     column: ClassVar[str]
     title: ClassVar[str]
+    changes_edges: ClassVar[bool] = True
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

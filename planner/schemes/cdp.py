@@ -34,7 +34,7 @@ from planner.layout import Spec
 from planner.mesh import Mesh
 from planner.peak import Form
 from planner.rules.anchors import broadcasts_batch
-from planner.schemes.base import Flag, NodePrice, ParamPrice, Scheme, Settings, Tally, settings_of
+from planner.schemes.base import Flag, NodePrice, ParamPrice, Scheme, Settings, Tally
 from planner.schemes.zero import zero_param_terms
 from planner.stages import cut_stages, in_flight, parameter_stages
 from planner.strategy import Comm, Strategy
@@ -377,13 +377,14 @@ class CDP(Scheme):
         return {"cdp_stages": problem.cdp_stages}
 
     def configure(self, problem: Problem) -> None:
-        why = self.unsupported(problem.mesh, settings_of(problem))
+        why = self.unsupported(problem.mesh, problem.settings)
         if why:
             raise ValueError(why)
         if problem.cdp == "off":
             problem.cdp_stages = 0  # (a plan without CDP cuts no stages)
             return
         problem.collective_sync = False
+        problem.barred_axes = frozenset(problem.mesh.active_dp_axes)
         problem.param_stage = parameter_stages(problem.graph, problem.cdp_stages)
 
     def strategies(self, problem: Problem, anchors: dict[str, list[Strategy]], allow: StrategyFilter | None) -> StrategyFilter | None:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from planner.ir import IRGraph
 from planner.mesh import Mesh
-from planner.schemes.base import Flag, Scheme, Settings, settings_of
+from planner.schemes.base import Flag, Scheme, Settings
 from planner.terms import Problem
 
 if TYPE_CHECKING:
@@ -62,6 +62,6 @@ def activations_dominate(memory: Mapping[str, float]) -> bool:
     return memory["activations"] >= (memory["params"] + memory["grads"] + memory["optimizer"]) / 2
 
     def configure(self, problem: Problem) -> None:
-        why = self.unsupported(problem.mesh, settings_of(problem))
+        why = self.unsupported(problem.mesh, problem.settings)
         if why:
             raise ValueError(why)

@@ -53,7 +53,7 @@ from planner.cost import comm_time, steps_comms
 from planner.ir import IRGraph, Node
 from planner.layout import spec_conversion
 from planner.mesh import Mesh
-from planner.schemes.base import Flag, NodePrice, Scheme, Settings, settings_of
+from planner.schemes.base import Flag, NodePrice, Scheme, Settings
 from planner.schemes.microbatch import activations_dominate
 from planner.strategy import Comm, Strategy
 from planner.trace import match_layer
@@ -312,18 +312,19 @@ class Recomputation(Scheme):
         segment = problem.segment_of.get(name)
         if segment is None:
             return {}
-        ends = name in last_savers(problem.graph, problem.recompute)
-        return {"recompute_segment": segment_numbers(problem.graph, problem.recompute)[segment], "ends_segment": ends}
+        mode = problem.settings["recompute"]
+        return {"recompute_segment": segment_numbers(problem.graph, mode)[segment], "ends_segment": name in last_savers(problem.graph, mode)}
 
     def plan_fields(self, problem: Problem, evaluation: Evaluation) -> dict[str, Any]:
         return {"recompute_time_s": evaluation.recompute_time}
 
     def configure(self, problem: Problem) -> None:
-        check((problem.recompute,))
-        why = self.unsupported(problem.mesh, settings_of(problem))
+        mode = problem.settings["recompute"]
+        check((mode,))
+        why = self.unsupported(problem.mesh, problem.settings)
         if why:
-            raise ValueError(f"recompute={problem.recompute!r} with ZeRO-{problem.zero_stage}, CDP {problem.cdp}: {why}")
-        problem.segment_of = segments(problem.graph, problem.recompute) if problem.recompute != "none" else {}
+            raise ValueError(f"recompute={mode!r} with ZeRO-{problem.zero_stage}, CDP {problem.cdp}: {why}")
+        problem.segment_of = segments(problem.graph, mode) if mode != "none" else {}
 
     def price_op(self, problem: Problem, node: Node, strategy: Strategy, price: NodePrice) -> None:
         if not problem.recomputes(node):
@@ -331,7 +332,7 @@ class Recomputation(Scheme):
         # the forward runs again in backward, in each recomputed instance: its compute and its forward collectives
         mesh = problem.mesh
         flops = node.flops_fwd + node.flops_bwd
-        again = rerun_comms(node, strategy, mesh, node.name in last_savers(problem.graph, problem.recompute))
+        again = rerun_comms(node, strategy, mesh, node.name in last_savers(problem.graph, problem.settings["recompute"]))
         rerun = price.compute * (node.flops_fwd / flops if flops else 1 / 3)
         price.rerun_instances = problem.recomputed_instances(node.name)
         price.rerun_comms = again

@@ -30,7 +30,7 @@ from planner.mesh import Mesh
 from planner.overlap import unit_terms
 from planner.rules import RuleContext
 from planner.rules.variants import regather_variants
-from planner.schemes.base import Flag, NodePrice, ParamPrice, Scheme, Settings, Tally, settings_of
+from planner.schemes.base import Flag, NodePrice, ParamPrice, Scheme, Settings, Tally
 from planner.strategy import Comm, Strategy, dedupe
 from planner.terms import Evaluation, Problem, StrategyFilter
 from planner.trace import match_layer
@@ -144,6 +144,7 @@ class ZeRO(Scheme):
              Flag("--no-prefetch", "prefetch", "ZeRO-3: gather each parameter when used, not one ahead", switch_off=True))
     column = "zero"
     title = "ZeRO"
+    changes_edges = False  # stage 3's edges differ through its units (Problem.in_units), which the shared key holds
 
     def unsupported(self, mesh: Mesh, settings: Settings, graph: IRGraph | None = None) -> str:
         stage = settings["zero_stage"]
@@ -169,7 +170,7 @@ class ZeRO(Scheme):
         return "ZeRO (--zero 1,2,3: stage 3 divides parameters, gradients and optimizer states by the data-parallel degree)"
 
     def configure(self, problem: Problem) -> None:
-        why = self.unsupported(problem.mesh, settings_of(problem))
+        why = self.unsupported(problem.mesh, problem.settings)
         if why:
             raise ValueError(why)
         problem.unit_share_bytes = _unit_share_bytes(problem.graph, problem.bucket_bytes)
