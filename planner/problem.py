@@ -55,10 +55,8 @@ def build_problem(
 ) -> Problem:
     """The problem of planning ``graph`` on ``mesh``. ``settings``: a value of each scheme's
     setting (:attr:`planner.schemes.base.Scheme.setting`; a scheme left out is off), each
-    documented in its module: ``zero_stage`` (:mod:`planner.schemes.zero`, with ``bucket_bytes``
-    and ``prefetch``), ``cdp`` (:mod:`planner.schemes.cdp`, with ``cdp_stages``),
-    ``micro_batches`` (:mod:`planner.schemes.microbatch`: ``graph`` is traced on one micro-batch),
-    ``recompute`` (:mod:`planner.schemes.recompute`).
+    documented in its scheme's module (:mod:`planner.schemes`); ``bucket_bytes``, ``prefetch``
+    and ``cdp_stages`` are ZeRO's and CDP's parameters. The graph is traced on one micro-batch.
 
     ``master_dtype`` (e.g. ``"float32"``, mixed precision): parameters and gradients stay in the
     traced dtype, the optimizer adds a master copy and keeps its states in ``master_dtype``

@@ -81,3 +81,46 @@ def test_the_runtime_loads_of_the_planner_only_the_plan_and_what_it_is_made_of()
     assert proc.returncode == 0, proc.stderr[-3000:]
     loaded = set(proc.stdout.split())
     assert loaded <= RUNTIME_CONTRACT, sorted(loaded - RUNTIME_CONTRACT)
+
+
+def _names_of(setting: str, module: str, path: Path) -> list[int]:
+    """Lines of ``path`` whose code (not docstrings or comments) names ``setting``: as a string, an
+    attribute, a keyword, a declared field, or by importing from ``module``."""
+    import ast
+
+    tree = ast.parse(path.read_text())
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)
+    }
+    lines = []
+    for node in ast.walk(tree):
+        if ((isinstance(node, ast.Constant) and node.value == setting and id(node) not in docstrings)
+                or (isinstance(node, ast.Attribute) and node.attr == setting)
+                or (isinstance(node, ast.keyword) and node.arg == setting)
+                or (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.target.id == setting)
+                or (isinstance(node, ast.ImportFrom) and (node.module or "").endswith(module))):
+            lines.append(node.lineno)
+    return sorted(set(lines))
+
+
+def test_recomputation_is_named_only_by_its_scheme_the_registry_the_search_config_and_the_plan() -> None:
+    """The design's proof (planner/schemes/registry.py): activation recomputation, a searched
+    dimension with its own pricing, flags, report column, explain lines and runtime, is named by
+    code in three files beside its own modules (the registry's entry, SearchConfig's field, the
+    plan's field) and by the runtime's compile step, which runs its runtime half. Everything else
+    reaches it through the scheme protocol (planner/schemes/base.py) or the sum's vocabulary of
+    recomputed segments (Problem.segment_of)."""
+    own = {"planner/schemes/recompute.py", "runtime/recompute.py"}
+    allowed = {"planner/schemes/registry.py", "planner/config.py", "planner/plan.py", "runtime/compile.py"}
+    found = {}
+    for folder in ("planner", "runtime"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            where = path.relative_to(ROOT).as_posix()
+            lines = _names_of("recompute", "schemes.recompute", path)
+            if lines and where not in own:
+                found[where] = lines
+    assert set(found) <= allowed, f"recompute is named outside its scheme, the registry, SearchConfig and the plan: {found}"
+    assert set(found) == allowed, f"the scan finds what it must (a scan that finds nothing proves nothing): {found}"
