@@ -76,7 +76,7 @@ def build_problem(
     instances = {template: len(nodes) for template, nodes in instances_of(graph).items()}
     problem = Problem(mesh, hardware, graph, {}, {}, {}, conversions={}, holds={}, instances=instances, master_dtype=master_dtype,
                       prefetch=prefetch, cdp_stages=cdp_stages, bucket_bytes=bucket_bytes, settings=settings,
-                      edge_settings=tuple(settings[s.setting] for s in SCHEMES if s.changes_edges))
+                      edge_settings=tuple(s.edge_key(settings[s.setting]) for s in SCHEMES))
     for scheme in SCHEMES:
         scheme.configure(problem)
     op_anchors = {

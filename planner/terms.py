@@ -138,8 +138,8 @@ class Problem:
     # each scheme's setting, by its name (planner.schemes.base.Scheme.setting: zero_stage, cdp,
     # micro_batches, recompute, ...); the ones the sum itself reads have a property below
     settings: dict[str, Any] = field(default_factory=dict)
-    # the settings that change the edge terms (planner.schemes.base.Scheme.changes_edges): problems
-    # alike in them and in their strategies share their priced edges (planner.edges.shared_edges)
+    # what of the settings changes the edge terms (planner.schemes.base.Scheme.edge_key): problems
+    # alike in it and in their strategies share their priced edges (planner.edges.shared_edges)
     edge_settings: tuple[Any, ...] = ()
     master_dtype: str | None = None
     prefetch: bool = False  # ZeRO-3 parameter gathers started one ahead (planner.overlap)

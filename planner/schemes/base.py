@@ -139,9 +139,7 @@ class Scheme:
     ``searched``: the field of :class:`planner.config.SearchConfig` that lists the values a search
     tries; ``off``: the value that leaves the scheme out (a problem built without the keyword);
     ``flags``: its command-line flags; ``column``: its column's header in the report's tables;
-    ``title``: its name where ``planner explain`` compares plans by their settings;
-    ``changes_edges``: whether its setting changes the conversion and hold terms (problems that
-    differ only in settings that do not share them: ZeRO 0, 1 and 2 of one mesh)."""
+    ``title``: its name where ``planner explain`` compares plans by their settings."""
 
     name: ClassVar[str]
     setting: ClassVar[str]
@@ -150,7 +148,6 @@ class Scheme:
     flags: ClassVar[tuple[Flag, ...]] = ()
     column: ClassVar[str]
     title: ClassVar[str]
-    changes_edges: ClassVar[bool] = True
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -170,6 +167,12 @@ class Scheme:
     def label(self, settings: Settings) -> str:
         """The scheme's part of a configuration's name ("" where it is off)."""
         return ""
+
+    def edge_key(self, value: Any) -> Any:
+        """What of its setting's ``value`` changes the conversion and hold terms: problems alike
+        in it (and in their strategies) share their priced edges (:func:`planner.edges.shared_edges`;
+        ZeRO 0, 1 and 2 of one mesh do)."""
+        return value
 
     def configure(self, problem: Problem) -> None:
         """Check the settings; settle what the scheme decides once per problem."""

@@ -349,6 +349,9 @@ class CDP(Scheme):
     def label(self, settings: Settings) -> str:
         return f"CDP {settings['cdp']}" if settings["cdp"] != "off" else ""
 
+    def edge_key(self, value: Any) -> Any:
+        return value != "off"  # its conversions bar collectives over the workers, in v1 and v2 alike
+
     def cell(self, settings: Settings, plan: Plan | None = None) -> str:
         """``off``, or the mode, with its stage count where there is a plan (``v1, 4 stages``)."""
         cdp = settings["cdp"]

@@ -144,7 +144,6 @@ class ZeRO(Scheme):
              Flag("--no-prefetch", "prefetch", "ZeRO-3: gather each parameter when used, not one ahead", switch_off=True))
     column = "zero"
     title = "ZeRO"
-    changes_edges = False  # stage 3's edges differ through its units (Problem.in_units), which the shared key holds
 
     def unsupported(self, mesh: Mesh, settings: Settings, graph: IRGraph | None = None) -> str:
         stage = settings["zero_stage"]
@@ -160,6 +159,9 @@ class ZeRO(Scheme):
 
     def summary(self, plan: Plan) -> str:
         return f"ZeRO {plan.zero_stage}"
+
+    def edge_key(self, value: Any) -> Any:
+        return None  # stage 3's edges differ through its units (Problem.in_units), which the shared key holds
 
     def plan_fields(self, problem: Problem, evaluation: Evaluation) -> dict[str, Any]:
         return {"zero_prefetch": problem.prefetch}
