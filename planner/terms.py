@@ -195,18 +195,18 @@ class Problem:
     @property
     def zero_stage(self) -> int:
         """ZeRO's stage (planner.schemes.zero)."""
-        return int(self.settings.get("zero_stage", 0))
+        return self.settings.get("zero_stage", 0)
 
     @property
     def cdp(self) -> str:
         """Cyclic data parallelism over the dp axis: off, v1, v2 (planner.schemes.cdp)."""
-        return str(self.settings.get("cdp", "off"))
+        return self.settings.get("cdp", "off")
 
     @property
     def micro_batches(self) -> int:
         """Gradient accumulation: the graph is one micro-batch; a step runs this many of them one
         after another and syncs gradients once (forward/backward terms repeat, the step phase does not)."""
-        return int(self.settings.get("micro_batches", 1))
+        return self.settings.get("micro_batches", 1)
 
     @property
     def overlap_efficiency(self) -> float:
