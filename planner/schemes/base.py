@@ -134,8 +134,8 @@ def settings_of(plan: Plan) -> Settings:
 class Scheme:
     """One parallelism dimension (see the module docstring for when each hook runs).
 
-    ``setting``: its setting's name, the keyword :func:`planner.problem.build_problem` takes and
-    the attribute a :class:`planner.terms.Problem` and a :class:`planner.plan.Plan` hold it by;
+    ``setting``: its setting's name, the keyword :func:`planner.problem.build_problem` takes, the
+    key of ``Problem.settings`` and the attribute a :class:`planner.plan.Plan` holds it by;
     ``searched``: the field of :class:`planner.config.SearchConfig` that lists the values a search
     tries; ``off``: the value that leaves the scheme out (a problem built without the keyword);
     ``flags``: its command-line flags; ``column``: its column's header in the report's tables;
