@@ -49,17 +49,17 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from planner.stages import stage_owners
+from planner.stages import Units, message_units, stage_owners
 
 TOKEN_BYTES = 8
 
 
 @dataclass(frozen=True, order=True)
 class Message:
-    """A point-to-point message of the schedule. ``kind`` "chain": the partial sum of stage
-    ``stage``'s gradient of step ``step`` from chain place ``place`` to place + 1; "ring": the
-    final buffer (sum, or with ZeRO the owner's new parameters) from ring place ``place`` to
-    place + 1 (place 0 is the owner); "token": worker ``src`` has done op ``step``."""
+    """A point-to-point message of the schedule. ``kind`` "chain": the partial sum of piece
+    ``part`` of stage ``stage``'s gradient of step ``step`` from chain place ``place`` to place + 1;
+    "ring": the piece's final buffer (sum, or with ZeRO the owner's new parameters) from ring place
+    ``place`` to place + 1 (place 0 is the owner); "token": worker ``src`` has done op ``step``."""
 
     step: int
     stage: int
@@ -67,6 +67,7 @@ class Message:
     place: int
     src: int
     dst: int
+    part: int = 0
 
 
 @dataclass
@@ -85,12 +86,12 @@ class OpActions:
     forwards: dict[Message, Message] = field(default_factory=dict)  # a receive -> the message it sends on, at once
     log_order: list[int] = field(default_factory=list)  # each log entry's place in the simulation's order
     order: int = -1  # the op's place in it
-    head: Message | None = None  # after the op (a backward): the chain this worker heads
+    heads: list[Message] = field(default_factory=list)  # after the op (a backward): the chains this worker heads
 
     @property
     def sends(self) -> list[Message]:
-        """The data messages this op sends: those its receives pass on, then its chain's head."""
-        return [*self.forwards.values(), *([self.head] if self.head is not None else [])]
+        """The data messages this op sends: those its receives pass on, then its chains' heads."""
+        return [*self.forwards.values(), *self.heads]
 
 
 @dataclass
@@ -105,14 +106,19 @@ class Clock:
     """CDP's schedule for ``workers`` workers and ``stages`` stages (module docstring)."""
 
     def __init__(self, workers: int, stages: int, owners: Sequence[int], rule: str, has_params: Sequence[bool], keep: int | None = None,
-                 hold: bool = False) -> None:
-        """``keep``: the worker whose ops' actions are kept for :meth:`actions` (None: every worker's).
-        ``hold``: the ring copies a worker applies at a step's start (v1's; v2's where the worker is
-        stale on the stage) are taken an op after their receive is posted (:func:`ring_hold`)."""
+                 hold: bool = False, parts: Sequence[int] | None = None) -> None:
+        """``owners``: each unit's owner, a stage's pieces in order (``parts``: each stage's piece
+        count, 1 by default; :class:`planner.stages.Units`). ``keep``: the worker whose ops'
+        actions are kept for :meth:`actions` (None: every worker's). ``hold``: the ring copies a
+        worker applies at a step's start (v1's; v2's where the worker is stale on the stage) are
+        taken an op after their receive is posted (:func:`ring_hold`)."""
         if rule not in ("sync", "v1", "v2"):
             raise ValueError(f"unknown CDP update rule {rule!r}; use sync, v1 or v2")
-        if len(owners) != stages or len(has_params) != stages:
-            raise ValueError(f"{stages} stages need {stages} owners and flags, got {len(owners)} and {len(has_params)}")
+        self.parts = tuple(parts) if parts is not None else (1,) * stages
+        if len(self.parts) != stages or len(owners) != sum(self.parts) or len(has_params) != stages:
+            raise ValueError(f"{stages} stages of {sum(self.parts)} pieces need {sum(self.parts)} owners and {stages} flags, "
+                             f"got {len(owners)} and {len(has_params)}")
+        self._first = [sum(self.parts[:stage]) for stage in range(stages)]
         self.workers, self.stages, self.owners, self.rule = workers, stages, tuple(owners), rule
         self.has_params = tuple(has_params)
         if rule == "sync":  # every stage's sum before the next step's forward: no delay (DP through the chain)
@@ -136,11 +142,11 @@ class Clock:
         self._msgs: dict[Message, _Msg] = {}
         self._incoming: list[list[Message]] = [[] for _ in range(workers)]  # created, not yet received
         self._outgoing: list[list[Message]] = [[] for _ in range(workers)]  # sent, not yet waited for
-        self._final: dict[tuple[int, int, int], int] = {}  # (worker, step, stage) -> op its buffer became final at
-        self._chain_done: set[tuple[int, int, int]] = set()  # (worker, step, stage): its chain send waited for
+        self._final: dict[tuple[int, int, int, int], int] = {}  # (worker, step, stage, part) -> op its piece became final at
+        self._chain_done: set[tuple[int, int, int, int]] = set()  # (worker, step, stage, part): its chain send waited for
         self._tokens_taken = [-1] * workers
         self.keep = keep
-        self.messages_per_step = 2 * (workers - 1) * sum(has_params)
+        self.messages_per_step = 2 * (workers - 1) * sum(p for p, has in zip(self.parts, has_params, strict=True) if has)
         self._closed: dict[int, int] = {}  # step -> its data messages received and waited for
         self._touched: dict[int, int] = {}  # step -> the last op index any of its messages was received or waited for at
 
@@ -149,20 +155,23 @@ class Clock:
     def due(self, worker: int, op: int) -> int:
         return op * self.scale + worker * self.delta
 
-    def place(self, stage: int, worker: int) -> int:
-        """``worker``'s place in stage ``stage``'s chain (0 first, N-1 the owner)."""
-        return (worker - self.owners[stage] - 1) % self.workers
+    def owner(self, stage: int, part: int = 0) -> int:
+        return self.owners[self._first[stage] + part]
 
-    def at_place(self, stage: int, place: int) -> int:
-        return (self.owners[stage] + 1 + place) % self.workers
+    def place(self, stage: int, worker: int, part: int = 0) -> int:
+        """``worker``'s place in the chain of stage ``stage``'s piece ``part`` (0 first, N-1 the owner)."""
+        return (worker - self.owner(stage, part) - 1) % self.workers
 
-    def ring_next(self, stage: int, worker: int) -> int | None:
-        """Who ``worker`` passes stage ``stage``'s final buffer to: the ring runs from the owner
-        through chain places 0, 1, ..., N-2."""
-        place = self.place(stage, worker)
+    def at_place(self, stage: int, place: int, part: int = 0) -> int:
+        return (self.owner(stage, part) + 1 + place) % self.workers
+
+    def ring_next(self, stage: int, worker: int, part: int = 0) -> int | None:
+        """Who ``worker`` passes the final buffer of stage ``stage``'s piece ``part`` to: the ring
+        runs from the owner through chain places 0, 1, ..., N-2."""
+        place = self.place(stage, worker, part)
         if place == self.workers - 2:
             return None
-        return self.at_place(stage, 0 if place == self.workers - 1 else place + 1)
+        return self.at_place(stage, 0 if place == self.workers - 1 else place + 1, part)
 
     def gate(self, worker: int, op: int) -> int:
         """The predecessor's last op that must be done before ``worker``'s op ``op`` (-1: none)."""
@@ -271,7 +280,7 @@ class Clock:
                         self._closed[message.step] = self._closed.get(message.step, 0) + 1
                         self._touched[message.step] = max(self._touched.get(message.step, 0), op)
                     if message.kind == "chain":
-                        self._chain_done.add((n, message.step, message.stage))
+                        self._chain_done.add((n, message.step, message.stage, message.part))
                     progress = did = True
             for message in sorted(m for m in self._incoming[n] if m.kind != "token"):  # what has been sent here
                 m = self._msgs[message]
@@ -280,7 +289,7 @@ class Clock:
                 if m.posted < 0:
                     if message.kind == "chain" and self.backward_op(message.step, message.stage) >= op:
                         continue  # the partial sum is added to this worker's own gradient, made at its backward
-                    if message.kind == "ring" and (n, message.step, message.stage) not in self._chain_done:
+                    if message.kind == "ring" and (n, message.step, message.stage, message.part) not in self._chain_done:
                         continue  # it arrives in the buffer the chain sent from, once that send has completed
                     m.posted = now  # its receive is posted: it travels while this worker computes
                     self._log(acts, ("post", message, now))
@@ -309,7 +318,7 @@ class Clock:
         later = [t for m in pending for t in (m.avail, m.posted + self._hold(m.message) if m.posted >= 0 else -1) if t > now]
         if not b.gated:
             b.blocked = min([*later, gate_end]) if gate_end is not None else (min(later) if later else now)
-        elif any((n, t, stage) not in self._final for t, stage in self.uses_at(n, op)):
+        elif any((n, t, stage, part) not in self._final for t, stage in self.uses_at(n, op) for part in range(self.parts[stage])):
             b.blocked = min(later) if later else now
         else:
             b.blocked = None
@@ -323,24 +332,25 @@ class Clock:
         partial sum is taken at once (it arrives ops after it left, while the receiver ran its own
         ops), and so are the ring copies a v2 worker fresh on the stage needs before its next
         forward of it, and sync's."""
-        return self.hold if message.kind == "ring" and (message.stage, message.dst) in self._held else 0
+        return self.hold if message.kind == "ring" and (message.stage, message.part, message.dst) in self._held else 0
 
-    def _late_users(self) -> set[tuple[int, int]]:
-        """(stage, receiver) whose ring copies :meth:`_hold` lets travel an op: every receiver
-        under v1; under v2 those from which to the ring's end every worker is stale on the stage
-        (held, the copy reaches the rest of the ring an op later too)."""
+    def _late_users(self) -> set[tuple[int, int, int]]:
+        """(stage, piece, receiver) whose ring copies :meth:`_hold` lets travel an op: every
+        receiver under v1; under v2 those from which to the ring's end every worker is stale on the
+        stage (held, the copy reaches the rest of the ring an op later too)."""
         if not self.hold:
             return set()
+        pieces = [(stage, part) for stage in range(self.stages) for part in range(self.parts[stage])]
         if self.rule == "v1":
-            return {(stage, receiver) for stage in range(self.stages) for receiver in range(self.workers)}
+            return {(stage, part, receiver) for stage, part in pieces for receiver in range(self.workers)}
         out = set()
-        for stage in range(self.stages):
+        for stage, part in pieces:
             for receiver in range(self.workers):
                 worker: int | None = receiver
                 while worker is not None and not self.fresh(worker, stage):
-                    worker = self.ring_next(stage, worker)
+                    worker = self.ring_next(stage, worker, part)
                 if worker is None:  # stale from here to the ring's end
-                    out.add((stage, receiver))
+                    out.add((stage, part, receiver))
         return out
 
     def _log(self, acts: OpActions, entry: tuple[str, Message | int, int]) -> None:
@@ -353,16 +363,16 @@ class Clock:
         m.recv_end = b.now
         self._incoming[n].remove(message)
         self._log(b.acts, ("recv", message, b.now))
-        step, stage, big_n = message.step, message.stage, self.workers
+        step, stage, part, big_n = message.step, message.stage, message.part, self.workers
         self._touched[step] = max(self._touched.get(step, 0), b.op)
         onward: Message | None = None
         if message.kind == "chain" and message.place + 1 < big_n - 1:
-            onward = Message(step, stage, "chain", message.place + 1, n, (n + 1) % big_n)
+            onward = Message(step, stage, "chain", message.place + 1, n, (n + 1) % big_n, part)
         else:  # the owner's sum, or the ring's copy: final here, and passed on
-            self._final[(n, step, stage)] = b.op
-            after = self.ring_next(stage, n)
+            self._final[(n, step, stage, part)] = b.op
+            after = self.ring_next(stage, n, part)
             if after is not None:
-                onward = Message(step, stage, "ring", 0 if message.kind == "chain" else message.place + 1, n, after)
+                onward = Message(step, stage, "ring", 0 if message.kind == "chain" else message.place + 1, n, after, part)
         if onward is not None:
             self._send(onward, b.now)
             b.acts.forwards[message] = onward
@@ -380,11 +390,13 @@ class Clock:
         step, j = divmod(op, self.period)
         if j >= self.stages and self.has_params[self.period - 1 - j]:
             stage = self.period - 1 - j
-            if big_n == 1:
-                self._final[(n, step, stage)] = op
-            elif self.place(stage, n) == 0:
-                acts.head = Message(step, stage, "chain", 0, n, (n + 1) % big_n)
-                self._send(acts.head, end)
+            for part in range(self.parts[stage]):
+                if big_n == 1:
+                    self._final[(n, step, stage, part)] = op
+                elif self.place(stage, n, part) == 0:
+                    head = Message(step, stage, "chain", 0, n, (n + 1) % big_n, part)
+                    acts.heads.append(head)
+                    self._send(head, end)
         if big_n > 1:
             self._send(Message(op, -1, "token", 0, n, (n + 1) % big_n), end)
         if self.keep is None or self.keep == n:
@@ -409,20 +421,26 @@ class _Boundary:
     blocked: int | None = None
 
 
-def schedule_owners(sizes: Sequence[int], workers: int, rule: str, zero: bool) -> tuple[int, ...]:
-    """Each stage's owner (where its chain ends) for CDPTrainer: :func:`planner.stages.stage_owners`
-    (the ranks' sent bytes, or with ZeRO their optimizer state, evened), unless under ``v2`` those
-    owners stretch the schedule (a fresh stage's ring not round in time, on the clock's ideal
-    messages: N = 8, L = 4 does), where the chain ends at worker N-1 for every stage, as in the
-    paper (every sum complete when the last worker's backward of the stage is)."""
-    balanced = stage_owners(sizes, workers, zero=zero)
+def schedule_units(sizes: Sequence[int], workers: int, rule: str, zero: bool, itemsize: Sequence[int] | None = None) -> Units:
+    """Each stage's pieces and each piece's owner (where its chain ends) for CDPTrainer:
+    :func:`planner.stages.message_units` (the ranks' sent bytes, and with ZeRO their optimizer
+    state, evened), unless under ``v2`` those owners stretch the schedule (a fresh stage's ring not
+    round in time, on the clock's ideal messages: N = 8, L = 4 does), where one piece a stage with
+    the owners :func:`planner.stages.stage_owners` picks is tried, then the chain ending at worker
+    N-1 for every stage, as in the paper (every sum complete when the last worker's backward of the
+    stage is)."""
+    units = message_units(sizes, workers, zero=zero, itemsize=itemsize)
     if rule != "v2" or workers == 1:
-        return balanced
+        return units
     has = tuple(b > 0 for b in sizes)
-    return balanced if _stretch(workers, len(sizes), balanced, rule, has) == 0 else tuple([workers - 1] * len(sizes))
+    whole = Units((1,) * len(sizes), stage_owners(sizes, workers, zero=zero), tuple(sizes))
+    for candidate in (units, whole):
+        if _stretch(workers, len(sizes), candidate.owners, rule, has, parts=candidate.parts) == 0:
+            return candidate
+    return Units((1,) * len(sizes), (workers - 1,) * len(sizes), tuple(sizes))
 
 
-def ring_hold(workers: int, stages: int, owners: Sequence[int], rule: str, has_params: Sequence[bool]) -> bool:
+def ring_hold(workers: int, stages: int, owners: Sequence[int], rule: str, has_params: Sequence[bool], parts: Sequence[int] | None = None) -> bool:
     """Whether the ring copies applied at a step's start (v1's; v2's on the stages where their
     receiver is stale) may travel for an op before their receivers take them: where the clock's
     schedule still holds with it (a ring of N-1 hops an op each, and the wraps, within the rule's
@@ -431,16 +449,18 @@ def ring_hold(workers: int, stages: int, owners: Sequence[int], rule: str, has_p
     without; tests/test_cdp_clock.py checks the spread)."""
     if rule == "v2" and workers > stages:
         return False
-    return rule in ("v1", "v2") and workers > 1 and _stretch(workers, stages, tuple(owners), rule, tuple(has_params), hold=True) == 0
+    pieces = tuple(parts) if parts is not None else (1,) * stages
+    return rule in ("v1", "v2") and workers > 1 and _stretch(workers, stages, tuple(owners), rule, tuple(has_params), hold=True, parts=pieces) == 0
 
 
 @functools.lru_cache(maxsize=256)
-def _stretch(workers: int, stages: int, owners: tuple[int, ...], rule: str, has_params: tuple[bool, ...], steps: int = 12, hold: bool = False) -> int:
+def _stretch(workers: int, stages: int, owners: tuple[int, ...], rule: str, has_params: tuple[bool, ...], steps: int = 12, hold: bool = False,
+             parts: tuple[int, ...] | None = None) -> int:
     """Ticks the clock's steps run over their due length in steady state, over its last three
     simulated steps (0: the schedule holds; the first steps may settle into a constant lag).
     Cached: the planner asks it for every evaluation of a CDP configuration (up to 0.04 s a run
     at N = L = 8), with the same few schedules."""
-    clock = Clock(workers, stages, owners, rule, has_params, hold=hold)
+    clock = Clock(workers, stages, owners, rule, has_params, hold=hold, parts=parts)
     lag = {(n, op): clock.actions(n, op).start - clock.due(n, op) for op in range(2 * stages * steps) for n in range(workers)}
     last, before = 2 * stages * (steps - 1), 2 * stages * (steps - 4)
     return max(lag[(n, last)] - lag[(n, before)] for n in range(workers))

@@ -117,6 +117,86 @@ def stage_owners(stage_bytes: Sequence[int], workers: int, *, zero: bool) -> tup
     return tuple(owners)
 
 
+BALANCE = 1.10  # CDP: the most a rank's sent bytes (and, with ZeRO, its owned bytes) may exceed the least's
+
+
+@dataclass(frozen=True)
+class Units:
+    """CDP's messages (runtime.cdp.CDPTrainer): each stage's flat gradient buffer cut into
+    ``parts[l]`` pieces of about equal length, each a unit with its own chain, ring and owner
+    (units in stage order, then piece order). ``sizes``: each unit's bytes on a rank."""
+
+    parts: tuple[int, ...]
+    owners: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+    def unit(self, stage: int, part: int = 0) -> int:
+        return sum(self.parts[:stage]) + part
+
+    def of_stage(self, stage: int) -> range:
+        first = sum(self.parts[:stage])
+        return range(first, first + self.parts[stage])
+
+    def stage_of(self, unit: int) -> int:
+        return next(s for s in range(len(self.parts)) if unit in self.of_stage(s))
+
+
+def piece_bounds(elements: int, parts: int) -> list[tuple[int, int]]:
+    """The element ranges a buffer of ``elements`` values is cut into, ``parts`` of them (as equal
+    as whole elements allow; the planner and the runtime cut alike)."""
+    return [(c * elements // parts, (c + 1) * elements // parts) for c in range(parts)]
+
+
+def sent_bytes(sizes: Sequence[int], owners: Sequence[int], workers: int) -> list[int]:
+    """Each rank's sent bytes a step: a unit's buffer twice (down the chain, around the ring), once
+    where the rank owns it (the chain ends there) or is the worker before its owner (the ring ends
+    there)."""
+    if workers == 1:
+        return [0]
+    return [sum(b * (1 if r in (o, (o - 1) % workers) else 2) for b, o in zip(sizes, owners, strict=True) if b) for r in range(workers)]
+
+
+def owned_bytes(sizes: Sequence[int], owners: Sequence[int], workers: int) -> list[int]:
+    out = [0] * workers
+    for b, o in zip(sizes, owners, strict=True):
+        out[o] += b
+    return out
+
+
+def _spread(values: Sequence[int]) -> float:
+    return max(values) / min(values) if min(values) > 0 else math.inf
+
+
+def message_units(stage_bytes: Sequence[int], workers: int, *, zero: bool, itemsize: Sequence[int] | None = None) -> Units:
+    """The fewest pieces per stage (the same count for every stage with parameters, from 1 to
+    ``workers``) whose owners (:func:`stage_owners`) keep every rank's sent bytes, and with ZeRO
+    its owned bytes (its optimizer state and master copy), within :data:`BALANCE` of the least;
+    where no count does, the count that comes closest. ``itemsize``: each stage's bytes per value
+    (pieces are whole values; default 1).
+
+    With L >= N stages, one piece a stage is usually enough (the owners differ from stage to
+    stage). With fewer stages than workers some ranks would own nothing: they send every buffer
+    twice while the owners send theirs once, and with ZeRO only L ranks hold optimizer state
+    (gpt2-small, L = 4, N = 8: 1.39 in sent bytes). Cutting each stage into pieces gives every rank
+    pieces to own, at 2(N-1) more messages a piece."""
+    align = list(itemsize) if itemsize is not None else [1] * len(stage_bytes)
+    best: tuple[float, Units] | None = None
+    for count in range(1, max(workers, 1) + 1):
+        parts = tuple(count if b else 1 for b in stage_bytes)
+        sizes = tuple((hi - lo) * a for b, c, a in zip(stage_bytes, parts, align, strict=True) for lo, hi in piece_bounds(b // a, c))
+        owners = stage_owners(sizes, workers, zero=zero)
+        spread = _spread(sent_bytes(sizes, owners, workers)) if workers > 1 else 1.0
+        if zero and workers > 1:
+            spread = max(spread, _spread(owned_bytes(sizes, owners, workers)))
+        units = Units(parts, owners, sizes)
+        if spread <= BALANCE:
+            return units
+        if best is None or spread < best[0] - 1e-12:
+            best = (spread, units)
+    assert best is not None
+    return best[1]
+
+
 def parameter_stages(graph: IRGraph, num_stages: int) -> dict[str, int]:
     """Each parameter's stage: the earliest stage that reads it (its gradient is complete when that
     stage's backward ends), as runtime/stages.py assigns them (StagedRunner.param_stage)."""

@@ -60,13 +60,13 @@ from typing import Any, Literal
 import torch
 from torch.utils._pytree import tree_flatten
 
-from planner.cdp_clock import Clock, Message, OpActions, ring_hold, schedule_owners
+from planner.cdp_clock import Clock, Message, OpActions, ring_hold, schedule_units
 from planner.runtime import faults
 from planner.runtime.collectives import Convert
 from planner.runtime.memory import SavedTensorMeter
 from planner.runtime.module import ParallelModule
 from planner.runtime.stages import MicroBatch, StagedRunner
-from planner.stages import cut_stages
+from planner.stages import cut_stages, piece_bounds
 
 UpdateRule = Literal["sync", "v1", "v2"]
 _REPLAN = "re-plan with CDP (cdp=('v1',) or ('v2',): the planner leaves such collectives out) or train without CDP"
@@ -134,22 +134,29 @@ class CDPTrainer:
         self.runner = StagedRunner(pm, cut_stages(pm.graph, num_stages))
         self.num_stages = self.runner.num_stages
         self.params = pm.local_parameters()
-        sizes = [sum(self.params[a].numel() * self.params[a].element_size() for a in attrs) for attrs in self.runner.stage_params]
-        self.owners = schedule_owners(sizes, self.num_workers, rule, self.zero)
-        has = [bool(a) for a in self.runner.stage_params]
-        self.hold = ring_hold(self.num_workers, self.num_stages, self.owners, rule, has)
-        self.clock = Clock(self.num_workers, self.num_stages, self.owners, rule, has, keep=self.worker, hold=self.hold)
-        self.optimizers: dict[int, torch.optim.Optimizer] = {}
-        self.masters: dict[str, torch.nn.Parameter] = {}
-        for stage, attrs in enumerate(self.runner.stage_params):
+        stage_params = self.runner.stage_params
+        sizes = [sum(self.params[a].numel() * self.params[a].element_size() for a in attrs) for attrs in stage_params]
+        itemsize = [max((self.params[a].element_size() for a in attrs), default=1) for attrs in stage_params]
+        self.units = schedule_units(sizes, self.num_workers, rule, self.zero, itemsize)
+        self.owners = self.units.owners
+        # each stage's flat buffer cut into its units' element ranges (planner.stages.piece_bounds)
+        self.pieces = [piece_bounds(sum(self.params[a].numel() for a in attrs), parts) for attrs, parts in zip(stage_params, self.units.parts, strict=True)]
+        has = [bool(a) for a in stage_params]
+        self.hold = ring_hold(self.num_workers, self.num_stages, self.owners, rule, has, self.units.parts)
+        self.clock = Clock(self.num_workers, self.num_stages, self.owners, rule, has, keep=self.worker, hold=self.hold, parts=self.units.parts)
+        self.optimizers: dict[tuple[int, int], torch.optim.Optimizer] = {}  # by (stage, piece); without ZeRO, piece 0 holds the stage's
+        self.masters: dict[tuple[int, int], torch.nn.Parameter] = {}  # ZeRO: the owned pieces' master copies, flat
+        for stage, attrs in enumerate(stage_params):
             if not attrs:
                 continue
             if not self.zero:
-                self.optimizers[stage] = optimizer_class([self.params[a] for a in attrs], **optimizer_kwargs)
-            elif self.owners[stage] == self.worker:  # master copies of the owned stages' parameters
-                masters = {a: torch.nn.Parameter(self.params[a].detach().clone()) for a in attrs}
-                self.masters.update(masters)
-                self.optimizers[stage] = optimizer_class(list(masters.values()), **optimizer_kwargs)
+                self.optimizers[(stage, 0)] = optimizer_class([self.params[a] for a in attrs], **optimizer_kwargs)
+                continue
+            flat = torch.cat([self.params[a].detach().reshape(-1) for a in attrs])
+            for part, (lo, hi) in enumerate(self.pieces[stage]):
+                if self.units.owners[self.units.unit(stage, part)] == self.worker:  # a master copy of the owned piece
+                    self.masters[(stage, part)] = master = torch.nn.Parameter(flat[lo:hi].clone())
+                    self.optimizers[(stage, part)] = optimizer_class([master], **optimizer_kwargs)
         self.step_index = 0
         self.op = 0  # the next op on the clock (2L a step)
         self._bufs: dict[tuple[int, int], torch.Tensor] = {}  # (step, stage) -> this rank's flat buffer
@@ -170,11 +177,17 @@ class CDPTrainer:
 
     def _tag(self, message: Message) -> int:
         if message.kind == "token":
-            return 4 * self.num_stages
-        return 4 * message.stage + 2 * (message.step % 2) + (message.kind == "ring")
+            return 4 * len(self.owners)
+        return 4 * self.units.unit(message.stage, message.part) + 2 * (message.step % 2) + (message.kind == "ring")
 
     def _what(self, message: Message) -> str:
-        return f"CDP {message.kind} of stage {message.stage}'s gradient, step {message.step}"
+        piece = f" (piece {message.part + 1} of {self.units.parts[message.stage]})" if self.units.parts[message.stage] > 1 else ""
+        return f"CDP {message.kind} of stage {message.stage}'s gradient{piece}, step {message.step}"
+
+    def _piece(self, message: Message) -> torch.Tensor:
+        """This rank's buffer of ``message``'s piece: a view of its stage's flat buffer."""
+        lo, hi = self.pieces[message.stage][message.part]
+        return self._bufs[(message.step, message.stage)][lo:hi]
 
     def _send(self, message: Message, buf: torch.Tensor, *, record: bool = True) -> None:
         nbytes = buf.numel() * buf.element_size()
@@ -209,7 +222,7 @@ class CDPTrainer:
         ring's copy into the buffer the chain sent from (that send has completed)."""
         if message.step > last:  # after the last step: a message of a step that never ran
             return
-        buf = self._bufs[(message.step, message.stage)]
+        buf = self._piece(message)
         into = torch.empty_like(buf) if message.kind == "chain" else buf
         self._receiving[message] = (faults.irecv(into, self._peer(message.src), self._tag(message), self._what(message)), into)
 
@@ -218,7 +231,7 @@ class CDPTrainer:
         what the clock says."""
         if message.step > last:
             return
-        buf = self._bufs[(message.step, message.stage)]
+        buf = self._piece(message)
         onward = acts.forwards.get(message)
         work, into = self._receiving.pop(message)
         work.wait()
@@ -226,19 +239,20 @@ class CDPTrainer:
             buf.add_(into)  # the same sum as partial + buf (IEEE addition commutes)
             del into
             if self.zero and (onward is None or onward.kind == "ring"):  # the owner: the sum is final
-                self._owner_update(message.stage, buf)
+                self._owner_update(message.stage, message.part, buf)
         if onward is not None:
             self._send(onward, buf)
 
-    def _owner_update(self, stage: int, buf: torch.Tensor) -> None:
-        """ZeRO: step the stage's masters with the summed gradient in ``buf``, then put the new
-        parameters in ``buf`` (what the ring carries)."""
-        for attr, g in self._unflat(stage, buf).items():
-            self.masters[attr].grad = g.clone()
-        self.optimizers[stage].step()
-        for attr in self.runner.stage_params[stage]:
-            self.masters[attr].grad = None
-        torch.cat([self.masters[a].detach().reshape(-1) for a in self.runner.stage_params[stage]], out=buf)
+    def _owner_update(self, stage: int, part: int, buf: torch.Tensor) -> None:
+        """ZeRO: step the owned piece's master with the summed gradient in ``buf`` (the piece's
+        view of the stage's buffer), then put the new parameters in ``buf`` (what the ring carries).
+        The optimizer steps a flat slice: exact for element-wise optimizers (SGD, Adam, AdamW), as
+        ZeRO's slices elsewhere (runtime.zero)."""
+        master = self.masters[(stage, part)]
+        master.grad = buf.clone()
+        self.optimizers[(stage, part)].step()
+        master.grad = None
+        buf.copy_(master.detach())
 
     def _use(self, step: int, stage: int) -> None:
         """Apply step ``step``'s update of stage ``stage`` (the sum's optimizer step; with ZeRO the
@@ -251,7 +265,7 @@ class CDPTrainer:
             return
         for attr, g in self._unflat(stage, buf).items():
             self.params[attr].grad = g
-        self.optimizers[stage].step()
+        self.optimizers[(stage, 0)].step()
         for attr in self.runner.stage_params[stage]:
             self.params[attr].grad = None
 
@@ -287,8 +301,9 @@ class CDPTrainer:
         return acts
 
     def _after(self, acts: OpActions, last: int, record: bool = True) -> None:
-        if acts.head is not None and acts.head.step <= last:
-            self._send(acts.head, self._bufs[(acts.head.step, acts.head.stage)])
+        for head in acts.heads:
+            if head.step <= last:
+                self._send(head, self._piece(head))
         if self.num_workers > 1:
             token = Message(self.op, -1, "token", 0, self.worker, (self.worker + 1) % self.num_workers)
             self._send(token, torch.tensor([self.op], dtype=torch.int64), record=record)
@@ -324,7 +339,8 @@ class CDPTrainer:
             if self.runner.stage_params[stage]:
                 self._bufs[(t, stage)] = self._flat(stage)
                 if self.zero and self.num_workers == 1:  # no chain: the sum is final here
-                    self._owner_update(stage, self._bufs[(t, stage)])
+                    for part, (lo, hi) in enumerate(self.pieces[stage]):
+                        self._owner_update(stage, part, self._bufs[(t, stage)][lo:hi])
 
         for stage in reversed(range(big_l)):
             self._op(lambda stage=stage: backward(stage), never)  # type: ignore[misc]

@@ -142,6 +142,7 @@ def cdp_train(rank: int, world: int, cases: list[tuple[str, str, str, int]]) -> 
             "worker": trainer.worker,
             "trainer_rule": trainer.rule,
             "owners": list(trainer.owners),
+            "parts": list(trainer.units.parts),
             "hold": trainer.hold,
             "has_params": [bool(a) for a in trainer.runner.stage_params],
             "ops": trainer.ops,

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import pytest
 
-from planner.cdp_clock import Clock, Message, OpActions, ring_hold, schedule_owners
+from planner.cdp_clock import Clock, Message, OpActions, ring_hold, schedule_units
 
 CONFIGS = [(4, 4), (4, 2), (2, 4), (8, 4), (4, 8), (3, 2), (8, 2), (1, 3), (6, 4)]
 STEPS = 12
@@ -25,8 +25,8 @@ STEPS = 12
 
 def _run(workers: int, stages: int, rule: str, sizes: list[int] | None = None) -> tuple[Clock, dict[tuple[int, int], OpActions]]:
     sizes = sizes or [100] * stages
-    owners, has = schedule_owners(sizes, workers, rule, False), [b > 0 for b in sizes]
-    clock = Clock(workers, stages, owners, rule, has, hold=ring_hold(workers, stages, owners, rule, has))
+    units, has = schedule_units(sizes, workers, rule, False), [b > 0 for b in sizes]
+    clock = Clock(workers, stages, units.owners, rule, has, hold=ring_hold(workers, stages, units.owners, rule, has, units.parts), parts=units.parts)
     return clock, {(n, op): clock.actions(n, op) for op in range(2 * stages * STEPS) for n in range(workers)}
 
 
@@ -75,8 +75,8 @@ def test_every_wait_is_for_something_earlier_on_the_clock(rule: str) -> None:
                     received[item] = tick
                     if item in a.forwards:
                         posted[a.forwards[item]] = tick
-            if a.head is not None:
-                posted[a.head] = a.start + clock.scale
+            for head in a.heads:
+                posted[head] = a.start + clock.scale
         for (n, _op), a in acts.items():
             ticks = [tick for _, _, tick in a.log]
             assert ticks == sorted(ticks)
@@ -122,8 +122,9 @@ def test_each_ranks_sends_are_spread_over_the_step() -> None:
                 sends = []
                 for op in range(2 * stages * STEPS):
                     a = acts[(n, op)]
-                    sends += [(tick, 100) for kind, item, tick in a.log if kind == "recv" and item in a.forwards]
-                    sends += [(a.start + clock.scale, 100)] if a.head is not None else []
+                    sends += [(tick, 100 / clock.parts[a.forwards[item].stage]) for kind, item, tick in a.log  # type: ignore[index]
+                              if kind == "recv" and item in a.forwards]
+                    sends += [(a.start + clock.scale, 100 / clock.parts[head.stage]) for head in a.heads]
                 lo = acts[(n, 2 * stages * (STEPS - 3))].start
                 total = sum(b for t, b in sends if lo <= t < lo + period)
                 worst = max(sum(b for t, b in sends if t0 <= t < t0 + window) for t0 in range(lo, lo + period))
@@ -134,6 +135,6 @@ def test_v2_keeps_the_balanced_owners_unless_they_stretch_the_schedule() -> None
     """v2's fresh stages need their sum before the next step's forward; with rotated owners the
     ring of a wrapped chain comes round late at N = 8, L = 4, so there every chain ends at worker
     N-1, as in the paper; v1 (two steps of slack) keeps the balanced owners."""
-    assert schedule_owners([100] * 4, 8, "v2", False) == (7, 7, 7, 7)
-    assert schedule_owners([100] * 4, 8, "v1", False) == (0, 2, 4, 6)
-    assert schedule_owners([100] * 4, 4, "v2", False) == (0, 2, 0, 2)
+    assert schedule_units([100] * 4, 8, "v2", False).owners == (7, 7, 7, 7)
+    assert schedule_units([100] * 4, 8, "v1", False).owners == (0, 2, 4, 6)
+    assert schedule_units([100] * 4, 4, "v2", False).owners == (0, 2, 0, 2)

@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from planner.cdp_clock import TOKEN_BYTES, Clock, Message, OpActions, ring_hold, schedule_owners
+from planner.cdp_clock import TOKEN_BYTES, Clock, Message, OpActions, ring_hold, schedule_units
 from planner.cost import STATES_PER_VALUE, comm_time
 from planner.hardware import HardwareProfile
 from planner.ir import IRGraph, Node
@@ -36,7 +36,7 @@ from planner.peak import Form
 from planner.rules.anchors import broadcasts_batch
 from planner.schemes.base import Flag, NodePrice, ParamPrice, Scheme, Settings, Tally
 from planner.schemes.zero import zero_param_terms
-from planner.stages import cut_stages, in_flight, parameter_stages
+from planner.stages import Units, cut_stages, in_flight, parameter_stages
 from planner.strategy import Comm, Strategy
 from planner.terms import Evaluation, Problem, StrategyFilter
 
@@ -158,41 +158,55 @@ def stage_message_bytes(problem: Problem, assignment: dict[str, int]) -> list[in
     return sizes
 
 
+def stage_itemsize(problem: Problem) -> list[int]:
+    """Each stage's bytes per value (its parameters'; 1 for a stage without any): a buffer is cut
+    into pieces of whole values (planner.stages.message_units)."""
+    out = [1] * problem.cdp_stages
+    for node in problem.graph.params:
+        out[problem.param_stage[node.name]] = max(out[problem.param_stage[node.name]], node.out.itemsize)
+    return out
+
+
 @dataclass(frozen=True)
 class Traffic:
     """One step of CDP's point-to-point messages (runtime.cdp.CDPTrainer) on the rank that sends
-    the most bytes (the lowest such rank): each stage's buffer (:func:`stage_message_bytes`), its
-    owner (:func:`planner.cdp_clock.schedule_owners`, as the runtime chooses it), and how many times the
-    rank sends each stage that has parameters: twice (down the chain and around the ring), once
-    where it owns the stage (the chain ends there) or is the worker before its owner (the ring
-    ends there); besides, every rank sends its successor a token after each of its 2L stage ops
-    (planner.cdp_clock, ``tokens``)."""
+    the most bytes (the lowest such rank): each stage's buffer cut into units, each with its owner
+    (:func:`planner.cdp_clock.schedule_units`, as the runtime chooses them), and how many times the
+    rank sends each unit of a stage that has parameters: twice (down the chain and around the
+    ring), once where it owns the unit (the chain ends there) or is the worker before its owner
+    (the ring ends there); besides, every rank sends its successor a token after each of its 2L
+    stage ops (planner.cdp_clock, ``tokens``)."""
 
-    sizes: tuple[int, ...]
-    owners: tuple[int, ...]
+    units: Units
     workers: int
     rank: int
-    sends: dict[int, int]  # stage -> messages a step
+    sends: dict[int, int]  # unit -> messages a step
     tokens: int  # the clock's tokens a step
 
-    def ring_ends_here(self, stage: int) -> bool:
-        return self.rank == (self.owners[stage] - 1) % self.workers
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return self.units.sizes
+
+    @property
+    def owners(self) -> tuple[int, ...]:
+        return self.units.owners
 
 
 def cdp_traffic(problem: Problem, assignment: dict[str, int]) -> Traffic:
     sizes = stage_message_bytes(problem, assignment)
     n = problem.mesh.group_size(problem.mesh.active_dp_axes)
-    owners = schedule_owners(sizes, n, problem.cdp, problem.zero_stage == 1)
-    per_rank = [{s: 1 if r in (owners[s], (owners[s] - 1) % n) else 2 for s, b in enumerate(sizes) if b} for r in range(n)]
-    rank = max(range(n), key=lambda r: (sum(sizes[s] * k for s, k in per_rank[r].items()), -r))
-    return Traffic(tuple(sizes), owners, n, rank, per_rank[rank], 2 * len(sizes) if n > 1 else 0)
+    units = schedule_units(sizes, n, problem.cdp, problem.zero_stage == 1, stage_itemsize(problem))
+    owners = units.owners
+    per_rank = [{u: 1 if r in (owners[u], (owners[u] - 1) % n) else 2 for u, b in enumerate(units.sizes) if b} for r in range(n)]
+    rank = max(range(n), key=lambda r: (sum(units.sizes[u] * k for u, k in per_rank[r].items()), -r))
+    return Traffic(units, n, rank, per_rank[rank], 2 * len(sizes) if n > 1 else 0)
 
 
 def cdp_messages(problem: Problem, traffic: Traffic) -> list[Comm]:
-    """The point-to-point messages of one step on the rank that sends the most bytes: its stage
+    """The point-to-point messages of one step on the rank that sends the most bytes: its units'
     buffers, then the clock's tokens."""
     axes = problem.mesh.active_dp_axes
-    return [*(Comm("send", axes, traffic.sizes[s], "bwd") for s, k in traffic.sends.items() for _ in range(k)),
+    return [*(Comm("send", axes, traffic.sizes[u], "bwd") for u, k in traffic.sends.items() for _ in range(k)),
             *(Comm("send", axes, TOKEN_BYTES, "bwd") for _ in range(traffic.tokens))]
 
 
@@ -221,25 +235,32 @@ def cdp_overlap(problem: Problem, traffic: Traffic, busy: float, p2p: float) -> 
     stages = len(shares)
     durations = [busy * shares[j] / 3 for j in range(stages)] + [busy * shares[stages - 1 - j] * 2 / 3 for j in range(stages)]
     seconds = {size: comm_time(Comm("send", axes, size, "bwd"), mesh, hw) for size in {*traffic.sizes, TOKEN_BYTES}}
+    units = traffic.units
 
     def latency(message: Message) -> float:
-        return seconds[TOKEN_BYTES if message.kind == "token" else traffic.sizes[message.stage]]
+        return seconds[TOKEN_BYTES if message.kind == "token" else units.sizes[units.unit(message.stage, message.part)]]
 
-    has = [b > 0 for b in traffic.sizes]
-    hold = ring_hold(traffic.workers, stages, traffic.owners, problem.cdp, has)
-    period = step_period(traffic.workers, stages, traffic.owners, problem.cdp, has, durations, latency, hold=hold)
+    has = [any(units.sizes[u] for u in units.of_stage(stage)) for stage in range(stages)]
+    hold = ring_hold(traffic.workers, stages, units.owners, problem.cdp, has, units.parts)
+    period = step_period(traffic.workers, stages, units.owners, problem.cdp, has, durations, latency, hold=hold, parts=units.parts)
     waits = max(0.0, period - busy - p2p)
     return waits, problem.overlap_efficiency * max(0.0, busy + p2p + waits - period)
 
 
 def cdp_owner_bytes(problem: Problem, assignment: dict[str, int], traffic: Traffic) -> tuple[float, float]:
-    """CDP with ZeRO: stage l's optimizer states and master copy live on its owner
-    (``traffic.owners``, as runtime.cdp.CDPTrainer chooses them).
-    Returns (their average per worker, as the ILP priced them; the busiest worker's share)."""
-    per_worker = [0.0] * traffic.workers
+    """CDP with ZeRO: the optimizer states and master copy of each unit of a stage's buffer live on
+    the unit's owner (``traffic.units``, as runtime.cdp.CDPTrainer chooses them), a stage's in
+    proportion to its units' bytes. Returns (their average per worker, as the ILP priced them; the
+    busiest worker's share)."""
+    units = traffic.units
+    per_stage = [0.0] * len(units.parts)
     for node in problem.graph.params:
-        owned = problem.cdp_owned[node.template][assignment[problem.node_group[node.name]]]
-        per_worker[traffic.owners[problem.param_stage[node.name]]] += owned
+        per_stage[problem.param_stage[node.name]] += problem.cdp_owned[node.template][assignment[problem.node_group[node.name]]]
+    per_worker = [0.0] * traffic.workers
+    for stage, owned in enumerate(per_stage):
+        total = sum(units.sizes[u] for u in units.of_stage(stage))
+        for u in units.of_stage(stage):
+            per_worker[units.owners[u]] += owned * units.sizes[u] / total if total else 0.0
     return sum(per_worker) / traffic.workers, max(per_worker)
 
 
@@ -460,7 +481,8 @@ class CDP(Scheme):
 
 
 def step_period(workers: int, stages: int, owners: Sequence[int], rule: str, has_params: Sequence[bool],
-                durations: Sequence[float], latency: Callable[[Message], float], steps: int = 8, hold: bool = False) -> float:
+                durations: Sequence[float], latency: Callable[[Message], float], steps: int = 8, hold: bool = False,
+                parts: Sequence[int] | None = None) -> float:
     """Seconds a step takes as runtime.cdp.CDPTrainer runs the clock, once it has settled (the
     planner's price of CDP, :func:`cdp_overlap`): the clock's actions replayed in seconds, in the
     order the clock does them, each rank blocking where the clock puts its waits. ``durations``:
@@ -470,7 +492,8 @@ def step_period(workers: int, stages: int, owners: Sequence[int], rule: str, has
     arrived; an op starts when its actions are done. Returns the slowest worker's time over its
     last two simulated steps, halved."""
     period = 2 * stages
-    events, by_key = _clock_events(workers, stages, tuple(owners), rule, tuple(has_params), steps, hold)
+    events, by_key = _clock_events(workers, stages, tuple(owners), rule, tuple(has_params), steps, hold,
+                                   tuple(parts) if parts is not None else (1,) * stages)
     now = [0.0] * workers
     sent: dict[Message, float] = {}
     taken: dict[Message, float] = {}
@@ -482,8 +505,8 @@ def step_period(workers: int, stages: int, owners: Sequence[int], rule: str, has
             starts[(n, op)] = now[n]
             now[n] += durations[op % period]
             ends[(n, op)] = now[n]
-            if a.head is not None:
-                sent[a.head] = now[n]
+            for head in a.heads:
+                sent[head] = now[n]
             continue
         kind, item, _ = a.log[i]
         if kind == "tokens":
@@ -505,14 +528,14 @@ def step_period(workers: int, stages: int, owners: Sequence[int], rule: str, has
 
 @functools.lru_cache(maxsize=64)
 def _clock_events(workers: int, stages: int, owners: tuple[int, ...], rule: str, has_params: tuple[bool, ...], steps: int,
-                  hold: bool) -> tuple[list[tuple[int, int, int]], dict[tuple[int, int], OpActions]]:
+                  hold: bool, parts: tuple[int, ...]) -> tuple[list[tuple[int, int, int]], dict[tuple[int, int], OpActions]]:
     """The clock's actions for :func:`step_period` over ``steps`` + 2 steps (a worker ahead of
     another in the clock's order runs ops of a later step), as (worker, op, log index; -1: the op
     itself) in the order the clock does them, and each (worker, op)'s actions. They depend on the
     schedule alone, not on the seconds, so a search's evaluations of one CDP configuration (a
     brute force's thousands) simulate the clock once: the simulation was 5 of the 6 ms an
     evaluation of a 2-stage plan on dp=2 took (measured), the replay in seconds the rest."""
-    clock = Clock(workers, stages, owners, rule, has_params, hold=hold)
+    clock = Clock(workers, stages, owners, rule, has_params, hold=hold, parts=parts)
     period = 2 * stages
     acts = [(n, op, clock.actions(n, op)) for op in range(period * (steps + 2)) for n in range(workers)]
     events: list[tuple[int, int, int, int]] = []  # (order, worker, op, log index)
