@@ -12,8 +12,10 @@ phi, worker n receives its predecessor's tokens up to the last op due to end by 
 index phi - 1 + floor(2L/N) (worker 0 follows worker N-1 one step behind: 2L less). No worker
 starts an op before its predecessor has done what the schedule puts before it.
 
-**Messages at op boundaries.** A stage's gradient buffer is summed along a chain ending at the
-stage's owner and passed back around the ring (runtime.cdp). Every blocking wait of a rank happens
+**Messages at op boundaries.** Each piece of a stage's gradient buffer (a stage is cut into
+pieces where that evens the ranks' bytes: :class:`planner.stages.Units`) is summed along a chain
+ending at the piece's owner and passed back around the ring (runtime.cdp); a piece's messages
+leave at the same ops as its stage's. Every blocking wait of a rank happens
 just before one of its ops ("at op phi"), and only for something attached to an op of another
 rank that ends no later than phi starts (on this clock): a message sent at or after that op, a
 receive posted there (a send's completion, which on gloo needs the receiver's receive). Start

@@ -81,9 +81,10 @@ def cut_stages(graph: IRGraph, num_stages: int) -> StageCut:
 
 
 def stage_owners(stage_bytes: Sequence[int], workers: int, *, zero: bool) -> tuple[int, ...]:
-    """Each stage's owner for CDP over ``workers`` workers (runtime.cdp.CDPTrainer): where the
-    stage's gradient chain ends and its ring starts (and, with ZeRO, where its optimizer state and
-    master copy live). ``stage_bytes``: each stage's message (its gradient buffer) on a rank.
+    """Each unit's owner for CDP over ``workers`` workers (runtime.cdp.CDPTrainer): where the
+    unit's gradient chain ends and its ring starts (and, with ZeRO, where its optimizer state and
+    master copy live). ``stage_bytes``: each unit's message on a rank (a stage's gradient buffer, or
+    a piece of it: :func:`message_units`); below, "stage" is a unit.
 
     A rank sends a stage's buffer twice a step (down the chain, around the ring), but once where it
     is the owner (the chain ends there) or the worker before it (the ring ends there). So:
@@ -92,7 +93,8 @@ def stage_owners(stage_bytes: Sequence[int], workers: int, *, zero: bool) -> tup
       owner o whose pair (o, o-1) sends most now (the larger of the two, then the smaller; ties
       to the lowest o). Measured, 4 workers: max/min sent bytes 1.04-1.10 on gpt-tiny, mlp-large
       and gpt2-small with L >= N stages, against 2.0 with one owner for every stage; with fewer
-      stages than workers some ranks own no stage and it stays higher (gpt2-small, L=4, N=8: 1.39);
+      stages than workers some ranks own no stage and it stays higher (gpt2-small, L=4, N=8: 1.39),
+      which cutting stages into pieces mends (:func:`message_units`, whose units this assigns);
     * with ZeRO the owners even the optimizer state they hold, which sets the peak memory: stages
       in decreasing size, each to the worker that owns the fewest bytes (ties to the lowest).
 

@@ -15,17 +15,20 @@ message, to wait for each send, and to apply each stage's update; every wait is 
 schedule places on another rank's earlier op, so the waits cannot deadlock.
 
 **The messages.** When stage l's backward ends, its parameter gradients move into one flat buffer
-(and are let go) and join a point-to-point chain that ends at the stage's owner o: it starts at
-o+1, each worker adds the partial sum of the workers before it (received into a second buffer,
-added and let go) and sends it on; o then holds the sum and passes it back around the ring
-(o -> o+1 -> ... -> o-1, mod N), each copy received into the buffer the chain sent from once that
-send has completed. That is 2(N-1) messages per stage per step and no collective. A worker sends a
-stage's buffer twice, but once where it owns the stage or is the worker before its owner: the
-owners differ from stage to stage so that the ranks send about the same bytes
-(:func:`planner.cdp_clock.schedule_owners`). A chain whose worker order wraps (o+1 > 0) reaches the
-workers before o+1 after they have moved on: they take the partial sum, on the clock, at an op of
-their next step. Tensor-parallel collectives inside a worker are unchanged (the TP ranks of a worker
-share its coordinate n).
+(and are let go), cut into pieces (:func:`planner.cdp_clock.schedule_units`; one piece a stage
+where that keeps the ranks' bytes even), and each piece joins a point-to-point chain that ends at
+the piece's owner o: it starts at o+1, each worker adds the partial sum of the workers before it
+(received into a second buffer, added and let go) and sends it on; o then holds the sum and passes
+it back around the ring (o -> o+1 -> ... -> o-1, mod N), each copy received into the buffer the
+chain sent from once that send has completed. That is 2(N-1) messages per piece per step and no
+collective. A worker sends a piece twice, but once where it owns the piece or is the worker before
+its owner: the owners differ from piece to piece, and stages are cut into as many pieces as it
+takes (the same count for each), so that every rank sends within 10 % of the same bytes and, with
+ZeRO, owns within 10 % of the same optimizer state (:func:`planner.stages.message_units`; with
+fewer stages than workers, whole stages would leave ranks owning nothing). A chain whose worker
+order wraps (o+1 > 0) reaches the workers before o+1 after they have moved on: they take the
+partial sum, on the clock, at an op of their next step. Tensor-parallel collectives inside a
+worker are unchanged (the TP ranks of a worker share its coordinate n).
 
 **Updates** (theta(t) the parameters step t computes with, g(t) step t's gradient summed over the
 workers; each stage has its own optimizer, stepped when the stage's update is due; a step's start,
@@ -41,9 +44,10 @@ where the previous step's activations are gone, unless the rule needs it sooner)
              kept.
 
 "lr g" stands for the torch optimizer's step given that gradient (SGD, momentum, AdamW...). With
-ZeRO-1, a stage's owner alone keeps the stage's optimizer state and a master copy of its parameters:
-it steps them when the chain's sum reaches it and sends the new parameters around the ring instead
-of the sum (the same messages); the other workers install them when the update is due.
+ZeRO-1, a piece's owner alone keeps its optimizer state and a master copy of its parameters (a flat
+slice of the stage's: exact for element-wise optimizers, as ZeRO's slices elsewhere): it steps them
+when the chain's sum reaches it and sends the new parameters around the ring instead of the sum
+(the same messages); the other workers install them when the update is due.
 
 Memory (what planner.schemes.cdp prices): a stage's buffer lives from its backward until its update
 is applied and its sends have completed: under v1 one buffer per stage of the previous step is
@@ -85,9 +89,9 @@ class CDPTrainer:
     waits for every rank (a barrier, a collective, a checkpoint) may run between steps, only after
     ``finish()``.
 
-    With the plan's ``zero_stage == 1`` (CDP with ZeRO), only a stage's owner keeps its optimizer
+    With the plan's ``zero_stage == 1`` (CDP with ZeRO), only a piece's owner keeps its optimizer
     state (and a master copy of its parameters), and what travels back around the ring is the
-    owner's updated parameters, not the summed gradient: the same 2(N-1) messages.
+    owner's updated parameters, not the summed gradient: the same 2(N-1) messages a piece.
 
     ``trace = True`` records, per op, (op index, start, end) on ``time.monotonic()`` in ``ops`` and,
     per data message sent, (op index, time, message, bytes) in ``sent``."""
