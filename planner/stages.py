@@ -170,33 +170,37 @@ def _spread(values: Sequence[int]) -> float:
 
 
 def message_units(stage_bytes: Sequence[int], workers: int, *, zero: bool, itemsize: Sequence[int] | None = None) -> Units:
-    """The fewest pieces per stage (the same count for every stage with parameters, from 1 to
-    ``workers``) whose owners (:func:`stage_owners`) keep every rank's sent bytes, and with ZeRO
-    its owned bytes (its optimizer state and master copy), within :data:`BALANCE` of the least;
-    where no count does, the count that comes closest. ``itemsize``: each stage's bytes per value
-    (pieces are whole values; default 1).
+    """Each stage's piece count and each piece's owner (:func:`stage_owners`): of the cuts that
+    keep every rank's sent bytes, and with ZeRO its owned bytes (its optimizer state and master
+    copy), within :data:`BALANCE` of the least, the one with the fewest pieces (each costs 2(N-1)
+    messages a step); where none does, the one that comes closest. The cuts tried: the same count
+    c for every stage with parameters (1 to N), and counts in proportion to the stages' bytes
+    (a stage of b bytes in ceil(b / t) pieces, t = S / (k N), S the stages' bytes, k = 1 to 4),
+    which cut a large stage (an embedding's) and leave the small ones whole. ``itemsize``: each
+    stage's bytes per value (pieces are whole values; default 1).
 
     With L >= N stages, one piece a stage is usually enough (the owners differ from stage to
     stage). With fewer stages than workers some ranks would own nothing: they send every buffer
     twice while the owners send theirs once, and with ZeRO only L ranks hold optimizer state
-    (gpt2-small, L = 4, N = 8: 1.39 in sent bytes). Cutting each stage into pieces gives every rank
-    pieces to own, at 2(N-1) more messages a piece."""
+    (gpt2-small, L = 4, N = 8: 1.39 in sent bytes). Cutting stages into pieces gives every rank
+    pieces to own."""
     align = list(itemsize) if itemsize is not None else [1] * len(stage_bytes)
-    best: tuple[float, Units] | None = None
-    for count in range(1, max(workers, 1) + 1):
-        parts = tuple(count if b else 1 for b in stage_bytes)
+    total = sum(stage_bytes)
+    cuts = [tuple(c if b else 1 for b in stage_bytes) for c in range(1, max(workers, 1) + 1)]
+    cuts += [tuple(max(1, -(-b * k * workers // total)) if b else 1 for b in stage_bytes) for k in range(1, 5)] if total else []
+    best: tuple[bool, int, float, Units] | None = None
+    for parts in dict.fromkeys(cuts):
         sizes = tuple((hi - lo) * a for b, c, a in zip(stage_bytes, parts, align, strict=True) for lo, hi in piece_bounds(b // a, c))
         owners = stage_owners(sizes, workers, zero=zero)
         spread = _spread(sent_bytes(sizes, owners, workers)) if workers > 1 else 1.0
         if zero and workers > 1:
             spread = max(spread, _spread(owned_bytes(sizes, owners, workers)))
-        units = Units(parts, owners, sizes)
-        if spread <= BALANCE:
-            return units
-        if best is None or spread < best[0] - 1e-12:
-            best = (spread, units)
+        # balanced first, then the fewest pieces, then the most even
+        key = (spread > BALANCE, sum(parts) if spread <= BALANCE else 0, spread, Units(parts, owners, sizes))
+        if best is None or key[:3] < best[:3]:
+            best = key
     assert best is not None
-    return best[1]
+    return best[3]
 
 
 def parameter_stages(graph: IRGraph, num_stages: int) -> dict[str, int]:
