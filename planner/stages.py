@@ -189,6 +189,8 @@ def message_units(stage_bytes: Sequence[int], workers: int, *, zero: bool, items
     cuts = [tuple(c if b else 1 for b in stage_bytes) for c in range(1, max(workers, 1) + 1)]
     cuts += [tuple(max(1, -(-b * k * workers // total)) if b else 1 for b in stage_bytes) for k in range(1, 5)] if total else []
     best: tuple[bool, int, float, Units] | None = None
+    # (a stage is cut into whole values, so into no more pieces than it has values)
+    cuts = [tuple(min(c, max(1, b // a)) for c, b, a in zip(cut, stage_bytes, align, strict=True)) for cut in cuts]
     for parts in dict.fromkeys(cuts):
         sizes = tuple((hi - lo) * a for b, c, a in zip(stage_bytes, parts, align, strict=True) for lo, hi in piece_bounds(b // a, c))
         owners = stage_owners(sizes, workers, zero=zero)
