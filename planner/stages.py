@@ -142,9 +142,6 @@ class Units:
         first = sum(self.parts[:stage])
         return range(first, first + self.parts[stage])
 
-    def stage_of(self, unit: int) -> int:
-        return next(s for s in range(len(self.parts)) if unit in self.of_stage(s))
-
 
 def piece_bounds(elements: int, parts: int) -> list[tuple[int, int]]:
     """The element ranges a buffer of ``elements`` values is cut into, ``parts`` of them (as equal
@@ -184,8 +181,8 @@ def message_units(stage_bytes: Sequence[int], workers: int, *, zero: bool, items
     c for every stage with parameters (1 to 8, the multiples of N / gcd(N, L) up to N, which give
     every worker as many pieces, and counts about 1.5x apart), and counts in proportion to the
     stages' bytes (a stage of b bytes in ceil(b / t) pieces, t = S / (k N), S the stages' bytes,
-    k = 1 to 16), which cut a large stage (an embedding's) and leave the small ones whole. ``itemsize``: each
-    stage's bytes per value (pieces are whole values; default 1).
+    k = 1 to 16), which cut a large stage (an embedding's) and leave the small ones whole.
+    ``itemsize``: each stage's bytes per value (pieces are whole values; default 1).
 
     With L >= N stages, one piece a stage is usually enough (the owners differ from stage to
     stage). With fewer stages than workers some ranks would own nothing: they send every buffer
@@ -211,10 +208,14 @@ def _message_units(stage_bytes: tuple[int, ...], workers: int, zero: bool, align
     cuts += [tuple(max(1, -(-b * k * workers // total)) if b else 1 for b in stage_bytes) for k in range(1, 17)] if total else []
     # (a stage is cut into whole values, so into no more pieces than it has values)
     cuts = [tuple(min(c, max(1, b // a)) for c, b, a in zip(cut, stage_bytes, align, strict=True)) for cut in cuts]
+    def pieces(parts: tuple[int, ...]) -> int:
+        return sum(p for p, b in zip(parts, stage_bytes, strict=True) if b)
+
+    most = max(pieces(cut) for cut in cuts)
     best: tuple[float, Units] | None = None
     for parts in sorted(dict.fromkeys(cuts), key=sum):
-        if zero and sum(p for p, b in zip(parts, stage_bytes, strict=True) if b) < workers:
-            continue  # some worker would own no state
+        if zero and pieces(parts) < workers <= most:
+            continue  # some worker would own no state (unless no cut has a piece for every worker)
         sizes = tuple((hi - lo) * a for b, c, a in zip(stage_bytes, parts, align, strict=True) for lo, hi in piece_bounds(b // a, c))
         owners = stage_owners(sizes, workers, zero=zero)
         spread = _spread(sent_bytes(sizes, owners, workers)) if workers > 1 else 1.0
