@@ -61,7 +61,10 @@ class Message:
     """A point-to-point message of the schedule. ``kind`` "chain": the partial sum of piece
     ``part`` of stage ``stage``'s gradient of step ``step`` from chain place ``place`` to place + 1;
     "ring": the piece's final buffer (sum, or with ZeRO the owner's new parameters) from ring place
-    ``place`` to place + 1 (place 0 is the owner); "token": worker ``src`` has done op ``step``."""
+    ``place`` to place + 1 (place 0 is the owner); with ``star`` (ZeRO-2), "reduce": worker
+    ``src``'s own gradient of the piece to its owner ``dst`` (``place``: the sender's place after
+    the owner, 0 to N-2) and "deliver": the owner's new parameters of the piece to worker ``dst``
+    (``place``: the receiver's); "token": worker ``src`` has done op ``step``."""
 
     step: int
     stage: int
@@ -88,12 +91,14 @@ class OpActions:
     forwards: dict[Message, Message] = field(default_factory=dict)  # a receive -> the message it sends on, at once
     log_order: list[int] = field(default_factory=list)  # each log entry's place in the simulation's order
     order: int = -1  # the op's place in it
-    heads: list[Message] = field(default_factory=list)  # after the op (a backward): the chains this worker heads
+    heads: list[Message] = field(default_factory=list)  # after the op (a backward): the chains this worker heads (star: its reduces, deliveries)
+    delivers: dict[Message, list[Message]] = field(default_factory=dict)  # star: a reduce that completes a sum -> the owner's deliveries
 
     @property
     def sends(self) -> list[Message]:
-        """The data messages this op sends: those its receives pass on, then its chains' heads."""
-        return [*self.forwards.values(), *self.heads]
+        """The data messages this op sends: those its receives pass on (or, star, the deliveries
+        a completed sum sends), then its chains' heads."""
+        return [*self.forwards.values(), *(m for ms in self.delivers.values() for m in ms), *self.heads]
 
 
 @dataclass
@@ -108,12 +113,16 @@ class Clock:
     """CDP's schedule for ``workers`` workers and ``stages`` stages (module docstring)."""
 
     def __init__(self, workers: int, stages: int, owners: Sequence[int], rule: str, has_params: Sequence[bool], keep: int | None = None,
-                 hold: bool = False, parts: Sequence[int] | None = None) -> None:
+                 hold: bool = False, parts: Sequence[int] | None = None, star: bool = False) -> None:
         """``owners``: each unit's owner, a stage's pieces in order (``parts``: each stage's piece
         count, 1 by default; :class:`planner.stages.Units`). ``keep``: the worker whose ops'
         actions are kept for :meth:`actions` (None: every worker's). ``hold``: the ring copies a
         worker applies at a step's start (v1's; v2's where the worker is stale on the stage) are
-        taken an op after their receive is posted (:func:`ring_hold`)."""
+        taken an op after their receive is posted (:func:`ring_hold`). ``star`` (CDP with ZeRO-2):
+        no chain and no ring; each worker sends its gradient of a piece straight to the piece's
+        owner after its backward of the stage (taken at the owner's next op boundary, summed
+        there), and the owner, once it has every worker's, sends its new parameters straight to
+        each worker, which takes them at the op its update is due at (module docstring)."""
         if rule not in ("sync", "v1", "v2"):
             raise ValueError(f"unknown CDP update rule {rule!r}; use sync, v1 or v2")
         self.parts = tuple(parts) if parts is not None else (1,) * stages
@@ -123,6 +132,7 @@ class Clock:
         self._first = [sum(self.parts[:stage]) for stage in range(stages)]
         self.workers, self.stages, self.owners, self.rule = workers, stages, tuple(owners), rule
         self.has_params = tuple(has_params)
+        self.star = star
         if rule == "sync":  # every stage's sum before the next step's forward: no delay (DP through the chain)
             self.scale, self.delta, self.lead = 1, 0, 0
         else:
@@ -131,7 +141,7 @@ class Clock:
             self.lead = 2 * stages // workers  # ops a worker's predecessor is ahead by, whole
         self.period = 2 * stages
         self._order = 0  # every action and op numbered in the order the simulation does them
-        self.hold = self.scale if hold and rule in ("v1", "v2") else 0  # ticks between posting a late-used ring copy's receive and taking it
+        self.hold = self.scale if hold and rule in ("v1", "v2") and not star else 0  # ticks between posting a late-used ring copy's receive and taking it
         self._held = self._late_users()
         self._start: dict[tuple[int, int], int] = {}
         self._done: dict[tuple[int, int], OpActions] = {}
@@ -146,6 +156,7 @@ class Clock:
         self._outgoing: list[list[Message]] = [[] for _ in range(workers)]  # sent, not yet waited for
         self._final: dict[tuple[int, int, int, int], int] = {}  # (worker, step, stage, part) -> op its piece became final at
         self._chain_done: set[tuple[int, int, int, int]] = set()  # (worker, step, stage, part): its chain send waited for
+        self._summed: dict[tuple[int, int, int], int] = {}  # star: (step, stage, part) -> contributions its owner has (its own included)
         self._tokens_taken = [-1] * workers
         self.keep = keep
         self.messages_per_step = 2 * (workers - 1) * sum(p for p, has in zip(self.parts, has_params, strict=True) if has)
@@ -293,6 +304,10 @@ class Clock:
                         continue  # the partial sum is added to this worker's own gradient, made at its backward
                     if message.kind == "ring" and (n, message.step, message.stage, message.part) not in self._chain_done:
                         continue  # it arrives in the buffer the chain sent from, once that send has completed
+                    if message.kind == "reduce" and op <= self.period * message.step:
+                        continue  # star: taken once the owner has begun that step (a rank's last step may be its last)
+                    if message.kind == "deliver" and (message.step, message.stage) not in self.uses_at(n, op):
+                        continue  # star: the owner's new parameters are taken where they are installed
                     m.posted = now  # its receive is posted: it travels while this worker computes
                     self._log(acts, ("post", message, now))
                     progress = did = True
@@ -367,6 +382,12 @@ class Clock:
         self._log(b.acts, ("recv", message, b.now))
         step, stage, part, big_n = message.step, message.stage, message.part, self.workers
         self._touched[step] = max(self._touched.get(step, 0), b.op)
+        if message.kind == "reduce":
+            self._contribute(n, b.op, b.now, b.acts, step, stage, part, via=message)
+            return
+        if message.kind == "deliver":
+            self._final[(n, step, stage, part)] = b.op
+            return
         onward: Message | None = None
         if message.kind == "chain" and message.place + 1 < big_n - 1:
             onward = Message(step, stage, "chain", message.place + 1, n, (n + 1) % big_n, part)
@@ -378,6 +399,24 @@ class Clock:
         if onward is not None:
             self._send(onward, b.now)
             b.acts.forwards[message] = onward
+
+    def _contribute(self, owner: int, op: int, tick: int, acts: OpActions, step: int, stage: int, part: int, via: Message | None) -> None:
+        """Star: one more worker's gradient of the piece summed at its owner (``via`` the reduce
+        that brought it; None: the owner's own, at the end of its backward op ``op``). With all N
+        the sum is final: the owner updates and sends each worker its new parameters."""
+        key = (step, stage, part)
+        self._summed[key] = self._summed.get(key, 0) + 1
+        if self._summed[key] < self.workers:
+            return
+        del self._summed[key]
+        self._final[(owner, step, stage, part)] = op
+        out = [Message(step, stage, "deliver", k, owner, (owner + 1 + k) % self.workers, part) for k in range(self.workers - 1)]
+        for message in out:
+            self._send(message, tick)
+        if via is None:
+            acts.heads.extend(out)
+        else:
+            acts.delivers[via] = out
 
     def _run(self, n: int, b: _Boundary) -> None:
         """Worker ``n``'s op ``b.op`` starts at ``b.now``: its updates, the op, then (after a
@@ -395,6 +434,12 @@ class Clock:
             for part in range(self.parts[stage]):
                 if big_n == 1:
                     self._final[(n, step, stage, part)] = op
+                elif self.star and self.owner(stage, part) == n:
+                    self._contribute(n, op, end, acts, step, stage, part, via=None)
+                elif self.star:
+                    head = Message(step, stage, "reduce", self.place(stage, n, part), n, self.owner(stage, part), part)
+                    acts.heads.append(head)
+                    self._send(head, end)
                 elif self.place(stage, n, part) == 0:
                     head = Message(step, stage, "chain", 0, n, (n + 1) % big_n, part)
                     acts.heads.append(head)
@@ -423,8 +468,9 @@ class _Boundary:
     blocked: int | None = None
 
 
-def schedule_units(sizes: Sequence[int], workers: int, rule: str, zero: bool, itemsize: Sequence[int] | None = None) -> Units:
-    """Each stage's pieces and each piece's owner (where its chain ends) for CDPTrainer:
+def schedule_units(sizes: Sequence[int], workers: int, rule: str, zero: bool, itemsize: Sequence[int] | None = None, star: bool = False) -> Units:
+    """Each stage's pieces and each piece's owner (where its chain ends; ``star``: where its
+    gradients are sent) for CDPTrainer:
     :func:`planner.stages.message_units` (the ranks' sent bytes, and with ZeRO their optimizer
     state, evened), unless under ``v2`` those owners stretch the schedule (a fresh stage's ring not
     round in time, on the clock's ideal messages: N = 8, L = 4 does), where one piece a stage with
@@ -437,19 +483,20 @@ def schedule_units(sizes: Sequence[int], workers: int, rule: str, zero: bool, it
     has = tuple(b > 0 for b in sizes)
     whole = Units((1,) * len(sizes), stage_owners(sizes, workers, zero=zero), tuple(sizes))
     for candidate in (units, whole):
-        if _stretch(workers, len(sizes), candidate.owners, rule, has, parts=candidate.parts) == 0:
+        if _stretch(workers, len(sizes), candidate.owners, rule, has, parts=candidate.parts, star=star) == 0:
             return candidate
     return Units((1,) * len(sizes), (workers - 1,) * len(sizes), tuple(sizes))
 
 
-def ring_hold(workers: int, stages: int, owners: Sequence[int], rule: str, has_params: Sequence[bool], parts: Sequence[int] | None = None) -> bool:
+def ring_hold(workers: int, stages: int, owners: Sequence[int], rule: str, has_params: Sequence[bool], parts: Sequence[int] | None = None,
+              star: bool = False) -> bool:
     """Whether the ring copies applied at a step's start (v1's; v2's on the stages where their
     receiver is stale) may travel for an op before their receivers take them: where the clock's
     schedule still holds with it (a ring of N-1 hops an op each, and the wraps, within the rule's
     slack; not at N = 8, L = 4 under v1). Not under v2 where N > L: there a held copy bunches with
     the next stage's chain (N = 8, L = 4: 5/8 of a rank's bytes in 1/L of a step, against 4/7
-    without; tests/test_cdp_clock.py checks the spread)."""
-    if rule == "v2" and workers > stages:
+    without; tests/test_cdp_clock.py checks the spread). Never with ``star`` (no ring)."""
+    if (rule == "v2" and workers > stages) or star:
         return False
     pieces = tuple(parts) if parts is not None else (1,) * stages
     return rule in ("v1", "v2") and workers > 1 and _stretch(workers, stages, tuple(owners), rule, tuple(has_params), hold=True, parts=pieces) == 0
@@ -457,12 +504,12 @@ def ring_hold(workers: int, stages: int, owners: Sequence[int], rule: str, has_p
 
 @functools.lru_cache(maxsize=256)
 def _stretch(workers: int, stages: int, owners: tuple[int, ...], rule: str, has_params: tuple[bool, ...], steps: int = 12, hold: bool = False,
-             parts: tuple[int, ...] | None = None) -> int:
+             parts: tuple[int, ...] | None = None, star: bool = False) -> int:
     """Ticks the clock's steps run over their due length in steady state, over its last three
     simulated steps (0: the schedule holds; the first steps may settle into a constant lag).
     Cached: the planner asks it for every evaluation of a CDP configuration (up to 0.04 s a run
     at N = L = 8), with the same few schedules."""
-    clock = Clock(workers, stages, owners, rule, has_params, hold=hold, parts=parts)
+    clock = Clock(workers, stages, owners, rule, has_params, hold=hold, parts=parts, star=star)
     lag = {(n, op): clock.actions(n, op).start - clock.due(n, op) for op in range(2 * stages * steps) for n in range(workers)}
     last, before = 2 * stages * (steps - 1), 2 * stages * (steps - 4)
     return max(lag[(n, last)] - lag[(n, before)] for n in range(workers))

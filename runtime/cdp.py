@@ -114,8 +114,9 @@ class CDPTrainer:
         axes = mesh.active_dp_axes
         if len(axes) != 1:
             raise ValueError(f"CDP runs over one data-parallel axis; mesh {mesh} has {len(axes)} with degree > 1")
-        if pm.plan.zero_stage not in (0, 1):
-            raise ValueError(f"CDP runs with ZeRO 0 or 1 (optimizer states owned by stage); the plan has ZeRO-{pm.plan.zero_stage}")
+        if pm.plan.zero_stage not in (0, 1, 2):
+            raise ValueError(f"CDP runs with ZeRO 0, 1 or 2 (optimizer states owned by piece); the plan has ZeRO-{pm.plan.zero_stage}: "
+                             "CDP with ZeRO-3 (parameters fetched point to point before each stage op) is not built; plan with ZeRO 0-2")
         if rule not in ("sync", "v1", "v2"):
             raise ValueError(f"unknown CDP update rule {rule!r}; use sync, v1 or v2")
         # a CDP plan holds none (planner.edges); one made without CDP may (GPT's position-embedding
@@ -127,7 +128,9 @@ class CDPTrainer:
             raise ValueError(f"the plan issues a collective ({kind}) over the data-parallel axis {axes[0]!r} in {phase}{where}: CDP's workers run "
                              f"at different times and cannot join it; {_REPLAN}")
         self.pm, self.rule = pm, rule
-        self.zero = pm.plan.zero_stage == 1
+        self.zero = pm.plan.zero_stage in (1, 2)  # each piece's optimizer state on its owner
+        # ZeRO-2: gradients straight to the owner, new parameters straight back (planner.cdp_clock's star)
+        self.star = pm.plan.zero_stage == 2 and mesh.degree(axes[0]) > 1
         self.axis = axes[0]
         self.num_workers = mesh.degree(self.axis)
         self.worker = mg.coords[self.axis]
@@ -141,13 +144,15 @@ class CDPTrainer:
         stage_params = self.runner.stage_params
         sizes = [sum(self.params[a].numel() * self.params[a].element_size() for a in attrs) for attrs in stage_params]
         itemsize = [max((self.params[a].element_size() for a in attrs), default=1) for attrs in stage_params]
-        self.units = schedule_units(sizes, self.num_workers, rule, self.zero, itemsize)
+        self.units = schedule_units(sizes, self.num_workers, rule, self.zero, itemsize, star=self.star)
         self.owners = self.units.owners
         # each stage's flat buffer cut into its units' element ranges (planner.stages.piece_bounds)
         self.pieces = [piece_bounds(sum(self.params[a].numel() for a in attrs), parts) for attrs, parts in zip(stage_params, self.units.parts, strict=True)]
         has = [bool(a) for a in stage_params]
-        self.hold = ring_hold(self.num_workers, self.num_stages, self.owners, rule, has, self.units.parts)
-        self.clock = Clock(self.num_workers, self.num_stages, self.owners, rule, has, keep=self.worker, hold=self.hold, parts=self.units.parts)
+        self._dtype = [torch.cat([torch.empty(0, dtype=self.params[a].dtype) for a in attrs]).dtype if attrs else torch.float32 for attrs in stage_params]
+        self.hold = ring_hold(self.num_workers, self.num_stages, self.owners, rule, has, self.units.parts, star=self.star)
+        self.clock = Clock(self.num_workers, self.num_stages, self.owners, rule, has, keep=self.worker, hold=self.hold, parts=self.units.parts,
+                           star=self.star)
         self.optimizers: dict[tuple[int, int], torch.optim.Optimizer] = {}  # by (stage, piece); without ZeRO, piece 0 holds the stage's
         self.masters: dict[tuple[int, int], torch.nn.Parameter] = {}  # ZeRO: the owned pieces' master copies, flat
         for stage, attrs in enumerate(stage_params):
@@ -164,6 +169,10 @@ class CDPTrainer:
         self.step_index = 0
         self.op = 0  # the next op on the clock (2L a step)
         self._bufs: dict[tuple[int, int], torch.Tensor] = {}  # (step, stage) -> this rank's flat buffer
+        # star: (step, stage, piece) -> an owned piece's sum so far, then its new parameters (until delivered and installed)
+        self._sums: dict[tuple[int, int, int], torch.Tensor] = {}
+        self._summed: dict[tuple[int, int, int], int] = {}  # star: contributions in each owned sum
+        self._arrived: dict[tuple[int, int, int], torch.Tensor] = {}  # star: an owner's new parameters taken, installed at once
         self._sending: dict[Message, tuple[Any, torch.Tensor]] = {}  # sends not yet waited for
         self._receiving: dict[Message, tuple[Any, torch.Tensor]] = {}  # receives posted, not yet taken
         self._tokens_in = -1
@@ -182,14 +191,17 @@ class CDPTrainer:
     def _tag(self, message: Message) -> int:
         if message.kind == "token":
             return 4 * len(self.owners)
-        return 4 * self.units.unit(message.stage, message.part) + 2 * (message.step % 2) + (message.kind == "ring")
+        return 4 * self.units.unit(message.stage, message.part) + 2 * (message.step % 2) + (message.kind in ("ring", "deliver"))
 
     def _what(self, message: Message) -> str:
         piece = f" (piece {message.part + 1} of {self.units.parts[message.stage]})" if self.units.parts[message.stage] > 1 else ""
         return f"CDP {message.kind} of stage {message.stage}'s gradient{piece}, step {message.step}"
 
     def _piece(self, message: Message) -> torch.Tensor:
-        """This rank's buffer of ``message``'s piece: a view of its stage's flat buffer."""
+        """This rank's buffer of ``message``'s piece: a view of its stage's flat buffer (star: an
+        owner's delivery, the piece's new parameters)."""
+        if message.kind == "deliver":
+            return self._sums[(message.step, message.stage, message.part)]
         lo, hi = self.pieces[message.stage][message.part]
         return self._bufs[(message.step, message.stage)][lo:hi]
 
@@ -226,14 +238,29 @@ class CDPTrainer:
         ring's copy into the buffer the chain sent from (that send has completed)."""
         if message.step > last:  # after the last step: a message of a step that never ran
             return
-        buf = self._piece(message)
-        into = torch.empty_like(buf) if message.kind == "chain" else buf
+        if message.kind in ("reduce", "deliver"):  # star: a piece of its own
+            lo, hi = self.pieces[message.stage][message.part]
+            into = torch.empty(hi - lo, dtype=self._dtype[message.stage])
+        else:
+            buf = self._piece(message)
+            into = torch.empty_like(buf) if message.kind == "chain" else buf
         self._receiving[message] = (faults.irecv(into, self._peer(message.src), self._tag(message), self._what(message)), into)
 
     def _receive(self, acts: OpActions, message: Message, last: int) -> None:
         """Wait for ``message`` (a chain's partial sum is added to this rank's buffer) and pass on
         what the clock says."""
         if message.step > last:
+            return
+        if message.kind in ("reduce", "deliver"):
+            work, into = self._receiving.pop(message)
+            work.wait()
+            key = (message.step, message.stage, message.part)
+            if message.kind == "deliver":
+                self._arrived[key] = into
+                return
+            self._contribute(key, into)
+            for delivery in acts.delivers.get(message, []):
+                self._send(delivery, self._piece(delivery))
             return
         buf = self._piece(message)
         onward = acts.forwards.get(message)
@@ -246,6 +273,19 @@ class CDPTrainer:
                 self._owner_update(message.stage, message.part, buf)
         if onward is not None:
             self._send(onward, buf)
+
+    def _contribute(self, key: tuple[int, int, int], grad: torch.Tensor) -> None:
+        """Star: add one worker's gradient of an owned piece to its sum (the first becomes it);
+        with every worker's, step the piece's optimizer (the sum then holds the new parameters)."""
+        total = self._sums.get(key)
+        if total is None:
+            self._sums[key] = grad
+        else:
+            total.add_(grad)  # in the clock's order of receipt, the same every run
+        self._summed[key] = self._summed.get(key, 0) + 1
+        if self._summed[key] == self.num_workers:
+            del self._summed[key]
+            self._owner_update(key[1], key[2], self._sums[key])
 
     def _owner_update(self, stage: int, part: int, buf: torch.Tensor) -> None:
         """ZeRO: step the owned piece's master with the summed gradient in ``buf`` (the piece's
@@ -261,6 +301,12 @@ class CDPTrainer:
     def _use(self, step: int, stage: int) -> None:
         """Apply step ``step``'s update of stage ``stage`` (the sum's optimizer step; with ZeRO the
         owner's new parameters) and let its buffer go (its sends keep it until they complete)."""
+        if self.star:  # each piece's new parameters: the owner's sum (its sends keep it until they complete), or the delivery taken
+            with torch.no_grad():
+                for part, (lo, _) in enumerate(self.pieces[stage]):
+                    key = (step, stage, part)
+                    self._install(stage, lo, self._sums.pop(key) if self._owns(stage, part) else self._arrived.pop(key))
+            return
         buf = self._bufs.pop((step, stage))
         if self.zero:
             with torch.no_grad():
@@ -272,6 +318,19 @@ class CDPTrainer:
         self.optimizers[(stage, 0)].step()
         for attr in self.runner.stage_params[stage]:
             self.params[attr].grad = None
+
+    def _owns(self, stage: int, part: int) -> bool:
+        return self.units.owners[self.units.unit(stage, part)] == self.worker
+
+    def _install(self, stage: int, lo: int, values: torch.Tensor) -> None:
+        """Copy ``values``, the stage's flat parameters from element ``lo`` on, into the parameters."""
+        hi, offset = lo + values.numel(), 0
+        for attr in self.runner.stage_params[stage]:
+            p = self.params[attr]
+            a, b = max(lo, offset), min(hi, offset + p.numel())
+            if a < b:
+                p.data.view(-1)[a - offset : b - offset].copy_(values[a - lo : b - lo])
+            offset += p.numel()
 
     def _before(self, last: int) -> OpActions:
         """What the clock puts before this rank's next op: tokens, receives, send waits, updates.
@@ -308,6 +367,9 @@ class CDPTrainer:
         for head in acts.heads:
             if head.step <= last:
                 self._send(head, self._piece(head))
+        step, j = divmod(self.op, 2 * self.num_stages)
+        if self.star and j >= self.num_stages:  # the stage's reduces have left: their sends keep the buffer until they complete
+            self._bufs.pop((step, 2 * self.num_stages - 1 - j), None)
         if self.num_workers > 1:
             token = Message(self.op, -1, "token", 0, self.worker, (self.worker + 1) % self.num_workers)
             self._send(token, torch.tensor([self.op], dtype=torch.int64), record=record)
@@ -341,7 +403,11 @@ class CDPTrainer:
         def backward(stage: int) -> None:
             self.runner.backward(mb, stage)
             if self.runner.stage_params[stage]:
-                self._bufs[(t, stage)] = self._flat(stage)
+                self._bufs[(t, stage)] = flat = self._flat(stage)
+                if self.star:  # this rank's share of the pieces it owns joins their sums; the rest leave after the op
+                    for part, (lo, hi) in enumerate(self.pieces[stage]):
+                        if self._owns(stage, part):
+                            self._contribute((t, stage, part), flat[lo:hi] if (t, stage, part) in self._sums else flat[lo:hi].clone())
                 if self.zero and self.num_workers == 1:  # no chain: the sum is final here
                     for part, (lo, hi) in enumerate(self.pieces[stage]):
                         self._owner_update(stage, part, self._bufs[(t, stage)][lo:hi])
@@ -385,6 +451,8 @@ class CDPTrainer:
             work.wait()
         self._sending.clear()
         self._bufs.clear()
+        self._sums.clear()
+        self._arrived.clear()
 
     def held_bytes(self) -> dict[str, int]:
         """Bytes this rank holds between steps: parameters and the optimizers (their states and,

@@ -144,6 +144,7 @@ def cdp_train(rank: int, world: int, cases: list[tuple[str, str, str, int]]) -> 
             "owners": list(trainer.owners),
             "parts": list(trainer.units.parts),
             "hold": trainer.hold,
+            "star": trainer.star,
             "has_params": [bool(a) for a in trainer.runner.stage_params],
             "ops": trainer.ops,
             "sent": [(op, tuple(dataclasses.astuple(m)), nbytes) for op, _, m, nbytes in trainer.sent],

@@ -63,6 +63,9 @@ CASES = {
     "mlp planned v1 zero": ("mlp-tiny", 4, "plan", 2),
     "gpt planned v2 zero": ("gpt-tiny", 4, "plan", 4),
     "gpt planned v1 zero dp=2 x tp=2": ("gpt-tiny", 2, "plan", 2),
+    "mlp planned v1 zero2": ("mlp-tiny", 4, "plan", 2),
+    "gpt planned v2 zero2": ("gpt-tiny", 4, "plan", 4),
+    "gpt planned v1 zero2 dp=2 x tp=2": ("gpt-tiny", 2, "plan", 2),
 }
 PLANNED = {label: label.split()[2] for label in CASES if " planned " in label}
 
@@ -74,7 +77,8 @@ def runs() -> dict[str, list[dict[str, Any]]]:
     for label, (name, dp, rule, stages) in CASES.items():
         allow = data_parallel if dp == 4 else megatron_dp
         if rule == "plan":
-            cases.append((name, _plan(name, dp, allow, PLANNED[label], stages, zero=1 if "zero" in label else 0), rule, stages))
+            zero = 2 if "zero2" in label else 1 if "zero" in label else 0
+            cases.append((name, _plan(name, dp, allow, PLANNED[label], stages, zero=zero), rule, stages))
             continue
         # CDP runs use a CDP plan (its rule overridden by `rule`), but for the one on a DP plan
         mode = "off" if rule == "dp" or "DP plan" in label else "v1"
@@ -140,11 +144,12 @@ def test_the_runtime_runs_cdps_clock(runs) -> None:  # type: ignore[no-untyped-d
     schedule puts before it has ended: the paper's uniform delay is enforced, not left to chance."""
     from planner.cdp_clock import Clock
 
-    for label in ("mlp v1", "mlp v2", "gpt v1", "gpt v2", "gpt planned v2", "gpt planned v2 zero", "mlp planned v1 zero"):
+    for label in ("mlp v1", "mlp v2", "gpt v1", "gpt v2", "gpt planned v2", "gpt planned v2 zero", "mlp planned v1 zero", "mlp planned v1 zero2",
+                  "gpt planned v2 zero2"):
         ranks = runs[label]
         rep = ranks[0]
         workers, stages = rep["workers"], rep["stages"]
-        clock = Clock(workers, stages, rep["owners"], rep["trainer_rule"], rep["has_params"], hold=rep["hold"], parts=rep["parts"])
+        clock = Clock(workers, stages, rep["owners"], rep["trainer_rule"], rep["has_params"], hold=rep["hold"], parts=rep["parts"], star=rep["star"])
         end = clock.drained_by(STEPS - 1)
         planned: dict[int, list[tuple[int, tuple[Any, ...]]]] = {n: [] for n in range(workers)}
         for op in range(end):
@@ -247,19 +252,20 @@ def test_cdp_holds_constant_saved_bytes_equal_to_the_formula(model: str, stages:
 def test_the_planner_prices_cdp_as_a_search_dimension() -> None:
     """gpt2-small on 8 devices, dp only: CDP's messages carry the DP gradient bytes (up to two per
     stage, on the busiest rank), priced on CDP's clock, and v1 / v2 hold one more gradient / parameter
-    copy (v2's update waits for its use, no second parameter version); with ZeRO-1 only the stages' owners keep optimizer state; dp = 1 and ZeRO > 1 are pruned
-    with a reason; the report states the one-step delay."""
+    copy (v2's update waits for its use, no second parameter version); with ZeRO-1 only the stages' owners keep optimizer state; with
+    ZeRO-2 too, and the gradients leave for their owners (the star: no buffer held through the step, each owner's sums instead);
+    dp = 1 and ZeRO-3 are pruned with a reason; the report states the one-step delay."""
     from planner.report import format_plan
 
     model = build_model("gpt2-small", device="meta")
     args, kwargs = example_inputs("gpt2-small", batch=8, device="meta")
     graph = trace(model, args, kwargs)
-    space = SearchConfig(devices=8, tp=("none", "1d"), zero=(0, 1, 2), cdp=("off", "v1", "v2"), cdp_stages=8, front=False)
+    space = SearchConfig(devices=8, tp=("none", "1d"), zero=(0, 1, 2, 3), cdp=("off", "v1", "v2"), cdp_stages=8, front=False)
     result = search(graph, space, model_name="gpt2-small", exhaustive=True)
     plans = {(str(c.mesh), c.zero, c.cdp): c.plan for c in result.candidates}
     reasons = {(str(c.mesh), c.zero, c.cdp): c.reason for c in result.candidates if c.plan is None}
     assert "needs dp > 1" in reasons[("dp=1 x tp=8", 0, "v1")]
-    assert "ZeRO-2 is not built" in reasons[("dp=8 x tp=1", 2, "v2")]
+    assert "ZeRO-3 is not built" in reasons[("dp=8 x tp=1", 3, "v2")]
     off, v1, v2 = (plans[("dp=8 x tp=1", 0, mode)] for mode in ("off", "v1", "v2"))
     assert off is not None and v1 is not None and v2 is not None
     all_reduced = sum(c.nbytes * c.count for c in off.comms if c.kind == "all_reduce" and c.phase == "step")
@@ -279,6 +285,12 @@ def test_the_planner_prices_cdp_as_a_search_dimension() -> None:
     zero = plans[("dp=8 x tp=1", 1, "v1")]
     # owners only: each rank owns about 1/8 of the states (stage 0, embedding + tied LM head, is cut into pieces)
     assert zero is not None and zero.memory_breakdown.optimizer < off.memory_breakdown.optimizer
+    zero2 = plans[("dp=8 x tp=1", 2, "v1")]
+    assert zero2 is not None and zero2.memory_breakdown.optimizer == pytest.approx(zero.memory_breakdown.optimizer, rel=0.02)
+    # the step's own gradient, and its share of the owners' sums (2/N), where ZeRO-1 holds the previous step's whole buffer
+    assert zero2.memory_breakdown.grads == pytest.approx(off.memory_breakdown.grads * (1 + 2 / 8))
+    star = [c for c in zero2.comms if c.kind == "send" and c.nbytes != TOKEN_BYTES]
+    assert sum(c.nbytes * c.count for c in star) == pytest.approx(2 * 7 / 8 * all_reduced, rel=0.10)  # each piece to its owner, owned ones to 7
     text = format_plan(v1)
     assert "one-step gradient delay" in text and "CDPTrainer" in text
 

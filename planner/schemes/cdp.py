@@ -195,9 +195,13 @@ class Traffic:
 def cdp_traffic(problem: Problem, assignment: dict[str, int]) -> Traffic:
     sizes = stage_message_bytes(problem, assignment)
     n = problem.mesh.group_size(problem.mesh.active_dp_axes)
-    units = schedule_units(sizes, n, problem.cdp, problem.zero_stage == 1, stage_itemsize(problem))
+    star = problem.zero_stage == 2
+    units = schedule_units(sizes, n, problem.cdp, problem.zero_stage >= 1, stage_itemsize(problem), star=star)
     owners = units.owners
-    per_rank = [{u: 1 if r in (owners[u], (owners[u] - 1) % n) else 2 for u, b in enumerate(units.sizes) if b} for r in range(n)]
+    if star:  # a unit to its owner once, or, owned, to each other worker
+        per_rank = [{u: n - 1 if r == owners[u] else 1 for u, b in enumerate(units.sizes) if b} for r in range(n)]
+    else:
+        per_rank = [{u: 1 if r in (owners[u], (owners[u] - 1) % n) else 2 for u, b in enumerate(units.sizes) if b} for r in range(n)]
     rank = max(range(n), key=lambda r: (sum(units.sizes[u] * k for u, k in per_rank[r].items()), -r))
     return Traffic(units, n, rank, per_rank[rank], 2 * len(sizes) if n > 1 else 0)
 
@@ -241,8 +245,9 @@ def cdp_overlap(problem: Problem, traffic: Traffic, busy: float, p2p: float) -> 
         return seconds[TOKEN_BYTES if message.kind == "token" else units.sizes[units.unit(message.stage, message.part)]]
 
     has = [any(units.sizes[u] for u in units.of_stage(stage)) for stage in range(stages)]
-    hold = ring_hold(traffic.workers, stages, units.owners, problem.cdp, has, units.parts)
-    period = step_period(traffic.workers, stages, units.owners, problem.cdp, has, durations, latency, hold=hold, parts=units.parts)
+    star = problem.zero_stage == 2
+    hold = ring_hold(traffic.workers, stages, units.owners, problem.cdp, has, units.parts, star=star)
+    period = step_period(traffic.workers, stages, units.owners, problem.cdp, has, durations, latency, hold=hold, parts=units.parts, star=star)
     waits = max(0.0, period - busy - p2p)
     return waits, problem.overlap_efficiency * max(0.0, busy + p2p + waits - period)
 
@@ -361,8 +366,9 @@ class CDP(Scheme):
             return "CDP runs over the data-parallel axis: needs dp > 1"
         if len(mesh.active_dp_axes) > 1:
             return f"CDP runs over one data-parallel axis; mesh {mesh} has {len(mesh.active_dp_axes)}"
-        if zero > 1:
-            return f"CDP with ZeRO-{zero} is not built in the runtime; CDP runs with ZeRO 0 or 1"
+        if zero > 2:
+            return (f"CDP with ZeRO-{zero} is not built in the runtime (parameters fetched point to point before each stage op); "
+                    "CDP runs with ZeRO 0, 1 or 2")
         if micro_batches > 1:
             return "CDP staggers its own micro-batches; gradient accumulation runs with CDP off"
         return ""
@@ -427,12 +433,21 @@ class CDP(Scheme):
         # the chain and the ring instead of the all-reduce
         params, grads, states, step = zero_param_terms(node.out.shape, node.out.itemsize, spec, problem.mesh, 0, opt_factor)
         price.step = [Comm("send", c.axes, c.nbytes, "bwd") for c in step for _ in range(2)]
-        if problem.zero_stage == 1:
+        workers = problem.mesh.group_size(spec.grad_partial)
+        if problem.zero_stage >= 1:
             # states and a master copy live on the stage's owner only: 1/N on average here
             # (linear); adjust() puts the busiest owner's exact share back
             owned = states + params
             problem.cdp_owned.setdefault(node.name, [0.0] * len(problem.choices[node.name]))[index] = owned
-            states = owned / problem.mesh.group_size(spec.grad_partial)
+            states = owned / workers
+        if problem.zero_stage == 2:
+            # the star (runtime.cdp): a worker's gradient leaves for its owners after the stage's
+            # backward; an owner holds the sums of its pieces, then their new parameters until
+            # every worker has taken them at its update (up to two steps' at once: 2/N on average)
+            price.held = 2 * params / workers
+            grads += price.held
+            price.params, price.grads, price.states = params, grads, states
+            return
         # the previous step's buffer (its summed gradient, applied late: v1 at step t+2's start, v2
         # at step t+1's forward of the stage where the worker is fresh and at step t+2's start where
         # stale; ZeRO: the parameters the owner sent, installed then), alive through the step beside
@@ -475,14 +490,14 @@ class CDP(Scheme):
         tally.total += p2p - per_param + waits
         tally.comm_time += p2p - per_param + waits
         tally.hidden = hidden
-        if problem.zero_stage == 1:
+        if problem.zero_stage >= 1:
             average, busiest = cdp_owner_bytes(problem, assignment, traffic)
             tally.optimizer += busiest - average
 
 
 def step_period(workers: int, stages: int, owners: Sequence[int], rule: str, has_params: Sequence[bool],
                 durations: Sequence[float], latency: Callable[[Message], float], steps: int = 8, hold: bool = False,
-                parts: Sequence[int] | None = None) -> float:
+                parts: Sequence[int] | None = None, star: bool = False) -> float:
     """Seconds a step takes as runtime.cdp.CDPTrainer runs the clock, once it has settled (the
     planner's price of CDP, :func:`cdp_overlap`): the clock's actions replayed in seconds, in the
     order the clock does them, each rank blocking where the clock puts its waits. ``durations``:
@@ -493,7 +508,7 @@ def step_period(workers: int, stages: int, owners: Sequence[int], rule: str, has
     last two simulated steps, halved."""
     period = 2 * stages
     events, by_key = _clock_events(workers, stages, tuple(owners), rule, tuple(has_params), steps, hold,
-                                   tuple(parts) if parts is not None else (1,) * stages)
+                                   tuple(parts) if parts is not None else (1,) * stages, star)
     now = [0.0] * workers
     sent: dict[Message, float] = {}
     taken: dict[Message, float] = {}
@@ -519,6 +534,8 @@ def step_period(workers: int, stages: int, owners: Sequence[int], rule: str, has
             taken[item] = now[n]
             if item in a.forwards:
                 sent[a.forwards[item]] = now[n]
+            for delivery in a.delivers.get(item, ()):
+                sent[delivery] = now[n]
         elif kind == "wait" and isinstance(item, Message) and item.kind != "token":  # a send's completion: its receive
             now[n] = max(now[n], taken.get(item, now[n]))
     # (beyond the measured ops, what an op waits for may not have been replayed: it is not measured)
@@ -528,14 +545,14 @@ def step_period(workers: int, stages: int, owners: Sequence[int], rule: str, has
 
 @functools.lru_cache(maxsize=64)
 def _clock_events(workers: int, stages: int, owners: tuple[int, ...], rule: str, has_params: tuple[bool, ...], steps: int,
-                  hold: bool, parts: tuple[int, ...]) -> tuple[list[tuple[int, int, int]], dict[tuple[int, int], OpActions]]:
+                  hold: bool, parts: tuple[int, ...], star: bool = False) -> tuple[list[tuple[int, int, int]], dict[tuple[int, int], OpActions]]:
     """The clock's actions for :func:`step_period` over ``steps`` + 2 steps (a worker ahead of
     another in the clock's order runs ops of a later step), as (worker, op, log index; -1: the op
     itself) in the order the clock does them, and each (worker, op)'s actions. They depend on the
     schedule alone, not on the seconds, so a search's evaluations of one CDP configuration (a
     brute force's thousands) simulate the clock once: the simulation was 5 of the 6 ms an
     evaluation of a 2-stage plan on dp=2 took (measured), the replay in seconds the rest."""
-    clock = Clock(workers, stages, owners, rule, has_params, hold=hold, parts=parts)
+    clock = Clock(workers, stages, owners, rule, has_params, hold=hold, parts=parts, star=star)
     period = 2 * stages
     acts = [(n, op, clock.actions(n, op)) for op in range(period * (steps + 2)) for n in range(workers)]
     events: list[tuple[int, int, int, int]] = []  # (order, worker, op, log index)
