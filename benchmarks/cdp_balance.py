@@ -1,13 +1,15 @@
-"""CDP's per-rank traffic and ZeRO-1 optimizer state, one piece a stage against the pieces the runtime cuts.
+"""CDP's per-rank traffic and ZeRO optimizer state, one piece a stage against the pieces the runtime cuts.
 
     python benchmarks/cdp_balance.py
 
-For each model, stage count L and worker count N: each stage's gradient buffer (its parameters'
-bytes, :func:`planner.stages.parameter_stages`), then the ranks' sent bytes a step and, with
-ZeRO-1, their owned bytes (optimizer state and master copy), as max/min over the ranks, with the
-owners whole stages get (:func:`planner.stages.stage_owners`) and with the pieces and owners
-``CDPTrainer`` uses (:func:`planner.cdp_clock.schedule_units`, rule v1), and the messages a step
-that costs. "inf": some rank owns nothing. Printed as a GitHub markdown table.
+For each model, stage count L, worker count N and ZeRO stage (0, 1, and 2, whose messages go
+straight to and from each piece's owner: planner.cdp_clock's star): each stage's gradient buffer
+(its parameters' bytes, :func:`planner.stages.parameter_stages`), then the ranks' sent bytes a
+step and, with ZeRO, their owned bytes (optimizer state and master copy), as max/min over the
+ranks, with the owners whole stages get (:func:`planner.stages.stage_owners`) and with the pieces
+and owners ``CDPTrainer`` uses (:func:`planner.cdp_clock.schedule_units`), and the messages a step
+that costs; under rule v1, and under v2 where its pieces differ from v1's (v2 keeps a cut only
+where its schedule holds with it). "inf": some rank owns nothing. Printed as a GitHub markdown table.
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ def _spread(values: list[int]) -> str:
 
 
 def main() -> None:
-    print("| model | L | N | ZeRO | sent bytes, whole stages | pieces | ZeRO-1 state, whole stages | pieces | pieces a stage | messages a step |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| model | L | N | ZeRO | rule | sent bytes, whole stages | pieces | ZeRO state, whole stages | pieces | pieces a stage | messages a step |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name in ("mlp-tiny", "gpt-tiny", "gpt2-small"):
         graph = trace(build_model(name, device="meta"), *example_inputs(name, batch=8, device="meta"))
         ops = sum(1 for n in graph.nodes.values() if n.kind == "op")
@@ -37,15 +39,20 @@ def main() -> None:
                 sizes[of[p.name]] += p.out.nbytes
                 itemsize[of[p.name]] = max(itemsize[of[p.name]], p.out.itemsize)
             for workers in (4, 8):
-                for zero in (False, True):
-                    whole = stage_owners(sizes, workers, zero=zero)
-                    units = schedule_units(sizes, workers, "v1", zero, itemsize)
-                    state = ([_spread(owned_bytes(sizes, whole, workers)), _spread(owned_bytes(units.sizes, units.owners, workers))]
-                             if zero else ["-", "-"])
-                    messages = 2 * (workers - 1) * sum(p for p, b in zip(units.parts, sizes, strict=True) if b)
-                    row = [name, str(stages), str(workers), "1" if zero else "0", _spread(sent_bytes(sizes, whole, workers)),
-                           _spread(sent_bytes(units.sizes, units.owners, workers)), *state, str(max(units.parts)), str(messages)]
-                    print("| " + " | ".join(row) + " |")
+                for zero in (0, 1, 2):
+                    star = zero == 2
+                    whole = stage_owners(sizes, workers, zero=zero > 0)
+                    v1 = schedule_units(sizes, workers, "v1", zero > 0, itemsize, star=star)
+                    v2 = schedule_units(sizes, workers, "v2", zero > 0, itemsize, star=star)
+                    for rule, units in (("v1", v1), ("v2", v2)):
+                        if rule == "v2" and units == v1:
+                            continue
+                        state = ([_spread(owned_bytes(sizes, whole, workers)), _spread(owned_bytes(units.sizes, units.owners, workers))]
+                                 if zero else ["-", "-"])
+                        messages = 2 * (workers - 1) * sum(p for p, b in zip(units.parts, sizes, strict=True) if b)
+                        row = [name, str(stages), str(workers), str(zero), rule, _spread(sent_bytes(sizes, whole, workers, star=star)),
+                               _spread(sent_bytes(units.sizes, units.owners, workers, star=star)), *state, str(max(units.parts)), str(messages)]
+                        print("| " + " | ".join(row) + " |")
 
 
 if __name__ == "__main__":

@@ -38,6 +38,18 @@ t+2's start (the worker computes step t+1 with theta_l(t) there, the paper's sec
 needs no copy of it: the update waits). At a step's start the previous step's activations are
 gone, so the optimizer's temporaries meet none, as in data parallelism.
 
+**The star** (CDP with ZeRO-2, ``star=True``): no chain and no ring. After its backward of a stage
+a worker sends each piece's gradient to the piece's owner ("reduce"), which takes it at its next
+op boundary once it has begun that step; with all N contributions (its own at its backward) the
+sum is final and the owner sends the new parameters to each other worker ("deliver"). A worker
+posts the delivery's receive once its last use of the old parameters (its backward of the stage in
+the step before the first that uses them) has ended, and takes it an op later or just before that
+step's forward of the stage, where every rule's update is applied under the star (the owner's
+optimizer has already stepped; what is left is a copy). A sum is final two messages after the last
+worker's backward whoever owns it, so v2 keeps the balanced owners where N > L too. The clock
+counts what each rank holds at each step's start (:attr:`Clock.live`): the sums it owns not yet
+installed and taken by every worker, and its stage buffers whose reduces are not all taken.
+
 Every rank runs the same simulation, so each knows, for each of its ops, which tokens to take,
 which messages to receive, which sends to wait for and which stage updates to apply
 (:meth:`Clock.actions`).
@@ -54,6 +66,7 @@ from dataclasses import dataclass, field
 from planner.stages import Units, message_units, stage_owners
 
 TOKEN_BYTES = 8
+Held = tuple[str, int, int, int]  # a buffer the star keeps: ("sum", step, stage, piece) on its owner, ("grads", worker, step, stage)
 
 
 @dataclass(frozen=True, order=True)
@@ -157,6 +170,10 @@ class Clock:
         self._final: dict[tuple[int, int, int, int], int] = {}  # (worker, step, stage, part) -> op its piece became final at
         self._chain_done: set[tuple[int, int, int, int]] = set()  # (worker, step, stage, part): its chain send waited for
         self._summed: dict[tuple[int, int, int], int] = {}  # star: (step, stage, part) -> contributions its owner has (its own included)
+        # star: what keeps each buffer alive: ("sum", step, stage, part) an owner's sum (its install and its
+        # deliveries), ("grads", worker, step, stage) a worker's stage buffer (its reduces' sends)
+        self._refs: dict[Held, int] = {}
+        self.live: dict[tuple[int, int], tuple[Held, ...]] = {}  # star: (worker, op at a step's start) -> the buffers alive
         self._tokens_taken = [-1] * workers
         self.keep = keep
         self.messages_per_step = 2 * (workers - 1) * sum(p for p, has in zip(self.parts, has_params, strict=True) if has)
@@ -200,12 +217,21 @@ class Clock:
     def backward_op(self, step: int, stage: int) -> int:
         return self.period * step + self.period - 1 - stage
 
+    def lag(self, worker: int, stage: int) -> int:
+        """Steps between a step's gradient and the first step that computes with it: 1 under
+        ``sync`` and where a v2 worker is fresh on the stage, else 2."""
+        return 1 if self.rule == "sync" or (self.rule == "v2" and self.fresh(worker, stage)) else 2
+
     def uses_at(self, worker: int, op: int) -> list[tuple[int, int]]:
         """The (step, stage) updates ``worker`` applies just before op ``op`` (module docstring):
         at a step's start, when the previous step's activations are gone (the optimizer's
         temporaries then meet no activation, as in data parallelism), except v2's fresh stages,
-        which need theirs before their forward."""
+        which need theirs before their forward. Star (no optimizer step but the owner's, done when
+        its sum is complete): just before the step's forward of the stage, the last moment."""
         step, j = divmod(op, self.period)
+        if self.star:
+            t = step - self.lag(worker, j) if j < self.stages else -1
+            return [(t, j)] if t >= 0 and self.has_params[j] else []
         out = []
         if j == 0:
             if self.rule == "sync":
@@ -294,6 +320,10 @@ class Clock:
                         self._touched[message.step] = max(self._touched.get(message.step, 0), op)
                     if message.kind == "chain":
                         self._chain_done.add((n, message.step, message.stage, message.part))
+                    if message.kind == "deliver":
+                        self._release(("sum", message.step, message.stage, message.part))
+                    if message.kind == "reduce":
+                        self._release(("grads", n, message.step, message.stage))
                     progress = did = True
             for message in sorted(m for m in self._incoming[n] if m.kind != "token"):  # what has been sent here
                 m = self._msgs[message]
@@ -306,12 +336,13 @@ class Clock:
                         continue  # it arrives in the buffer the chain sent from, once that send has completed
                     if message.kind == "reduce" and op <= self.period * message.step:
                         continue  # star: taken once the owner has begun that step (a rank's last step may be its last)
-                    if message.kind == "deliver" and (message.step, message.stage) not in self.uses_at(n, op):
-                        continue  # star: the owner's new parameters are taken where they are installed
+                    if message.kind == "deliver" and op <= self.backward_op(message.step + self.lag(n, message.stage) - 1, message.stage):
+                        continue  # star: received into the parameters, once the receiver's last use of the old ones has ended
                     m.posted = now  # its receive is posted: it travels while this worker computes
                     self._log(acts, ("post", message, now))
                     progress = did = True
-                if m.posted + self._hold(message) <= now:  # taken (and passed on)
+                due = message.kind == "deliver" and (message.step, message.stage) in self.uses_at(n, op)
+                if m.posted + self._hold(message) <= now or due:  # taken (and passed on)
                     self._receive(n, b, message)
                     progress = did = True
         gate_end: int | None = now
@@ -348,7 +379,10 @@ class Clock:
         step t+2's start) travels for an op of the receiver's compute (:attr:`_held`); a chain's
         partial sum is taken at once (it arrives ops after it left, while the receiver ran its own
         ops), and so are the ring copies a v2 worker fresh on the stage needs before its next
-        forward of it, and sync's."""
+        forward of it, and sync's. Star: an owner's new parameters travel for an op, or until they
+        are due (:meth:`uses_at`), whichever comes first."""
+        if message.kind == "deliver":
+            return self.scale
         return self.hold if message.kind == "ring" and (message.stage, message.part, message.dst) in self._held else 0
 
     def _late_users(self) -> set[tuple[int, int, int]]:
@@ -405,6 +439,8 @@ class Clock:
         that brought it; None: the owner's own, at the end of its backward op ``op``). With all N
         the sum is final: the owner updates and sends each worker its new parameters."""
         key = (step, stage, part)
+        if key not in self._summed:  # born: freed once the owner has installed it and each delivery has been taken
+            self._refs[("sum", step, stage, part)] = self.workers
         self._summed[key] = self._summed.get(key, 0) + 1
         if self._summed[key] < self.workers:
             return
@@ -418,6 +454,11 @@ class Clock:
         else:
             acts.delivers[via] = out
 
+    def _release(self, key: Held) -> None:
+        self._refs[key] -= 1
+        if not self._refs[key]:
+            del self._refs[key]
+
     def _run(self, n: int, b: _Boundary) -> None:
         """Worker ``n``'s op ``b.op`` starts at ``b.now``: its updates, the op, then (after a
         backward) the chain it heads and, after every op, its token."""
@@ -429,6 +470,14 @@ class Clock:
         end = tick + self.scale
         acts.uses = self.uses_at(n, op)
         step, j = divmod(op, self.period)
+        if self.star and big_n > 1:
+            for t, stage in acts.uses:
+                for part in range(self.parts[stage]):
+                    if self.owner(stage, part) == n:
+                        self._release(("sum", t, stage, part))
+            if j == 0 and self.keep is None:  # what a rank holds between steps (runtime.cdp.CDPTrainer.message_bytes)
+                self.live[(n, op)] = tuple(sorted(k for k in self._refs if (k[0] == "grads" and k[1] == n)
+                                                  or (k[0] == "sum" and self.owner(k[2], k[3]) == n)))
         if j >= self.stages and self.has_params[self.period - 1 - j]:
             stage = self.period - 1 - j
             for part in range(self.parts[stage]):
@@ -440,6 +489,7 @@ class Clock:
                     head = Message(step, stage, "reduce", self.place(stage, n, part), n, self.owner(stage, part), part)
                     acts.heads.append(head)
                     self._send(head, end)
+                    self._refs[("grads", n, step, stage)] = self._refs.get(("grads", n, step, stage), 0) + 1
                 elif self.place(stage, n, part) == 0:
                     head = Message(step, stage, "chain", 0, n, (n + 1) % big_n, part)
                     acts.heads.append(head)

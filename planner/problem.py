@@ -393,6 +393,8 @@ def evaluate(problem: Problem, assignment: dict[str, int]) -> Evaluation:
     tally = Tally(total, comm_t, hidden, comms, act, opt, during, peak_at, step_t, value)
     for scheme in SCHEMES:
         scheme.adjust(problem, assignment, tally)
+    grads += tally.held  # held at every instant: the peak moves by as much
+    tally.during += tally.held
     # the breakdown's transient is what the peak adds to the larger of activations and gradients
     memory = {"params": params, "grads": grads, "optimizer": tally.optimizer, "activations": act,
               "transient": tally.during - max(act, grads), "step_transient": tally.step_transient}

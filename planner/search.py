@@ -8,7 +8,7 @@ Each remaining one gives its time/memory Pareto front within the budget (:func:`
 or, ``front=False``, only its fastest plan), unless a bound without an ILP already shows it cannot
 fit (:func:`planner.front.memory_lower_bound`). The fronts are merged (:func:`planner.front.merge`)
 and the objective picks a point: the fastest, the smallest, or the knee. CDP modes v1/v2 are
-configurations too (meshes with dp > 1, ZeRO 0 or 1; planner.schemes.cdp), and so are micro-batch counts
+configurations too (meshes with dp > 1, ZeRO 0-2; planner.schemes.cdp), and so are micro-batch counts
 (gradient accumulation: ``m`` micro-batches of batch / m rows, one after another, gradients synced
 once; the graph of one micro-batch comes from the caller's ``micro_graph``).
 """

@@ -149,12 +149,16 @@ def piece_bounds(elements: int, parts: int) -> list[tuple[int, int]]:
     return [(c * elements // parts, (c + 1) * elements // parts) for c in range(parts)]
 
 
-def sent_bytes(sizes: Sequence[int], owners: Sequence[int], workers: int) -> list[int]:
+def sent_bytes(sizes: Sequence[int], owners: Sequence[int], workers: int, *, star: bool = False) -> list[int]:
     """Each rank's sent bytes a step: a unit's buffer twice (down the chain, around the ring), once
     where the rank owns it (the chain ends there) or is the worker before its owner (the ring ends
-    there)."""
+    there). ``star`` (CDP with ZeRO-2): a unit once, to its owner, and N-1 times where the rank
+    owns it (its new parameters to each other worker)."""
     if workers == 1:
         return [0]
+    if star:
+        owned = owned_bytes(sizes, owners, workers)
+        return [sum(sizes) + (workers - 2) * mine for mine in owned]
     saved = [0] * workers
     for b, o in zip(sizes, owners, strict=True):
         saved[o] += b

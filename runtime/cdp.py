@@ -49,6 +49,18 @@ slice of the stage's: exact for element-wise optimizers, as ZeRO's slices elsewh
 when the chain's sum reaches it and sends the new parameters around the ring instead of the sum
 (the same messages); the other workers install them when the update is due.
 
+**With ZeRO-2** (the clock's star, ``planner.cdp_clock``): no chain and no ring. After a stage's
+backward each worker sends each piece of its gradient straight to the piece's owner and lets the
+stage's buffer go once those sends complete; the owner sums the N contributions as they arrive
+(in the clock's order, the same every run), steps the piece's optimizer when it has them all, and
+sends the new parameters straight to each other worker. Each stage's parameters are views of one
+flat buffer, so a worker receives them straight into its parameters, posted once its last use of
+the old ones (its backward of the stage) has ended and taken by its next forward of the stage at
+the latest; the owner copies its own in then. Again 2(N-1) messages a piece a step, and each rank
+sends about 2(N-1)/N of the buffer: once to the owners, N-1 times what it owns. The owner holds a
+piece's sum until every worker has taken it (the plan counts these on the clock); no rank holds
+the previous step's buffer, ZeRO-1's (and ZeRO-0's) largest term.
+
 Memory (what planner.schemes.cdp prices): a stage's buffer lives from its backward until its update
 is applied and its sends have completed: under v1 one buffer per stage of the previous step is
 alive through each step beside the step's own gradients; under v2 a fresh stage's until the next
@@ -91,7 +103,9 @@ class CDPTrainer:
 
     With the plan's ``zero_stage == 1`` (CDP with ZeRO), only a piece's owner keeps its optimizer
     state (and a master copy of its parameters), and what travels back around the ring is the
-    owner's updated parameters, not the summed gradient: the same 2(N-1) messages a piece.
+    owner's updated parameters, not the summed gradient: the same 2(N-1) messages a piece. With
+    ``zero_stage == 2`` the gradients go straight to the owners and the new parameters straight back
+    (the module docstring's star), and no rank keeps the previous step's buffer.
 
     ``trace = True`` records, per op, (op index, start, end) on ``time.monotonic()`` in ``ops`` and,
     per data message sent, (op index, time, message, bytes) in ``sent``."""
@@ -153,6 +167,8 @@ class CDPTrainer:
         self.hold = ring_hold(self.num_workers, self.num_stages, self.owners, rule, has, self.units.parts, star=self.star)
         self.clock = Clock(self.num_workers, self.num_stages, self.owners, rule, has, keep=self.worker, hold=self.hold, parts=self.units.parts,
                            star=self.star)
+        # star: each stage's parameters made views of one flat buffer, so an owner's delivery is received straight into them
+        self._flat_params = [self._flatten(attrs) if self.star and attrs else None for attrs in stage_params]
         self.optimizers: dict[tuple[int, int], torch.optim.Optimizer] = {}  # by (stage, piece); without ZeRO, piece 0 holds the stage's
         self.masters: dict[tuple[int, int], torch.nn.Parameter] = {}  # ZeRO: the owned pieces' master copies, flat
         for stage, attrs in enumerate(stage_params):
@@ -172,7 +188,6 @@ class CDPTrainer:
         # star: (step, stage, piece) -> an owned piece's sum so far, then its new parameters (until delivered and installed)
         self._sums: dict[tuple[int, int, int], torch.Tensor] = {}
         self._summed: dict[tuple[int, int, int], int] = {}  # star: contributions in each owned sum
-        self._arrived: dict[tuple[int, int, int], torch.Tensor] = {}  # star: an owner's new parameters taken, installed at once
         self._sending: dict[Message, tuple[Any, torch.Tensor]] = {}  # sends not yet waited for
         self._receiving: dict[Message, tuple[Any, torch.Tensor]] = {}  # receives posted, not yet taken
         self._tokens_in = -1
@@ -233,14 +248,25 @@ class CDPTrainer:
             offset += p.numel()
         return out
 
+    def _runs(self, message: Message, last: int) -> bool:
+        """Whether ``message`` is exchanged where ``last`` is the last step run (not if its step never ran)."""
+        return message.step <= last
+
+    def _keeps(self, step: int, last: int) -> bool:
+        """Whether step ``step``'s update is applied where ``last`` is the last step run: theta(last + 1)
+        takes every step's but, under v1, the last one's (it would make theta(last + 2))."""
+        return step <= (last - 1 if self.rule == "v1" else last)
+
     def _post(self, message: Message, last: int) -> None:
         """Post the receive of ``message``: a chain's partial sum into a buffer of its own, a
         ring's copy into the buffer the chain sent from (that send has completed)."""
-        if message.step > last:  # after the last step: a message of a step that never ran
+        if not self._runs(message, last):
             return
-        if message.kind in ("reduce", "deliver"):  # star: a piece of its own
+        if message.kind in ("reduce", "deliver"):  # star: a gradient into a piece of its own; new parameters into the parameters
             lo, hi = self.pieces[message.stage][message.part]
-            into = torch.empty(hi - lo, dtype=self._dtype[message.stage])
+            flat = self._flat_params[message.stage]
+            assert flat is not None
+            into = flat[lo:hi] if message.kind == "deliver" and self._keeps(message.step, last) else torch.empty(hi - lo, dtype=self._dtype[message.stage])
         else:
             buf = self._piece(message)
             into = torch.empty_like(buf) if message.kind == "chain" else buf
@@ -249,18 +275,18 @@ class CDPTrainer:
     def _receive(self, acts: OpActions, message: Message, last: int) -> None:
         """Wait for ``message`` (a chain's partial sum is added to this rank's buffer) and pass on
         what the clock says."""
-        if message.step > last:
+        if not self._runs(message, last):
             return
         if message.kind in ("reduce", "deliver"):
             work, into = self._receiving.pop(message)
             work.wait()
             key = (message.step, message.stage, message.part)
-            if message.kind == "deliver":
-                self._arrived[key] = into
+            if message.kind == "deliver":  # installed where it arrived
                 return
             self._contribute(key, into)
             for delivery in acts.delivers.get(message, []):
-                self._send(delivery, self._piece(delivery))
+                if self._runs(delivery, last):
+                    self._send(delivery, self._piece(delivery))
             return
         buf = self._piece(message)
         onward = acts.forwards.get(message)
@@ -301,11 +327,13 @@ class CDPTrainer:
     def _use(self, step: int, stage: int) -> None:
         """Apply step ``step``'s update of stage ``stage`` (the sum's optimizer step; with ZeRO the
         owner's new parameters) and let its buffer go (its sends keep it until they complete)."""
-        if self.star:  # each piece's new parameters: the owner's sum (its sends keep it until they complete), or the delivery taken
+        if self.star:  # the owned pieces' new parameters from their sums (the sends keep them until they complete); the rest arrived in place
+            flat = self._flat_params[stage]
+            assert flat is not None
             with torch.no_grad():
-                for part, (lo, _) in enumerate(self.pieces[stage]):
-                    key = (step, stage, part)
-                    self._install(stage, lo, self._sums.pop(key) if self._owns(stage, part) else self._arrived.pop(key))
+                for part, (lo, hi) in enumerate(self.pieces[stage]):
+                    if self._owns(stage, part):
+                        flat[lo:hi].copy_(self._sums.pop((step, stage, part)))
             return
         buf = self._bufs.pop((step, stage))
         if self.zero:
@@ -319,18 +347,22 @@ class CDPTrainer:
         for attr in self.runner.stage_params[stage]:
             self.params[attr].grad = None
 
+    def _flatten(self, attrs: tuple[str, ...] | list[str]) -> torch.Tensor:
+        """One flat buffer holding the stage's parameters, each parameter made a view of it."""
+        dtypes = {self.params[a].dtype for a in attrs}
+        if len(dtypes) > 1:
+            raise ValueError(f"CDP with ZeRO-2 receives a stage's parameters into one flat buffer: its parameters {list(attrs)} mix dtypes "
+                             f"{sorted(map(str, dtypes))}; cast the model to one dtype (mixed precision: keep float32 masters in the optimizer)")
+        flat = torch.cat([self.params[a].detach().reshape(-1) for a in attrs])
+        offset = 0
+        for a in attrs:
+            p = self.params[a]
+            p.data = flat[offset : offset + p.numel()].view_as(p)
+            offset += p.numel()
+        return flat
+
     def _owns(self, stage: int, part: int) -> bool:
         return self.units.owners[self.units.unit(stage, part)] == self.worker
-
-    def _install(self, stage: int, lo: int, values: torch.Tensor) -> None:
-        """Copy ``values``, the stage's flat parameters from element ``lo`` on, into the parameters."""
-        hi, offset = lo + values.numel(), 0
-        for attr in self.runner.stage_params[stage]:
-            p = self.params[attr]
-            a, b = max(lo, offset), min(hi, offset + p.numel())
-            if a < b:
-                p.data.view(-1)[a - offset : b - offset].copy_(values[a - lo : b - lo])
-            offset += p.numel()
 
     def _before(self, last: int) -> OpActions:
         """What the clock puts before this rank's next op: tokens, receives, send waits, updates.
@@ -357,15 +389,14 @@ class CDPTrainer:
             else:
                 assert isinstance(item, Message)
                 self._receive(acts, item, last)
-        keep = last - 1 if self.rule == "v1" else last  # theta(last + 1) takes these steps' updates
         for step, stage in acts.uses:
-            if step <= keep:
+            if self._keeps(step, last):
                 self._use(step, stage)
         return acts
 
     def _after(self, acts: OpActions, last: int, record: bool = True) -> None:
         for head in acts.heads:
-            if head.step <= last:
+            if self._runs(head, last):
                 self._send(head, self._piece(head))
         step, j = divmod(self.op, 2 * self.num_stages)
         if self.star and j >= self.num_stages:  # the stage's reduces have left: their sends keep the buffer until they complete
@@ -452,7 +483,6 @@ class CDPTrainer:
         self._sending.clear()
         self._bufs.clear()
         self._sums.clear()
-        self._arrived.clear()
 
     def held_bytes(self) -> dict[str, int]:
         """Bytes this rank holds between steps: parameters and the optimizers (their states and,
@@ -463,6 +493,16 @@ class CDPTrainer:
         states = [t for opt in self.optimizers.values() for st in opt.state.values() for t in st.values()
                   if isinstance(t, torch.Tensor) and t.dim() > 0]
         return {"params": size(self.params.values()), "optimizer": size(states) + size(self.masters.values())}
+
+    def message_bytes(self) -> int:
+        """Bytes of the buffers CDP's messages hold on this rank now (each storage once): stage
+        buffers, sums, receives and sends in flight. Between steps, what the previous steps left."""
+        storages: dict[int, int] = {}
+        for t in [*self._bufs.values(), *self._sums.values(),
+                  *(buf for m, (_, buf) in self._sending.items() if m.kind != "token"), *(buf for m, (_, buf) in self._receiving.items() if m.kind != "deliver")]:  # (a delivery arrives in the parameters)
+            storage = t.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+        return sum(storages.values())
 
 
 def _collectives_over(pm: ParallelModule, axis: str) -> list[tuple[str, str, str]]:

@@ -114,11 +114,16 @@ def cdp_train(rank: int, world: int, cases: list[tuple[str, str, str, int]]) -> 
         pm.recorder.records.clear()
         pm.recorder.enabled = True
         trainer.trace = True
-        local_losses = [trainer.step(*pm.shard_batch(*args, **kwargs)[0], **pm.shard_batch(*args, **kwargs)[1]) for args, kwargs in batches]
+        local_losses, between = [], []
+        for args, kwargs in batches:
+            local_losses.append(trainer.step(*pm.shard_batch(*args, **kwargs)[0], **pm.shard_batch(*args, **kwargs)[1]))
+            between.append(trainer.message_bytes())
         trainer.finish()
         pm.recorder.enabled = False
         report["held"] = trainer.held_bytes()
-        report["predicted"] = {"params": plan.memory_breakdown.params, "optimizer": plan.memory_breakdown.optimizer}
+        report["between"] = between  # message buffers held after each step
+        report["predicted"] = {"params": plan.memory_breakdown.params, "optimizer": plan.memory_breakdown.optimizer,
+                               "grads": plan.memory_breakdown.grads}
         executed = Counter((kind, axes) for kind, axes, _, _ in pm.recorder.records)
         summed = torch.tensor(local_losses, dtype=torch.float64)
         dist.all_reduce(summed, group=pm.mesh_groups.group(tuple(dp_axes)))

@@ -98,6 +98,7 @@ class Tally:
     peak_at: str
     step_transient: float
     value: Callable[[Var], float]  # the assignment's value of an ILP indicator (planner.peak.Var)
+    held: float = 0.0  # bytes held through the whole step beyond what the sum priced (a scheme's exact count in place of its linear price)
 
 
 @dataclass(frozen=True)

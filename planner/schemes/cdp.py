@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from planner.cdp_clock import TOKEN_BYTES, Clock, Message, OpActions, ring_hold, schedule_units
+from planner.cdp_clock import TOKEN_BYTES, Clock, Held, Message, OpActions, ring_hold, schedule_units
 from planner.cost import STATES_PER_VALUE, comm_time
 from planner.hardware import HardwareProfile
 from planner.ir import IRGraph, Node
@@ -174,7 +174,8 @@ class Traffic:
     (:func:`planner.cdp_clock.schedule_units`, as the runtime chooses them), and how many times the
     rank sends each unit of a stage that has parameters: twice (down the chain and around the
     ring), once where it owns the unit (the chain ends there) or is the worker before its owner
-    (the ring ends there); besides, every rank sends its successor a token after each of its 2L
+    (the ring ends there); with ZeRO-2 (the star) once, to its owner, and N-1 times where it owns
+    it; besides, every rank sends its successor a token after each of its 2L
     stage ops (planner.cdp_clock, ``tokens``)."""
 
     units: Units
@@ -267,6 +268,35 @@ def cdp_owner_bytes(problem: Problem, assignment: dict[str, int], traffic: Traff
         for u in units.of_stage(stage):
             per_worker[units.owners[u]] += owned * units.sizes[u] / total if total else 0.0
     return sum(per_worker) / traffic.workers, max(per_worker)
+
+
+def cdp_held_bytes(rule: str, traffic: Traffic) -> float:
+    """CDP with ZeRO-2 (the clock's star): the most bytes any rank holds between two steps for
+    CDP's messages, in steady state: the sums of the pieces it owns that are not yet installed
+    and taken by every worker, and its stage buffers whose pieces have not all been taken by
+    their owners (:attr:`planner.cdp_clock.Clock.live`; runtime.cdp.CDPTrainer.message_bytes)."""
+    units = traffic.units
+    has = tuple(any(units.sizes[u] for u in units.of_stage(stage)) for stage in range(len(units.parts)))
+    live = _live(traffic.workers, len(units.parts), units.owners, rule, has, units.parts)
+    stage_bytes = [sum(units.sizes[u] for u in units.of_stage(stage)) for stage in range(len(units.parts))]
+
+    def size(item: Held) -> int:
+        return units.sizes[units.unit(item[2], item[3])] if item[0] == "sum" else stage_bytes[item[3]]
+
+    return float(max((sum(size(item) for item in items) for items in live), default=0))
+
+
+@functools.lru_cache(maxsize=64)
+def _live(workers: int, stages: int, owners: tuple[int, ...], rule: str, has_params: tuple[bool, ...], parts: tuple[int, ...],
+          steps: int = 8) -> tuple[tuple[Held, ...], ...]:
+    """What each rank holds at the start of each of the last three of ``steps`` simulated steps
+    (the star's clock; the first steps settle)."""
+    clock = Clock(workers, stages, owners, rule, has_params, parts=parts, star=True)
+    period = 2 * stages
+    for op in range(period * steps + 1):
+        for n in range(workers):
+            clock.actions(n, op)
+    return tuple(clock.live[(n, period * k)] for n in range(workers) for k in range(steps - 2, steps + 1) if (n, period * k) in clock.live)
 
 
 @dataclass(frozen=True)
@@ -390,6 +420,14 @@ class CDP(Scheme):
     def describe(self, plan: Plan) -> list[str]:
         if plan.cdp == "off":
             return []
+        if plan.zero_stage == 2:
+            how = ("send each piece of a stage's gradient straight to the piece's owner, which sums it, steps its optimizer and sends the new "
+                   "parameters straight back (2(N-1) messages per piece, overlapping compute) instead of collectives; ")
+            rule = ("each update applies the gradient summed a step before (a one-step gradient delay)" if plan.cdp == "v1" else
+                    "a worker computes a stage with the newest parameters where their sum is ready, with the step before's elsewhere "
+                    "(a one-step gradient delay at most)")
+            return [f"  CDP {plan.cdp}, {plan.cdp_stages} stages, ZeRO-2: the data-parallel workers run staggered and " + how + rule
+                    + "; an owner holds its pieces' sums until every worker has taken them. Run it with planner.runtime.cdp.CDPTrainer."]
         return [
             f"  CDP {plan.cdp}, {plan.cdp_stages} stages: the data-parallel workers run staggered and sum each stage's gradient "
             "along a point-to-point chain (2(N-1) messages per stage, overlapping compute) instead of an all-reduce; "
@@ -493,6 +531,8 @@ class CDP(Scheme):
         if problem.zero_stage >= 1:
             average, busiest = cdp_owner_bytes(problem, assignment, traffic)
             tally.optimizer += busiest - average
+        if problem.zero_stage == 2:  # the owners' sums and the stage buffers in flight, counted on the clock, for 2/N priced
+            tally.held += cdp_held_bytes(problem.cdp, traffic) - 2 * sum(traffic.sizes) / traffic.workers
 
 
 def step_period(workers: int, stages: int, owners: Sequence[int], rule: str, has_params: Sequence[bool],
