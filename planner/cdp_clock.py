@@ -77,7 +77,10 @@ class Message:
     ``place`` to place + 1 (place 0 is the owner); with ``star`` (ZeRO-2), "reduce": worker
     ``src``'s own gradient of the piece to its owner ``dst`` (``place``: the sender's place after
     the owner, 0 to N-2) and "deliver": the owner's new parameters of the piece to worker ``dst``
-    (``place``: the receiver's); "token": worker ``src`` has done op ``step``."""
+    (``place``: the receiver's); with ``fetch`` (ZeRO-3), "fetch" and "refetch": the owner's
+    piece of stage ``stage``'s parameters in the version worker ``dst`` computes with, before its
+    forward (backward) of stage ``at`` of step ``step`` (``at`` is ``stage``, or a later stage that
+    reads them: a tied weight); "token": worker ``src`` has done op ``step``."""
 
     step: int
     stage: int
@@ -86,6 +89,7 @@ class Message:
     src: int
     dst: int
     part: int = 0
+    at: int = -1
 
 
 @dataclass
@@ -98,7 +102,8 @@ class OpActions:
     # in order, each at a tick <= start: ("post", message, tick) post its receive (it travels
     # while this worker computes), ("recv", message, tick) wait for it (an op after the post at
     # the earliest) and pass on what ``forwards`` says, ("wait", message, tick) wait for this send
-    # to complete, ("tokens", k, tick) receive the predecessor's tokens up to op k
+    # to complete, ("tokens", k, tick) receive the predecessor's tokens up to op k, ("send", message,
+    # tick) send it (fetch: a version, from its owner, once the owner has begun the step before its use)
     log: list[tuple[str, Message | int, int]] = field(default_factory=list)
     uses: list[tuple[int, int]] = field(default_factory=list)  # (step, stage) updates applied, after the log
     forwards: dict[Message, Message] = field(default_factory=dict)  # a receive -> the message it sends on, at once
@@ -109,9 +114,16 @@ class OpActions:
 
     @property
     def sends(self) -> list[Message]:
-        """The data messages this op sends: those its receives pass on (or, star, the deliveries
-        a completed sum sends), then its chains' heads."""
-        return [*self.forwards.values(), *(m for ms in self.delivers.values() for m in ms), *self.heads]
+        """The data messages this op sends, in order: those its receives pass on (or, star, the
+        deliveries a completed sum sends) and, fetch, the versions it sends, then its chains' heads."""
+        out: list[Message] = []
+        for kind, item, _ in self.log:
+            if kind == "recv" and isinstance(item, Message):
+                out += [self.forwards[item]] if item in self.forwards else []
+                out += self.delivers.get(item, [])
+            elif kind == "send" and isinstance(item, Message):
+                out.append(item)
+        return out + self.heads
 
 
 @dataclass
@@ -126,7 +138,8 @@ class Clock:
     """CDP's schedule for ``workers`` workers and ``stages`` stages (module docstring)."""
 
     def __init__(self, workers: int, stages: int, owners: Sequence[int], rule: str, has_params: Sequence[bool], keep: int | None = None,
-                 hold: bool = False, parts: Sequence[int] | None = None, star: bool = False) -> None:
+                 hold: bool = False, parts: Sequence[int] | None = None, star: bool = False, fetch: bool = False,
+                 reads: Sequence[Sequence[int]] | None = None) -> None:
         """``owners``: each unit's owner, a stage's pieces in order (``parts``: each stage's piece
         count, 1 by default; :class:`planner.stages.Units`). ``keep``: the worker whose ops'
         actions are kept for :meth:`actions` (None: every worker's). ``hold``: the ring copies a
@@ -135,7 +148,12 @@ class Clock:
         no chain and no ring; each worker sends its gradient of a piece straight to the piece's
         owner after its backward of the stage (taken at the owner's next op boundary, summed
         there), and the owner, once it has every worker's, sends its new parameters straight to
-        each worker, which takes them at the op its update is due at (module docstring)."""
+        each worker, which takes them at the op its update is due at (module docstring). ``fetch``
+        (CDP with ZeRO-3, a star): a worker holds no piece it does not own between its ops; each
+        owner keeps its pieces' versions and sends each worker the version it computes with just
+        before its forward and again before its backward of the stage (module docstring).
+        ``reads``: for each stage, the other stages whose parameters its ops read (a weight tied
+        across stages belongs to the earliest that reads it); fetch sends those too."""
         if rule not in ("sync", "v1", "v2"):
             raise ValueError(f"unknown CDP update rule {rule!r}; use sync, v1 or v2")
         self.parts = tuple(parts) if parts is not None else (1,) * stages
@@ -145,7 +163,9 @@ class Clock:
         self._first = [sum(self.parts[:stage]) for stage in range(stages)]
         self.workers, self.stages, self.owners, self.rule = workers, stages, tuple(owners), rule
         self.has_params = tuple(has_params)
-        self.star = star
+        self.star = star or fetch
+        self.fetch = fetch
+        self.reads = tuple(frozenset(r) for r in reads) if reads is not None else (frozenset(),) * stages
         if rule == "sync":  # every stage's sum before the next step's forward: no delay (DP through the chain)
             self.scale, self.delta, self.lead = 1, 0, 0
         else:
@@ -176,9 +196,19 @@ class Clock:
         self.live: dict[tuple[int, int], tuple[Held, ...]] = {}  # star: (worker, op at a step's start) -> the buffers alive
         self._tokens_taken = [-1] * workers
         self.keep = keep
-        self.messages_per_step = 2 * (workers - 1) * sum(p for p, has in zip(self.parts, has_params, strict=True) if has)
+        # a piece's gradient to its owner, back (ZeRO-2) or, fetch, to each op that reads it
+        per_piece = [1 + 2 * len(self.readers(stage)) if fetch else 2 for stage in range(stages)]
+        self.messages_per_step = (workers - 1) * sum(p * k for p, k, has in zip(self.parts, per_piece, has_params, strict=True) if has)
         self._closed: dict[int, int] = {}  # step -> its data messages received and waited for
         self._touched: dict[int, int] = {}  # step -> the last op index any of its messages was received or waited for at
+        self._fetched: set[tuple[int, int, int, int, str, int]] = set()  # fetch: (worker, step, stage, piece, kind, at) taken
+        self._queued: list[list[Message]] = [[] for _ in range(workers)]  # fetch: versions made, each sent from the step before its use
+        if fetch and workers > 1:
+            for stage in range(stages):
+                for part in range(self.parts[stage]):
+                    if self.has_params[stage]:
+                        self._refs[("sum", -1, stage, part)] = 0
+                        self._versions(self.owner(stage, part), -1, stage, part)
 
     # ---------------------------------------------------------------- the schedule's shape
 
@@ -222,6 +252,46 @@ class Clock:
         ``sync`` and where a v2 worker is fresh on the stage, else 2."""
         return 1 if self.rule == "sync" or (self.rule == "v2" and self.fresh(worker, stage)) else 2
 
+    def version(self, worker: int, step: int, stage: int) -> int:
+        """Fetch: the parameters ``worker`` computes stage ``stage`` of step ``step`` with: those
+        after the update of this step's gradient (-1: the initial ones)."""
+        return max(step - self.lag(worker, stage), -1)
+
+    def use_op(self, step: int, stage: int, kind: str) -> int:
+        """The op a fetch ("fetch": the forward's, "refetch": the backward's) is taken before."""
+        return self.period * step + (stage if kind == "fetch" else self.period - 1 - stage)
+
+    def readers(self, stage: int) -> list[int]:
+        """The stages whose ops read ``stage``'s parameters: itself and those in :attr:`reads`."""
+        return [stage, *(j for j in range(self.stages) if stage in self.reads[j] and j != stage)]
+
+    def op_reads(self, op: int) -> list[int]:
+        """The stages whose parameters op ``op`` reads: its own and those it reads (``reads``)."""
+        j = op % self.period
+        stage = j if j < self.stages else self.period - 1 - j
+        return [r for r in sorted({stage, *self.reads[stage]}) if self.has_params[r]]
+
+    def last_read(self, step: int, stage: int) -> int:
+        """The last op of step ``step`` that reads ``stage``'s parameters."""
+        return max(self.use_op(step, j, kind) for j in self.readers(stage) for kind in ("fetch", "refetch"))
+
+    def _versions(self, owner: int, version: int, stage: int, part: int) -> None:
+        """Fetch: the messages carrying ``version`` of a piece from its owner: one before each
+        forward and backward of each step that computes with it on each other worker, each sent
+        once the owner has begun the step before (so a rank's last step sends none for a step
+        two ahead, which would never run); the version is kept until they are taken and its
+        owner's own ops have run."""
+        out, own, uses = [], 0, self.readers(stage)
+        for n in range(self.workers):
+            steps = range(self.lag(n, stage)) if version < 0 else (version + self.lag(n, stage),)
+            if n == owner:
+                own = 2 * len(steps) * len(uses)
+                continue
+            out += [Message(s, stage, kind, self.place(stage, n, part), owner, n, part, at) for s in steps for at in uses
+                    for kind in ("fetch", "refetch")]
+        self._queued[owner] += out
+        self._refs[("sum", version, stage, part)] += len(out) + own
+
     def uses_at(self, worker: int, op: int) -> list[tuple[int, int]]:
         """The (step, stage) updates ``worker`` applies just before op ``op`` (module docstring):
         at a step's start, when the previous step's activations are gone (the optimizer's
@@ -229,6 +299,8 @@ class Clock:
         which need theirs before their forward. Star (no optimizer step but the owner's, done when
         its sum is complete): just before the step's forward of the stage, the last moment."""
         step, j = divmod(op, self.period)
+        if self.fetch:
+            return []  # nothing installed: each op's parameters arrive before it (Clock.needs)
         if self.star:
             t = step - self.lag(worker, j) if j < self.stages else -1
             return [(t, j)] if t >= 0 and self.has_params[j] else []
@@ -309,6 +381,11 @@ class Clock:
         did, progress = False, True
         while progress:
             progress = False
+            for message in [m for m in self._queued[n] if op >= self.period * (m.step - 1)]:  # fetch: versions due out
+                self._queued[n].remove(message)
+                self._send(message, now)
+                self._log(acts, ("send", message, now))
+                progress = did = True
             for message in list(self._outgoing[n]):  # sends whose receive is posted
                 m = self._msgs[message]
                 if 0 <= m.recv_end <= now:
@@ -322,6 +399,8 @@ class Clock:
                         self._chain_done.add((n, message.step, message.stage, message.part))
                     if message.kind == "deliver":
                         self._release(("sum", message.step, message.stage, message.part))
+                    if message.kind in ("fetch", "refetch"):
+                        self._release(("sum", self.version(message.dst, message.step, message.stage), message.stage, message.part))
                     if message.kind == "reduce":
                         self._release(("grads", n, message.step, message.stage))
                     progress = did = True
@@ -338,10 +417,17 @@ class Clock:
                         continue  # star: taken once the owner has begun that step (a rank's last step may be its last)
                     if message.kind == "deliver" and op <= self.backward_op(message.step + self.lag(n, message.stage) - 1, message.stage):
                         continue  # star: received into the parameters, once the receiver's last use of the old ones has ended
+                    if message.kind in ("fetch", "refetch") and op < self._fetch_post(message):
+                        continue  # fetch: posted an op ahead of its use, once the stage's last use has ended
                     m.posted = now  # its receive is posted: it travels while this worker computes
                     self._log(acts, ("post", message, now))
                     progress = did = True
                 due = message.kind == "deliver" and (message.step, message.stage) in self.uses_at(n, op)
+                if message.kind in ("fetch", "refetch"):
+                    if op >= self.use_op(message.step, message.at, message.kind):  # taken just before its op
+                        self._receive(n, b, message)
+                        progress = did = True
+                    continue
                 if m.posted + self._hold(message) <= now or due:  # taken (and passed on)
                     self._receive(n, b, message)
                     progress = did = True
@@ -368,9 +454,35 @@ class Clock:
             b.blocked = min([*later, gate_end]) if gate_end is not None else (min(later) if later else now)
         elif any((n, t, stage, part) not in self._final for t, stage in self.uses_at(n, op) for part in range(self.parts[stage])):
             b.blocked = min(later) if later else now
+        elif self.fetch and not self._has_params_for(n, op):
+            b.blocked = min(later) if later else now
         else:
             b.blocked = None
         return did
+
+    def _fetch_post(self, message: Message) -> int:
+        """Fetch: the op boundary its receiver posts ``message``'s receive at: the one before its
+        op (it arrives while that op computes), unless that op reads the same stage's parameters
+        (they arrive in the same buffer), then its own."""
+        use = self.use_op(message.step, message.at, message.kind)
+        return use if use == 0 or message.stage in self.op_reads(use - 1) else use - 1
+
+    def _has_params_for(self, n: int, op: int) -> bool:
+        """Fetch: whether worker ``n`` has every piece of the parameters its op ``op`` reads: its
+        own pieces' version made (its sum final), the others' fetched."""
+        if self.workers == 1:
+            return True
+        step, j = divmod(op, self.period)
+        at, kind = (j, "fetch") if j < self.stages else (self.period - 1 - j, "refetch")
+        for stage in self.op_reads(op):
+            version = self.version(n, step, stage)
+            for part in range(self.parts[stage]):
+                if self.owner(stage, part) == n:
+                    if version >= 0 and (n, version, stage, part) not in self._final:
+                        return False
+                elif (n, step, stage, part, kind, at) not in self._fetched:
+                    return False
+        return True
 
     def _hold(self, message: Message) -> int:
         """Ticks between posting the receive of ``message`` and taking it: with ``hold``, a ring
@@ -422,6 +534,9 @@ class Clock:
         if message.kind == "deliver":
             self._final[(n, step, stage, part)] = b.op
             return
+        if message.kind in ("fetch", "refetch"):
+            self._fetched.add((n, step, stage, part, message.kind, message.at))
+            return
         onward: Message | None = None
         if message.kind == "chain" and message.place + 1 < big_n - 1:
             onward = Message(step, stage, "chain", message.place + 1, n, (n + 1) % big_n, part)
@@ -439,16 +554,20 @@ class Clock:
         that brought it; None: the owner's own, at the end of its backward op ``op``). With all N
         the sum is final: the owner updates and sends each worker its new parameters."""
         key = (step, stage, part)
-        if key not in self._summed:  # born: freed once the owner has installed it and each delivery has been taken
-            self._refs[("sum", step, stage, part)] = self.workers
+        if key not in self._summed:  # born: freed once the owner has installed it and each delivery has been taken (fetch: used)
+            self._refs[("sum", step, stage, part)] = 0 if self.fetch else self.workers
         self._summed[key] = self._summed.get(key, 0) + 1
         if self._summed[key] < self.workers:
             return
         del self._summed[key]
         self._final[(owner, step, stage, part)] = op
-        out = [Message(step, stage, "deliver", k, owner, (owner + 1 + k) % self.workers, part) for k in range(self.workers - 1)]
-        for message in out:
-            self._send(message, tick)
+        if self.fetch:  # the new parameters are a version: sent to the workers that compute with it
+            self._versions(owner, step, stage, part)
+            out: list[Message] = []
+        else:
+            out = [Message(step, stage, "deliver", k, owner, (owner + 1 + k) % self.workers, part) for k in range(self.workers - 1)]
+            for message in out:
+                self._send(message, tick)
         if via is None:
             acts.heads.extend(out)
         else:
@@ -475,6 +594,10 @@ class Clock:
                 for part in range(self.parts[stage]):
                     if self.owner(stage, part) == n:
                         self._release(("sum", t, stage, part))
+            for used in self.op_reads(op) if self.fetch else []:  # its own pieces' versions, used by this op
+                for part in range(self.parts[used]):
+                    if self.owner(used, part) == n:
+                        self._release(("sum", self.version(n, step, used), used, part))
             if j == 0 and self.keep is None:  # what a rank holds between steps (runtime.cdp.CDPTrainer.message_bytes)
                 self.live[(n, op)] = tuple(sorted(k for k in self._refs if (k[0] == "grads" and k[1] == n)
                                                   or (k[0] == "sum" and self.owner(k[2], k[3]) == n)))
@@ -518,7 +641,8 @@ class _Boundary:
     blocked: int | None = None
 
 
-def schedule_units(sizes: Sequence[int], workers: int, rule: str, zero: bool, itemsize: Sequence[int] | None = None, star: bool = False) -> Units:
+def schedule_units(sizes: Sequence[int], workers: int, rule: str, zero: bool, itemsize: Sequence[int] | None = None, star: bool = False,
+                   fetch: bool = False, reads: tuple[tuple[int, ...], ...] | None = None) -> Units:
     """Each stage's pieces and each piece's owner (where its chain ends; ``star``: where its
     gradients are sent) for CDPTrainer:
     :func:`planner.stages.message_units` (the ranks' sent bytes, and with ZeRO their optimizer
@@ -533,7 +657,7 @@ def schedule_units(sizes: Sequence[int], workers: int, rule: str, zero: bool, it
     has = tuple(b > 0 for b in sizes)
     whole = Units((1,) * len(sizes), stage_owners(sizes, workers, zero=zero), tuple(sizes))
     for candidate in (units, whole):
-        if _stretch(workers, len(sizes), candidate.owners, rule, has, parts=candidate.parts, star=star) == 0:
+        if _stretch(workers, len(sizes), candidate.owners, rule, has, parts=candidate.parts, star=star, fetch=fetch, reads=reads) == 0:
             return candidate
     return Units((1,) * len(sizes), (workers - 1,) * len(sizes), tuple(sizes))
 
@@ -554,12 +678,13 @@ def ring_hold(workers: int, stages: int, owners: Sequence[int], rule: str, has_p
 
 @functools.lru_cache(maxsize=256)
 def _stretch(workers: int, stages: int, owners: tuple[int, ...], rule: str, has_params: tuple[bool, ...], steps: int = 12, hold: bool = False,
-             parts: tuple[int, ...] | None = None, star: bool = False) -> int:
+             parts: tuple[int, ...] | None = None, star: bool = False, fetch: bool = False,
+             reads: tuple[tuple[int, ...], ...] | None = None) -> int:
     """Ticks the clock's steps run over their due length in steady state, over its last three
     simulated steps (0: the schedule holds; the first steps may settle into a constant lag).
     Cached: the planner asks it for every evaluation of a CDP configuration (up to 0.04 s a run
     at N = L = 8), with the same few schedules."""
-    clock = Clock(workers, stages, owners, rule, has_params, hold=hold, parts=parts, star=star)
+    clock = Clock(workers, stages, owners, rule, has_params, hold=hold, parts=parts, star=star, fetch=fetch, reads=reads)
     lag = {(n, op): clock.actions(n, op).start - clock.due(n, op) for op in range(2 * stages * steps) for n in range(workers)}
     last, before = 2 * stages * (steps - 1), 2 * stages * (steps - 4)
     return max(lag[(n, last)] - lag[(n, before)] for n in range(workers))

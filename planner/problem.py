@@ -395,6 +395,7 @@ def evaluate(problem: Problem, assignment: dict[str, int]) -> Evaluation:
         scheme.adjust(problem, assignment, tally)
     grads += tally.held  # held at every instant: the peak moves by as much
     tally.during += tally.held
+    params += tally.params
     # the breakdown's transient is what the peak adds to the larger of activations and gradients
     memory = {"params": params, "grads": grads, "optimizer": tally.optimizer, "activations": act,
               "transient": tally.during - max(act, grads), "step_transient": tally.step_transient}

@@ -159,6 +159,9 @@ class Problem:
     segment_of: dict[str, Segment] = field(default_factory=dict)
     # mesh axes no collective may run over inside forward or backward (CDP's staggered workers)
     barred_axes: frozenset[str] = frozenset()
+    # the graph stores parameters split over the data-parallel axes and gathers them before use
+    # (ZeRO-3, in units: planner.overlap); False where a scheme fetches them itself (CDP's star)
+    params_gathered: bool = False
     # the gradient sync's collectives packed into buckets of this many bytes (planner.buckets)
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     packed_whole: bool = True  # every packed gradient fits one bucket, whatever the choices
@@ -233,8 +236,8 @@ class Problem:
 
     @property
     def in_units(self) -> bool:
-        """ZeRO-3 gathers its parameters in units (planner.overlap; CDP never runs with ZeRO-3)."""
-        return self.zero_stage == 3
+        """ZeRO-3 gathers its parameters in units (planner.overlap), where the graph gathers them."""
+        return self.params_gathered
 
     def repeats(self, comm: Comm) -> int:
         """How many times per step ``comm`` runs: once per micro-batch, except the step phase's."""

@@ -128,9 +128,8 @@ class CDPTrainer:
         axes = mesh.active_dp_axes
         if len(axes) != 1:
             raise ValueError(f"CDP runs over one data-parallel axis; mesh {mesh} has {len(axes)} with degree > 1")
-        if pm.plan.zero_stage not in (0, 1, 2):
-            raise ValueError(f"CDP runs with ZeRO 0, 1 or 2 (optimizer states owned by piece); the plan has ZeRO-{pm.plan.zero_stage}: "
-                             "CDP with ZeRO-3 (parameters fetched point to point before each stage op) is not built; plan with ZeRO 0-2")
+        if pm.plan.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"CDP runs with ZeRO 0-3; the plan has ZeRO-{pm.plan.zero_stage}")
         if rule not in ("sync", "v1", "v2"):
             raise ValueError(f"unknown CDP update rule {rule!r}; use sync, v1 or v2")
         # a CDP plan holds none (planner.edges); one made without CDP may (GPT's position-embedding
@@ -142,9 +141,11 @@ class CDPTrainer:
             raise ValueError(f"the plan issues a collective ({kind}) over the data-parallel axis {axes[0]!r} in {phase}{where}: CDP's workers run "
                              f"at different times and cannot join it; {_REPLAN}")
         self.pm, self.rule = pm, rule
-        self.zero = pm.plan.zero_stage in (1, 2)  # each piece's optimizer state on its owner
-        # ZeRO-2: gradients straight to the owner, new parameters straight back (planner.cdp_clock's star)
-        self.star = pm.plan.zero_stage == 2 and mesh.degree(axes[0]) > 1
+        self.zero = pm.plan.zero_stage >= 1  # each piece's optimizer state on its owner
+        # ZeRO-2: gradients straight to the owner, new parameters straight back (planner.cdp_clock's star);
+        # ZeRO-3: the same, and only the owner keeps a piece between ops: each op fetches the others
+        self.star = pm.plan.zero_stage >= 2 and mesh.degree(axes[0]) > 1
+        self.fetch = pm.plan.zero_stage == 3 and mesh.degree(axes[0]) > 1
         self.axis = axes[0]
         self.num_workers = mesh.degree(self.axis)
         self.worker = mg.coords[self.axis]
@@ -158,7 +159,12 @@ class CDPTrainer:
         stage_params = self.runner.stage_params
         sizes = [sum(self.params[a].numel() * self.params[a].element_size() for a in attrs) for attrs in stage_params]
         itemsize = [max((self.params[a].element_size() for a in attrs), default=1) for attrs in stage_params]
-        self.units = schedule_units(sizes, self.num_workers, rule, self.zero, itemsize, star=self.star)
+        # the other stages whose parameters each stage's ops read (a weight tied across stages belongs to the earliest)
+        self.reads = tuple(tuple(sorted({self.runner.param_stage[str(node.target)] for node in self.runner.sources
+                                         if node.op == "get_attr" and str(node.target) in self.runner.param_stage
+                                         and any(self.runner.stage_of.get(u.name) == stage for u in node.users)} - {stage}))
+                           for stage in range(self.runner.num_stages))
+        self.units = schedule_units(sizes, self.num_workers, rule, self.zero, itemsize, star=self.star, fetch=self.fetch, reads=self.reads)
         self.owners = self.units.owners
         # each stage's flat buffer cut into its units' element ranges (planner.stages.piece_bounds)
         self.pieces = [piece_bounds(sum(self.params[a].numel() for a in attrs), parts) for attrs, parts in zip(stage_params, self.units.parts, strict=True)]
@@ -166,7 +172,7 @@ class CDPTrainer:
         self._dtype = [torch.cat([torch.empty(0, dtype=self.params[a].dtype) for a in attrs]).dtype if attrs else torch.float32 for attrs in stage_params]
         self.hold = ring_hold(self.num_workers, self.num_stages, self.owners, rule, has, self.units.parts, star=self.star)
         self.clock = Clock(self.num_workers, self.num_stages, self.owners, rule, has, keep=self.worker, hold=self.hold, parts=self.units.parts,
-                           star=self.star)
+                           star=self.star, fetch=self.fetch, reads=self.reads)
         # star: each stage's parameters made views of one flat buffer, so an owner's delivery is received straight into them
         self._flat_params = [self._flatten(attrs) if self.star and attrs else None for attrs in stage_params]
         self.optimizers: dict[tuple[int, int], torch.optim.Optimizer] = {}  # by (stage, piece); without ZeRO, piece 0 holds the stage's
@@ -184,9 +190,19 @@ class CDPTrainer:
                     self.optimizers[(stage, part)] = optimizer_class([master], **optimizer_kwargs)
         self.step_index = 0
         self.op = 0  # the next op on the clock (2L a step)
+        # star: (step, stage, piece) -> an owned piece's sum so far, then its new parameters (until delivered and
+        # installed; fetch: a version, until every op that computes with it has had it; step -1: the first version)
+        self._sums_init: dict[tuple[int, int, int], torch.Tensor] = {}
+        if self.fetch:  # the owned pieces' first version kept apart, every stage's parameters let go until an op needs them
+            for stage, flat_params in enumerate(self._flat_params):
+                if flat_params is None:
+                    continue
+                for part, (lo, hi) in enumerate(self.pieces[stage]):
+                    if self._owns(stage, part):
+                        self._sums_init[(-1, stage, part)] = flat_params[lo:hi].clone()
+                flat_params.untyped_storage().resize_(0)
         self._bufs: dict[tuple[int, int], torch.Tensor] = {}  # (step, stage) -> this rank's flat buffer
-        # star: (step, stage, piece) -> an owned piece's sum so far, then its new parameters (until delivered and installed)
-        self._sums: dict[tuple[int, int, int], torch.Tensor] = {}
+        self._sums: dict[tuple[int, int, int], torch.Tensor] = self._sums_init
         self._summed: dict[tuple[int, int, int], int] = {}  # star: contributions in each owned sum
         self._sending: dict[Message, tuple[Any, torch.Tensor]] = {}  # sends not yet waited for
         self._receiving: dict[Message, tuple[Any, torch.Tensor]] = {}  # receives posted, not yet taken
@@ -206,6 +222,9 @@ class CDPTrainer:
     def _tag(self, message: Message) -> int:
         if message.kind == "token":
             return 4 * len(self.owners)
+        if message.kind in ("fetch", "refetch"):  # unique among those in flight between two ranks: by unit, op and step (mod 4)
+            phase = 2 * (message.step % 4) + (message.kind == "refetch")
+            return 4 * len(self.owners) + 1 + self.units.unit(message.stage, message.part) + len(self.owners) * (message.at + self.num_stages * phase)
         return 4 * self.units.unit(message.stage, message.part) + 2 * (message.step % 2) + (message.kind in ("ring", "deliver"))
 
     def _what(self, message: Message) -> str:
@@ -217,6 +236,8 @@ class CDPTrainer:
         owner's delivery, the piece's new parameters)."""
         if message.kind == "deliver":
             return self._sums[(message.step, message.stage, message.part)]
+        if message.kind in ("fetch", "refetch"):  # the version the receiver computes this op with
+            return self._sums[(self.clock.version(message.dst, message.step, message.stage), message.stage, message.part)]
         lo, hi = self.pieces[message.stage][message.part]
         return self._bufs[(message.step, message.stage)][lo:hi]
 
@@ -249,7 +270,12 @@ class CDPTrainer:
         return out
 
     def _runs(self, message: Message, last: int) -> bool:
-        """Whether ``message`` is exchanged where ``last`` is the last step run (not if its step never ran)."""
+        """Whether ``message`` is exchanged where ``last`` is the last step run: not if its step
+        never ran, but a fetch for the two steps after the last (its owner may have sent it during
+        the last step: planner.cdp_clock sends a version from the step before its use) is taken and
+        dropped."""
+        if message.kind in ("fetch", "refetch"):  # (and only a version made from the steps run)
+            return message.step <= last + 2 and self.clock.version(message.dst, message.step, message.stage) <= last
         return message.step <= last
 
     def _keeps(self, step: int, last: int) -> bool:
@@ -262,11 +288,18 @@ class CDPTrainer:
         ring's copy into the buffer the chain sent from (that send has completed)."""
         if not self._runs(message, last):
             return
-        if message.kind in ("reduce", "deliver"):  # star: a gradient into a piece of its own; new parameters into the parameters
+        if message.kind in ("reduce", "deliver", "fetch", "refetch"):  # star: a gradient into a piece of its own; parameters into the parameters
             lo, hi = self.pieces[message.stage][message.part]
             flat = self._flat_params[message.stage]
             assert flat is not None
-            into = flat[lo:hi] if message.kind == "deliver" and self._keeps(message.step, last) else torch.empty(hi - lo, dtype=self._dtype[message.stage])
+            # (after the last step: v1's last delivery would make theta(K+1), a fetch for a step not run is taken and dropped)
+            into_params = self._keeps(message.step, last) if message.kind == "deliver" else message.step <= last
+            if into_params and message.kind != "reduce":
+                if message.kind != "deliver":
+                    self._hold_stage(message.stage)
+                into = flat[lo:hi]
+            else:
+                into = torch.empty(hi - lo, dtype=self._dtype[message.stage])
         else:
             buf = self._piece(message)
             into = torch.empty_like(buf) if message.kind == "chain" else buf
@@ -277,11 +310,11 @@ class CDPTrainer:
         what the clock says."""
         if not self._runs(message, last):
             return
-        if message.kind in ("reduce", "deliver"):
+        if message.kind in ("reduce", "deliver", "fetch", "refetch"):
             work, into = self._receiving.pop(message)
             work.wait()
             key = (message.step, message.stage, message.part)
-            if message.kind == "deliver":  # installed where it arrived
+            if message.kind != "reduce":  # installed where it arrived
                 return
             self._contribute(key, into)
             for delivery in acts.delivers.get(message, []):
@@ -386,6 +419,10 @@ class CDPTrainer:
             elif kind == "post":
                 assert isinstance(item, Message)
                 self._post(item, last)
+            elif kind == "send":  # fetch: a version of an owned piece
+                assert isinstance(item, Message)
+                if self._runs(item, last):
+                    self._send(item, self._piece(item))
             else:
                 assert isinstance(item, Message)
                 self._receive(acts, item, last)
@@ -409,11 +446,41 @@ class CDPTrainer:
     def _op(self, run: Callable[[], None], last: int) -> None:
         acts = self._pending if self._pending is not None else self._before(last)
         self._pending = None
+        reads = self.clock.op_reads(self.op) if self.fetch else []
+        for stage in reads:
+            self._own_version(stage)
         began = time.monotonic()
         run()
         if self.trace:
             self.ops.append((self.op, began, time.monotonic()))
+        for stage in reads:  # let the parameters go until the next op that reads them fetches them
+            self._flat_params[stage].untyped_storage().resize_(0)  # type: ignore[union-attr]
         self._after(acts, last)
+
+    def _hold_stage(self, stage: int) -> None:
+        """Fetch: give the stage's flat parameters their memory back (the same storage, which the
+        autograd graph of its forward still refers to)."""
+        flat = self._flat_params[stage]
+        assert flat is not None
+        storage = flat.untyped_storage()
+        if storage.nbytes() == 0:
+            storage.resize_(flat.numel() * flat.element_size())
+
+    def _own_version(self, stage: int) -> None:
+        """Fetch: copy the owned pieces of ``stage`` into its parameters, in the version this op
+        computes with (the other pieces were fetched before it); after its last op, the owner lets
+        a version go (its sends keep it until they complete)."""
+        step = self.op // (2 * self.num_stages)
+        version = self.clock.version(self.worker, step, stage)
+        last_use = self.op == self.clock.last_read(step, stage) and self.clock.version(self.worker, step + 1, stage) != version
+        self._hold_stage(stage)
+        flat = self._flat_params[stage]
+        assert flat is not None
+        with torch.no_grad():
+            for part, (lo, hi) in enumerate(self.pieces[stage]):
+                if self._owns(stage, part):
+                    key = (version, stage, part)
+                    flat[lo:hi].copy_(self._sums.pop(key) if last_use else self._sums[key])
 
     # ---------------------------------------------------------------- the step
 
@@ -464,6 +531,8 @@ class CDPTrainer:
         if last < 0:
             return
         end = self.clock.drained_by(last)
+        if self.fetch:  # the fetches sent for the two steps after the last are taken (and dropped) at their ops
+            end = max(end, 2 * self.num_stages * (last + 3))
         while self.op < end:
             acts = self._pending if self._pending is not None else self._before(last)
             self._pending = None
@@ -482,7 +551,26 @@ class CDPTrainer:
             work.wait()
         self._sending.clear()
         self._bufs.clear()
+        if self.fetch:
+            self._gather_final(last)
         self._sums.clear()
+
+    def _gather_final(self, last: int) -> None:
+        """Fetch, after the last step: every rank's parameters made theta(K) again, each piece from
+        its owner's last version (a broadcast over the workers, which finish() allows)."""
+        import torch.distributed as dist
+
+        keep = last - 1 if self.rule == "v1" else last
+        group = self.pm.mesh_groups.group((self.axis,))
+        for stage, flat in enumerate(self._flat_params):
+            if flat is None:
+                continue
+            self._hold_stage(stage)
+            for part, (lo, hi) in enumerate(self.pieces[stage]):
+                owner = self.units.owners[self.units.unit(stage, part)]
+                if owner == self.worker:
+                    flat[lo:hi].copy_(self._sums[(max(keep, -1), stage, part)])
+                dist.broadcast(flat[lo:hi], src=self._peer(owner), group=group)
 
     def held_bytes(self) -> dict[str, int]:
         """Bytes this rank holds between steps: parameters and the optimizers (their states and,
@@ -492,14 +580,16 @@ class CDPTrainer:
 
         states = [t for opt in self.optimizers.values() for st in opt.state.values() for t in st.values()
                   if isinstance(t, torch.Tensor) and t.dim() > 0]
-        return {"params": size(self.params.values()), "optimizer": size(states) + size(self.masters.values())}
+        # ZeRO-3: only what the flat parameters hold now (nothing between steps: the owners' versions are message buffers)
+        params = sum(f.untyped_storage().nbytes() for f in self._flat_params if f is not None) if self.fetch else size(self.params.values())
+        return {"params": params, "optimizer": size(states) + size(self.masters.values())}
 
     def message_bytes(self) -> int:
         """Bytes of the buffers CDP's messages hold on this rank now (each storage once): stage
         buffers, sums, receives and sends in flight. Between steps, what the previous steps left."""
         storages: dict[int, int] = {}
         for t in [*self._bufs.values(), *self._sums.values(),
-                  *(buf for m, (_, buf) in self._sending.items() if m.kind != "token"), *(buf for m, (_, buf) in self._receiving.items() if m.kind != "deliver")]:  # (a delivery arrives in the parameters)
+                  *(buf for m, (_, buf) in self._sending.items() if m.kind != "token"), *(buf for m, (_, buf) in self._receiving.items() if m.kind not in ("deliver", "fetch", "refetch"))]:  # (those arrive in the parameters)
             storage = t.untyped_storage()
             storages[storage.data_ptr()] = storage.nbytes()
         return sum(storages.values())

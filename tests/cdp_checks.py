@@ -114,14 +114,17 @@ def cdp_train(rank: int, world: int, cases: list[tuple[str, str, str, int]]) -> 
         pm.recorder.records.clear()
         pm.recorder.enabled = True
         trainer.trace = True
-        local_losses, between = [], []
+        local_losses, between, params_between = [], [], []
         for args, kwargs in batches:
             local_losses.append(trainer.step(*pm.shard_batch(*args, **kwargs)[0], **pm.shard_batch(*args, **kwargs)[1]))
             between.append(trainer.message_bytes())
+            params_between.append(trainer.held_bytes()["params"])
         trainer.finish()
         pm.recorder.enabled = False
         report["held"] = trainer.held_bytes()
         report["between"] = between  # message buffers held after each step
+        report["params_between"] = params_between  # parameter bytes held after each step (ZeRO-3: none)
+        report["full_params"] = sum(p.numel() * p.element_size() for p in trainer.params.values())
         report["predicted"] = {"params": plan.memory_breakdown.params, "optimizer": plan.memory_breakdown.optimizer,
                                "grads": plan.memory_breakdown.grads}
         executed = Counter((kind, axes) for kind, axes, _, _ in pm.recorder.records)
@@ -130,6 +133,9 @@ def cdp_train(rank: int, world: int, cases: list[tuple[str, str, str, int]]) -> 
         stage_of = {n: trainer.runner.param_stage[attr] for attr, names in pm.param_names.items() for n in names}
         final = pm.full_state_dict()
         sends = Counter((kind, axes, nbytes) for kind, axes, nbytes, _ in pm.recorder.records if kind == "send")
+        # ZeRO-3: a version's fetches for the steps after the last, sent before the last step knew it was the last, are
+        # taken and dropped by finish(); they are not the steps' traffic
+        sends -= Counter(("send", tuple(sorted(dp_axes)), nbytes) for _, _, m, nbytes in trainer.sent if m.kind in ("fetch", "refetch") and m.step >= STEPS)
         priced = Counter({(k, a, b): c * STEPS for (k, a, b, _), c in plan.priced_comms().items() if k == "send"})
         report |= {
             "sends_equal_priced": sends == priced,
@@ -150,6 +156,8 @@ def cdp_train(rank: int, world: int, cases: list[tuple[str, str, str, int]]) -> 
             "parts": list(trainer.units.parts),
             "hold": trainer.hold,
             "star": trainer.star,
+            "reads": [list(r) for r in trainer.reads],
+            "fetch": trainer.fetch,
             "has_params": [bool(a) for a in trainer.runner.stage_params],
             "ops": trainer.ops,
             "sent": [(op, tuple(dataclasses.astuple(m)), nbytes) for op, _, m, nbytes in trainer.sent],

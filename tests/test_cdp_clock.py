@@ -23,21 +23,23 @@ CONFIGS = [(4, 4), (4, 2), (2, 4), (8, 4), (4, 8), (3, 2), (8, 2), (1, 3), (6, 4
 STEPS = 12
 
 
-RULES = [("v1", False), ("v2", False), ("sync", False), ("v1", True), ("v2", True), ("sync", True)]  # (rule, star: CDP with ZeRO-2)
+# (rule, messages): the chain and ring (ZeRO 0/1), the star (ZeRO-2), the star with fetched parameters (ZeRO-3)
+RULES = [(rule, mode) for mode in ("ring", "star", "fetch") for rule in ("v1", "v2", "sync")]
 
 
-def _run(workers: int, stages: int, rule: str, sizes: list[int] | None = None, star: bool = False) -> tuple[Clock, dict[tuple[int, int], OpActions]]:
+def _run(workers: int, stages: int, rule: str, sizes: list[int] | None = None, mode: str = "ring") -> tuple[Clock, dict[tuple[int, int], OpActions]]:
     sizes = sizes or [100] * stages
-    units, has = schedule_units(sizes, workers, rule, star, star=star), [b > 0 for b in sizes]
+    star, fetch = mode in ("star", "fetch"), mode == "fetch"
+    units, has = schedule_units(sizes, workers, rule, star, star=star, fetch=fetch), [b > 0 for b in sizes]
     hold = ring_hold(workers, stages, units.owners, rule, has, units.parts, star=star)
-    clock = Clock(workers, stages, units.owners, rule, has, hold=hold, parts=units.parts, star=star)
+    clock = Clock(workers, stages, units.owners, rule, has, hold=hold, parts=units.parts, star=star, fetch=fetch)
     return clock, {(n, op): clock.actions(n, op) for op in range(2 * stages * STEPS) for n in range(workers)}
 
 
-@pytest.mark.parametrize(("rule", "star"), RULES)
-def test_the_schedule_is_the_papers_uniform_delay(rule: str, star: bool) -> None:
+@pytest.mark.parametrize(("rule", "mode"), RULES)
+def test_the_schedule_is_the_papers_uniform_delay(rule: str, mode: str) -> None:
     for workers, stages in CONFIGS:
-        clock, acts = _run(workers, stages, rule, star=star)
+        clock, acts = _run(workers, stages, rule, mode=mode)
         delay = 0 if rule == "sync" else 2 * stages / workers  # sync is DP through the chain: no delay
         for (n, op), a in acts.items():
             step, j = divmod(op, 2 * stages)
@@ -50,10 +52,10 @@ def test_the_schedule_is_the_papers_uniform_delay(rule: str, star: bool) -> None
             assert len({lag[key] for key in late}) == 1, (workers, stages, rule)
 
 
-@pytest.mark.parametrize(("rule", "star"), RULES)
-def test_tokens_keep_each_worker_behind_its_predecessor(rule: str, star: bool) -> None:
+@pytest.mark.parametrize(("rule", "mode"), RULES)
+def test_tokens_keep_each_worker_behind_its_predecessor(rule: str, mode: str) -> None:
     for workers, stages in CONFIGS:
-        clock, acts = _run(workers, stages, rule, star=star)
+        clock, acts = _run(workers, stages, rule, mode=mode)
         if workers == 1:
             continue
         for (n, op), a in acts.items():
@@ -65,10 +67,10 @@ def test_tokens_keep_each_worker_behind_its_predecessor(rule: str, star: bool) -
                 assert clock.due((n - 1) % workers, gate + 1) + clock.scale > clock.due(n, op) - (2 * stages * clock.scale if n == 0 else 0)
 
 
-@pytest.mark.parametrize(("rule", "star"), RULES)
-def test_every_wait_is_for_something_earlier_on_the_clock(rule: str, star: bool) -> None:
+@pytest.mark.parametrize(("rule", "mode"), RULES)
+def test_every_wait_is_for_something_earlier_on_the_clock(rule: str, mode: str) -> None:
     for workers, stages in CONFIGS:
-        clock, acts = _run(workers, stages, rule, star=star)
+        clock, acts = _run(workers, stages, rule, mode=mode)
         posted: dict[Message, int] = {}  # message -> the tick its sender posted it
         received: dict[Message, int] = {}
         for a in acts.values():
@@ -81,6 +83,8 @@ def test_every_wait_is_for_something_earlier_on_the_clock(rule: str, star: bool)
                         posted[a.forwards[item]] = tick
                     for delivery in a.delivers.get(item, []):
                         posted[delivery] = tick
+                elif kind == "send":
+                    posted[item] = tick  # type: ignore[index]
             for head in a.heads:
                 posted[head] = a.start + clock.scale
         for (n, _op), a in acts.items():
@@ -95,16 +99,20 @@ def test_every_wait_is_for_something_earlier_on_the_clock(rule: str, star: bool)
                     assert acts[((n - 1) % workers, item)].start + clock.scale <= tick  # type: ignore[index]
 
 
-@pytest.mark.parametrize(("rule", "star"), RULES)
-def test_each_update_is_applied_where_its_rule_says(rule: str, star: bool) -> None:
+@pytest.mark.parametrize(("rule", "mode"), RULES)
+def test_each_update_is_applied_where_its_rule_says(rule: str, mode: str) -> None:
     for workers, stages in CONFIGS:
-        clock, acts = _run(workers, stages, rule, star=star)
+        clock, acts = _run(workers, stages, rule, mode=mode)
         big_l = stages
+        if mode == "fetch":  # nothing installed: each op's parameters arrive before it, in the version its rule says
+            assert not any(a.uses for a in acts.values())
+            _check_fetched(clock, acts)
+            continue
         for n in range(workers):
             used = {(t, stage): op for (m, op), a in acts.items() if m == n for t, stage in a.uses}
             for t in range(STEPS - 2):
                 for stage in range(stages):
-                    if star:  # just before the forward of the stage in the first step that computes with it
+                    if mode == "star":  # just before the forward of the stage in the first step that computes with it
                         want = 2 * big_l * (t + clock.lag(n, stage)) + stage
                     elif rule == "v1":
                         want = 2 * big_l * (t + 2)  # at step t+2's start
@@ -115,6 +123,48 @@ def test_each_update_is_applied_where_its_rule_says(rule: str, star: bool) -> No
                     else:
                         want = 2 * big_l * (t + 2)  # at step t+2's start: step t+1 ran with theta(t) on it
                     assert used[(t, stage)] == want, (workers, stages, rule, n, t, stage)
+
+
+def _check_fetched(clock: Clock, acts: dict[tuple[int, int], OpActions]) -> None:
+    """ZeRO-3's star: before each op a worker has taken, from each other owner, that owner's
+    pieces of every stage the op reads (its own; a tied weight's), for this very op (the forward's
+    or the backward's), posted no earlier than the op before and not while that op reads the same
+    stage."""
+    stages, period = clock.stages, clock.period
+    taken: dict[tuple[int, int, int, str, int], set[int]] = {}
+    for (n, op), a in acts.items():
+        for kind, item, _ in a.log:
+            if not isinstance(item, Message) or item.kind not in ("fetch", "refetch"):
+                continue
+            use = clock.use_op(item.step, item.at, item.kind)
+            if kind == "recv":
+                assert use == op, item
+                taken.setdefault((n, item.step, item.stage, item.kind, item.at), set()).add(item.part)
+            if kind == "post":
+                assert use - 1 <= op <= use and (op == use or item.stage not in clock.op_reads(use - 1)), item
+    for (n, op) in acts:
+        step, j = divmod(op, period)
+        at, kind = (j, "fetch") if j < stages else (period - 1 - j, "refetch")
+        if clock.workers > 1 and step < STEPS - 1:
+            for stage in clock.op_reads(op):
+                want = {part for part in range(clock.parts[stage]) if clock.owner(stage, part) != n}
+                assert taken.get((n, step, stage, kind, at), set()) == want, (clock.workers, stages, n, op, stage)
+
+
+def test_fetch_sends_a_tied_weight_to_every_op_that_reads_it() -> None:
+    """ZeRO-3's star with stage L-1 reading stage 0's parameters (GPT's tied embedding): those
+    arrive before stage L-1's ops too, in the version of stage 0's rule, and the schedule holds."""
+    for workers, stages in ((4, 4), (4, 2), (8, 4), (2, 4)):
+        for rule in ("v1", "v2", "sync"):
+            reads = [()] * (stages - 1) + [(0,)]
+            units = schedule_units([100] * stages, workers, rule, True, star=True, fetch=True, reads=tuple(reads))
+            clock = Clock(workers, stages, units.owners, rule, [True] * stages, parts=units.parts, fetch=True, reads=reads)
+            acts = {(n, op): clock.actions(n, op) for op in range(2 * stages * STEPS) for n in range(workers)}
+            _check_fetched(clock, acts)
+            assert clock.op_reads(stages - 1) == [0, stages - 1]
+            lag = {(n, op): a.start - clock.due(n, op) for (n, op), a in acts.items()}
+            late = [(n, op) for n, op in lag if op >= 2 * stages * (STEPS - 3)]
+            assert all(lag[(n, op)] == lag[(n, op - 2 * stages)] for n, op in late), (workers, stages, rule)
 
 
 def test_each_ranks_sends_are_spread_over_the_step() -> None:
@@ -150,7 +200,7 @@ def test_the_stars_bytes_move_over_the_step() -> None:
     bounds = {("v1", 4, 4): 2 / 3, ("v1", 8, 4): 4 / 7, ("v1", 8, 8): 2 / 7, ("v1", 2, 4): 1 / 2, ("v1", 6, 4): 1 / 2, ("v1", 4, 8): 1 / 4,
               ("v2", 4, 4): 2 / 3, ("v2", 8, 4): 11 / 14, ("v2", 8, 8): 4 / 7, ("v2", 2, 4): 1 / 2, ("v2", 6, 4): 7 / 10, ("v2", 4, 8): 1 / 3}
     for (rule, workers, stages), bound in bounds.items():
-        clock, acts = _run(workers, stages, rule, star=True)
+        clock, acts = _run(workers, stages, rule, mode="star")
         period, window = 2 * stages * clock.scale, 2 * clock.scale
         sent: dict[Message, int] = {}
         posted: dict[Message, int] = {}

@@ -99,6 +99,7 @@ class Tally:
     step_transient: float
     value: Callable[[Var], float]  # the assignment's value of an ILP indicator (planner.peak.Var)
     held: float = 0.0  # bytes held through the whole step beyond what the sum priced (a scheme's exact count in place of its linear price)
+    params: float = 0.0  # parameter bytes beyond what the sum priced, likewise
 
 
 @dataclass(frozen=True)

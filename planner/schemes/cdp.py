@@ -183,6 +183,7 @@ class Traffic:
     rank: int
     sends: dict[int, int]  # unit -> messages a step
     tokens: int  # the clock's tokens a step
+    reads: tuple[tuple[int, ...], ...] | None = None  # ZeRO-3: each stage's reads of other stages' parameters (stage_reads)
 
     @property
     def sizes(self) -> tuple[int, ...]:
@@ -193,18 +194,39 @@ class Traffic:
         return self.units.owners
 
 
+def stage_reads(problem: Problem) -> tuple[tuple[int, ...], ...]:
+    """For each stage, the other stages whose parameters its ops read (a weight tied across
+    stages, such as GPT's embedding and LM head, belongs to the earliest stage that reads it), as
+    runtime.cdp.CDPTrainer finds them in its stages."""
+    def make() -> tuple[tuple[int, ...], ...]:
+        graph, stages = problem.graph, problem.cdp_stages
+        stage_of, owner = cut_stages(graph, stages).stage_of(), parameter_stages(graph, stages)
+        reads: list[set[int]] = [set() for _ in range(stages)]
+        consumers = graph.consumers()
+        for p in graph.params:
+            for c, _ in consumers[p.name]:
+                if c in stage_of and stage_of[c] != owner[p.name]:
+                    reads[stage_of[c]].add(owner[p.name])
+        return tuple(tuple(sorted(r)) for r in reads)
+
+    return problem.graph.memo(("cdp_reads", problem.cdp_stages), make)
+
+
 def cdp_traffic(problem: Problem, assignment: dict[str, int]) -> Traffic:
     sizes = stage_message_bytes(problem, assignment)
     n = problem.mesh.group_size(problem.mesh.active_dp_axes)
-    star = problem.zero_stage == 2
-    units = schedule_units(sizes, n, problem.cdp, problem.zero_stage >= 1, stage_itemsize(problem), star=star)
+    star, fetch = problem.zero_stage >= 2, problem.zero_stage == 3
+    reads = stage_reads(problem) if fetch else None
+    units = schedule_units(sizes, n, problem.cdp, problem.zero_stage >= 1, stage_itemsize(problem), star=star, fetch=fetch, reads=reads)
     owners = units.owners
-    if star:  # a unit to its owner once, or, owned, to each other worker
-        per_rank = [{u: n - 1 if r == owners[u] else 1 for u, b in enumerate(units.sizes) if b} for r in range(n)]
+    if star:  # a unit to its owner once, or, owned, to each other worker (ZeRO-3: before each forward and backward that reads it)
+        stage_of = [stage for stage, parts in enumerate(units.parts) for _ in range(parts)]
+        uses = [2 * (1 + sum(1 for r in reads if stage_of[u] in r)) if reads is not None else 1 for u in range(len(owners))]
+        per_rank = [{u: uses[u] * (n - 1) if r == owners[u] else 1 for u, b in enumerate(units.sizes) if b} for r in range(n)]
     else:
         per_rank = [{u: 1 if r in (owners[u], (owners[u] - 1) % n) else 2 for u, b in enumerate(units.sizes) if b} for r in range(n)]
     rank = max(range(n), key=lambda r: (sum(units.sizes[u] * k for u, k in per_rank[r].items()), -r))
-    return Traffic(units, n, rank, per_rank[rank], 2 * len(sizes) if n > 1 else 0)
+    return Traffic(units, n, rank, per_rank[rank], 2 * len(sizes) if n > 1 else 0, reads)
 
 
 def cdp_messages(problem: Problem, traffic: Traffic) -> list[Comm]:
@@ -246,9 +268,10 @@ def cdp_overlap(problem: Problem, traffic: Traffic, busy: float, p2p: float) -> 
         return seconds[TOKEN_BYTES if message.kind == "token" else units.sizes[units.unit(message.stage, message.part)]]
 
     has = [any(units.sizes[u] for u in units.of_stage(stage)) for stage in range(stages)]
-    star = problem.zero_stage == 2
+    star, fetch = problem.zero_stage >= 2, problem.zero_stage == 3
     hold = ring_hold(traffic.workers, stages, units.owners, problem.cdp, has, units.parts, star=star)
-    period = step_period(traffic.workers, stages, units.owners, problem.cdp, has, durations, latency, hold=hold, parts=units.parts, star=star)
+    period = step_period(traffic.workers, stages, units.owners, problem.cdp, has, durations, latency, hold=hold, parts=units.parts, star=star,
+                         fetch=fetch, reads=traffic.reads)
     waits = max(0.0, period - busy - p2p)
     return waits, problem.overlap_efficiency * max(0.0, busy + p2p + waits - period)
 
@@ -270,28 +293,47 @@ def cdp_owner_bytes(problem: Problem, assignment: dict[str, int], traffic: Traff
     return sum(per_worker) / traffic.workers, max(per_worker)
 
 
-def cdp_held_bytes(rule: str, traffic: Traffic) -> float:
-    """CDP with ZeRO-2 (the clock's star): the most bytes any rank holds between two steps for
-    CDP's messages, in steady state: the sums of the pieces it owns that are not yet installed
-    and taken by every worker, and its stage buffers whose pieces have not all been taken by
-    their owners (:attr:`planner.cdp_clock.Clock.live`; runtime.cdp.CDPTrainer.message_bytes)."""
+def fetched_bytes(traffic: Traffic) -> float:
+    """CDP with ZeRO-3: the most parameter bytes a rank holds whole at once: an op's stages (its
+    own and those it reads) and the next op's, which arrive while it runs (runtime.cdp: a fetch
+    is posted an op ahead unless that op reads the same stage). A bound over the step: priced at
+    every instant of it, as the step's other CDP terms."""
+    units, reads = traffic.units, traffic.reads or ()
+    stages = len(units.parts)
+    stage_bytes = [sum(units.sizes[u] for u in units.of_stage(st)) for st in range(stages)]
+
+    def op_reads(op: int) -> set[int]:
+        j = op % (2 * stages)
+        stage = j if j < stages else 2 * stages - 1 - j
+        return {stage, *(reads[stage] if reads else ())}
+
+    return float(max(sum(stage_bytes[st] for st in op_reads(op) | op_reads(op + 1)) for op in range(2 * stages)))
+
+
+def cdp_held_bytes(rule: str, traffic: Traffic, fetch: bool = False) -> tuple[float, float]:
+    """CDP with ZeRO-2 or 3 (the clock's star): what the rank that holds most between two steps
+    holds for CDP's messages, in steady state, as (the sums of the pieces it owns not yet
+    installed and taken by every worker, ZeRO-3: the versions of its pieces some op still
+    computes with; its stage buffers whose pieces have not all been taken by their owners)
+    (:attr:`planner.cdp_clock.Clock.live`; runtime.cdp.CDPTrainer.message_bytes)."""
     units = traffic.units
     has = tuple(any(units.sizes[u] for u in units.of_stage(stage)) for stage in range(len(units.parts)))
-    live = _live(traffic.workers, len(units.parts), units.owners, rule, has, units.parts)
+    live = _live(traffic.workers, len(units.parts), units.owners, rule, has, units.parts, fetch, traffic.reads)
     stage_bytes = [sum(units.sizes[u] for u in units.of_stage(stage)) for stage in range(len(units.parts))]
 
-    def size(item: Held) -> int:
-        return units.sizes[units.unit(item[2], item[3])] if item[0] == "sum" else stage_bytes[item[3]]
+    def split(items: tuple[Held, ...]) -> tuple[float, float]:
+        sums = sum(units.sizes[units.unit(item[2], item[3])] for item in items if item[0] == "sum")
+        return float(sums), float(sum(stage_bytes[item[3]] for item in items if item[0] == "grads"))
 
-    return float(max((sum(size(item) for item in items) for items in live), default=0))
+    return max((split(items) for items in live), key=sum, default=(0.0, 0.0))
 
 
 @functools.lru_cache(maxsize=64)
 def _live(workers: int, stages: int, owners: tuple[int, ...], rule: str, has_params: tuple[bool, ...], parts: tuple[int, ...],
-          steps: int = 8) -> tuple[tuple[Held, ...], ...]:
+          fetch: bool = False, reads: tuple[tuple[int, ...], ...] | None = None, steps: int = 8) -> tuple[tuple[Held, ...], ...]:
     """What each rank holds at the start of each of the last three of ``steps`` simulated steps
     (the star's clock; the first steps settle)."""
-    clock = Clock(workers, stages, owners, rule, has_params, parts=parts, star=True)
+    clock = Clock(workers, stages, owners, rule, has_params, parts=parts, star=True, fetch=fetch, reads=reads)
     period = 2 * stages
     for op in range(period * steps + 1):
         for n in range(workers):
@@ -387,7 +429,7 @@ class CDP(Scheme):
     title = "CDP"
 
     def unsupported(self, mesh: Mesh, settings: Settings, graph: IRGraph | None = None) -> str:
-        cdp, zero, micro_batches = settings["cdp"], settings["zero_stage"], settings["micro_batches"]
+        cdp, micro_batches = settings["cdp"], settings["micro_batches"]
         if cdp == "off":
             return ""
         if cdp not in ("v1", "v2"):
@@ -396,9 +438,6 @@ class CDP(Scheme):
             return "CDP runs over the data-parallel axis: needs dp > 1"
         if len(mesh.active_dp_axes) > 1:
             return f"CDP runs over one data-parallel axis; mesh {mesh} has {len(mesh.active_dp_axes)}"
-        if zero > 2:
-            return (f"CDP with ZeRO-{zero} is not built in the runtime (parameters fetched point to point before each stage op); "
-                    "CDP runs with ZeRO 0, 1 or 2")
         if micro_batches > 1:
             return "CDP staggers its own micro-batches; gradient accumulation runs with CDP off"
         return ""
@@ -453,6 +492,7 @@ class CDP(Scheme):
             return
         problem.collective_sync = False
         problem.barred_axes = frozenset(problem.mesh.active_dp_axes)
+        problem.params_gathered = False  # ZeRO-3: the runtime fetches each op's pieces from their owners (the star), not the graph
         problem.param_stage = parameter_stages(problem.graph, problem.cdp_stages)
 
     def strategies(self, problem: Problem, anchors: dict[str, list[Strategy]], allow: StrategyFilter | None) -> StrategyFilter | None:
@@ -481,10 +521,16 @@ class CDP(Scheme):
         if problem.zero_stage == 2:
             # the star (runtime.cdp): a worker's gradient leaves for its owners after the stage's
             # backward; an owner holds the sums of its pieces, then their new parameters until
-            # every worker has taken them at its update (up to two steps' at once: 2/N on average)
+            # every worker has taken them at its update (up to two steps' at once: 2/N on average;
+            # adjust() puts the clock's count in)
             price.held = 2 * params / workers
             grads += price.held
             price.params, price.grads, price.states = params, grads, states
+            return
+        if problem.zero_stage == 3:
+            # no full parameters between ops: an owner's pieces in the versions still in use (about
+            # two: 2/N on average, the clock's count in adjust()), fetched by each op (a transient)
+            price.params, price.grads, price.states = 2 * params / workers, grads, states
             return
         # the previous step's buffer (its summed gradient, applied late: v1 at step t+2's start, v2
         # at step t+1's forward of the stage where the worker is fresh and at step t+2's start where
@@ -531,13 +577,21 @@ class CDP(Scheme):
         if problem.zero_stage >= 1:
             average, busiest = cdp_owner_bytes(problem, assignment, traffic)
             tally.optimizer += busiest - average
-        if problem.zero_stage == 2:  # the owners' sums and the stage buffers in flight, counted on the clock, for 2/N priced
-            tally.held += cdp_held_bytes(problem.cdp, traffic) - 2 * sum(traffic.sizes) / traffic.workers
+        if problem.zero_stage >= 2:  # the owners' sums (ZeRO-3: their versions) and the stage buffers in flight, on the clock, for 2/N priced
+            sums, buffers = cdp_held_bytes(problem.cdp, traffic, fetch=problem.zero_stage == 3)
+            linear = 2 * sum(traffic.sizes) / traffic.workers
+            if problem.zero_stage == 2:
+                tally.held += sums + buffers - linear
+            else:
+                tally.params += sums - linear
+                tally.held += buffers
+                tally.during += fetched_bytes(traffic)
 
 
 def step_period(workers: int, stages: int, owners: Sequence[int], rule: str, has_params: Sequence[bool],
                 durations: Sequence[float], latency: Callable[[Message], float], steps: int = 8, hold: bool = False,
-                parts: Sequence[int] | None = None, star: bool = False) -> float:
+                parts: Sequence[int] | None = None, star: bool = False, fetch: bool = False,
+                reads: tuple[tuple[int, ...], ...] | None = None) -> float:
     """Seconds a step takes as runtime.cdp.CDPTrainer runs the clock, once it has settled (the
     planner's price of CDP, :func:`cdp_overlap`): the clock's actions replayed in seconds, in the
     order the clock does them, each rank blocking where the clock puts its waits. ``durations``:
@@ -548,7 +602,7 @@ def step_period(workers: int, stages: int, owners: Sequence[int], rule: str, has
     last two simulated steps, halved."""
     period = 2 * stages
     events, by_key = _clock_events(workers, stages, tuple(owners), rule, tuple(has_params), steps, hold,
-                                   tuple(parts) if parts is not None else (1,) * stages, star)
+                                   tuple(parts) if parts is not None else (1,) * stages, star, fetch, reads)
     now = [0.0] * workers
     sent: dict[Message, float] = {}
     taken: dict[Message, float] = {}
@@ -576,6 +630,9 @@ def step_period(workers: int, stages: int, owners: Sequence[int], rule: str, has
                 sent[a.forwards[item]] = now[n]
             for delivery in a.delivers.get(item, ()):
                 sent[delivery] = now[n]
+        elif kind == "send":  # fetch: a version leaves its owner
+            assert isinstance(item, Message)
+            sent[item] = now[n]
         elif kind == "wait" and isinstance(item, Message) and item.kind != "token":  # a send's completion: its receive
             now[n] = max(now[n], taken.get(item, now[n]))
     # (beyond the measured ops, what an op waits for may not have been replayed: it is not measured)
@@ -585,14 +642,15 @@ def step_period(workers: int, stages: int, owners: Sequence[int], rule: str, has
 
 @functools.lru_cache(maxsize=64)
 def _clock_events(workers: int, stages: int, owners: tuple[int, ...], rule: str, has_params: tuple[bool, ...], steps: int,
-                  hold: bool, parts: tuple[int, ...], star: bool = False) -> tuple[list[tuple[int, int, int]], dict[tuple[int, int], OpActions]]:
+                  hold: bool, parts: tuple[int, ...], star: bool = False, fetch: bool = False,
+                  reads: tuple[tuple[int, ...], ...] | None = None) -> tuple[list[tuple[int, int, int]], dict[tuple[int, int], OpActions]]:
     """The clock's actions for :func:`step_period` over ``steps`` + 2 steps (a worker ahead of
     another in the clock's order runs ops of a later step), as (worker, op, log index; -1: the op
     itself) in the order the clock does them, and each (worker, op)'s actions. They depend on the
     schedule alone, not on the seconds, so a search's evaluations of one CDP configuration (a
     brute force's thousands) simulate the clock once: the simulation was 5 of the 6 ms an
     evaluation of a 2-stage plan on dp=2 took (measured), the replay in seconds the rest."""
-    clock = Clock(workers, stages, owners, rule, has_params, hold=hold, parts=parts, star=star)
+    clock = Clock(workers, stages, owners, rule, has_params, hold=hold, parts=parts, star=star, fetch=fetch, reads=reads)
     period = 2 * stages
     acts = [(n, op, clock.actions(n, op)) for op in range(period * (steps + 2)) for n in range(workers)]
     events: list[tuple[int, int, int, int]] = []  # (order, worker, op, log index)

@@ -176,10 +176,13 @@ class ZeRO(Scheme):
         if why:
             raise ValueError(why)
         problem.unit_share_bytes = _unit_share_bytes(problem.graph, problem.bucket_bytes)
-        problem.prefetch = problem.prefetch and problem.zero_stage == 3 and bool(problem.mesh.active_dp_axes)
+        problem.params_gathered = problem.zero_stage == 3  # (CDP, configured after, fetches them itself)
+
+    def _gathers(self, problem: Problem) -> bool:
+        return problem.params_gathered and bool(problem.mesh.active_dp_axes)
 
     def strategies(self, problem: Problem, anchors: dict[str, list[Strategy]], allow: StrategyFilter | None) -> StrategyFilter | None:
-        if problem.zero_stage == 3 and problem.mesh.active_dp_axes:  # each parameter input may be gathered again in backward
+        if self._gathers(problem):  # each parameter input may be gathered again in backward
             graph = problem.graph
             for name, strategies in anchors.items():
                 node = graph.nodes[name]
@@ -190,9 +193,10 @@ class ZeRO(Scheme):
         return allow
 
     def param_storage(self, problem: Problem, node: Node, strategies: list[Strategy]) -> list[Strategy]:
-        return stored_over_dp(node, problem.mesh, strategies) if problem.zero_stage == 3 else strategies
+        return stored_over_dp(node, problem.mesh, strategies) if problem.params_gathered else strategies
 
     def prepare(self, problem: Problem) -> None:
+        problem.prefetch = problem.prefetch and self._gathers(problem)
         most = _most_packed(problem) if problem.collective_sync else 0
         problem.packed_whole = most <= problem.bucket_bytes  # no gradient packed (most = 0) is whole too
         problem.sync_share_bytes = most if 0 < most <= problem.bucket_bytes else problem.bucket_bytes
