@@ -2,8 +2,9 @@
 
     python benchmarks/cdp_balance.py
 
-For each model, stage count L, worker count N and ZeRO stage (0, 1, and 2, whose messages go
-straight to and from each piece's owner: planner.cdp_clock's star): each stage's gradient buffer
+For each model, stage count L, worker count N and ZeRO stage (0, 1, and 2 and 3, whose messages go
+straight to and from each piece's owner: planner.cdp_clock's star; with ZeRO-3 each forward and
+backward that reads a piece fetches it, a tied embedding's for the head's ops too): each stage's gradient buffer
 (its parameters' bytes, :func:`planner.stages.parameter_stages`), then the ranks' sent bytes a
 step and, with ZeRO, their owned bytes (optimizer state and master copy), as max/min over the
 ranks, with the owners whole stages get (:func:`planner.stages.stage_owners`) and with the pieces
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 from planner.cdp_clock import schedule_units
 from planner.models import build_model, example_inputs
-from planner.stages import owned_bytes, parameter_stages, sent_bytes, stage_owners
+from planner.stages import cut_stages, owned_bytes, parameter_stages, sent_bytes, stage_owners
 from planner.trace import trace
 
 
@@ -34,24 +35,38 @@ def main() -> None:
             if stages > ops:
                 continue
             of = parameter_stages(graph, stages)
+            stage_of, consumers = cut_stages(graph, stages).stage_of(), graph.consumers()
+            readers = [{st} for st in range(stages)]  # the stages whose ops read each stage's parameters
+            reads: list[set[int]] = [set() for _ in range(stages)]
+            for p in graph.params:
+                for c, _ in consumers[p.name]:
+                    if c in stage_of:
+                        readers[of[p.name]].add(stage_of[c])
+                        if stage_of[c] != of[p.name]:
+                            reads[stage_of[c]].add(of[p.name])
             sizes, itemsize = [0] * stages, [1] * stages
             for p in graph.params:
                 sizes[of[p.name]] += p.out.nbytes
                 itemsize[of[p.name]] = max(itemsize[of[p.name]], p.out.itemsize)
             for workers in (4, 8):
-                for zero in (0, 1, 2):
-                    star = zero == 2
+                for zero in (0, 1, 2, 3):
+                    star, fetch = zero >= 2, zero == 3
+                    frozen = tuple(tuple(sorted(r)) for r in reads) if fetch else None
                     whole = stage_owners(sizes, workers, zero=zero > 0)
-                    v1 = schedule_units(sizes, workers, "v1", zero > 0, itemsize, star=star)
-                    v2 = schedule_units(sizes, workers, "v2", zero > 0, itemsize, star=star)
+                    v1 = schedule_units(sizes, workers, "v1", zero > 0, itemsize, star=star, fetch=fetch, reads=frozen)
+                    v2 = schedule_units(sizes, workers, "v2", zero > 0, itemsize, star=star, fetch=fetch, reads=frozen)
                     for rule, units in (("v1", v1), ("v2", v2)):
                         if rule == "v2" and units == v1:
                             continue
                         state = ([_spread(owned_bytes(sizes, whole, workers)), _spread(owned_bytes(units.sizes, units.owners, workers))]
                                  if zero else ["-", "-"])
-                        messages = 2 * (workers - 1) * sum(p for p, b in zip(units.parts, sizes, strict=True) if b)
-                        row = [name, str(stages), str(workers), str(zero), rule, _spread(sent_bytes(sizes, whole, workers, star=star)),
-                               _spread(sent_bytes(units.sizes, units.owners, workers, star=star)), *state, str(max(units.parts)), str(messages)]
+                        per_piece = [1 + 2 * len(readers[st]) if fetch else 2 for st in range(stages)]
+                        messages = (workers - 1) * sum(p * k for p, k, b in zip(units.parts, per_piece, sizes, strict=True) if b)
+                        whole_uses = [2 * len(readers[st]) for st in range(stages)] if fetch else None
+                        uses = [2 * len(readers[st]) for st, p in enumerate(units.parts) for _ in range(p)] if fetch else None
+                        row = [name, str(stages), str(workers), str(zero), rule, _spread(sent_bytes(sizes, whole, workers, star=star, uses=whole_uses)),
+                               _spread(sent_bytes(units.sizes, units.owners, workers, star=star, uses=uses)), *state, str(max(units.parts)),
+                               str(messages)]
                         print("| " + " | ".join(row) + " |")
 
 

@@ -50,6 +50,15 @@ worker's backward whoever owns it, so v2 keeps the balanced owners where N > L t
 counts what each rank holds at each step's start (:attr:`Clock.live`): the sums it owns not yet
 installed and taken by every worker, and its stage buffers whose reduces are not all taken.
 
+**Fetch** (CDP with ZeRO-3, ``fetch=True``, a star): no install; an owner keeps each version of
+its pieces (the first; then each sum once final) and queues, for each step that computes with it
+on each other worker and each op of that step that reads its stage (``reads``: a tied weight's
+later readers), a "fetch" (before the forward) and a "refetch" (before the backward), sent once the
+owner has begun the step before. The receiver posts it at the boundary before the op unless that
+op reads the same stage (then at the op's), and takes it just before the op; an op starts only
+once it has every piece of every stage it reads (its own: the version made). A version lives
+until its fetches are taken and its owner's own ops with it have run (:attr:`Clock.live`).
+
 Every rank runs the same simulation, so each knows, for each of its ops, which tokens to take,
 which messages to receive, which sends to wait for and which stage updates to apply
 (:meth:`Clock.actions`).
@@ -651,7 +660,10 @@ def schedule_units(sizes: Sequence[int], workers: int, rule: str, zero: bool, it
     the owners :func:`planner.stages.stage_owners` picks is tried, then the chain ending at worker
     N-1 for every stage, as in the paper (every sum complete when the last worker's backward of the
     stage is)."""
-    units = message_units(sizes, workers, zero=zero, itemsize=itemsize)
+    uses = None
+    if fetch:  # each piece fetched before each forward and backward that reads it
+        uses = [2 * (1 + sum(1 for r in (reads or ()) if stage in r)) for stage in range(len(sizes))]
+    units = message_units(sizes, workers, zero=zero, itemsize=itemsize, uses=uses)
     if rule != "v2" or workers == 1:
         return units
     has = tuple(b > 0 for b in sizes)

@@ -149,16 +149,19 @@ def piece_bounds(elements: int, parts: int) -> list[tuple[int, int]]:
     return [(c * elements // parts, (c + 1) * elements // parts) for c in range(parts)]
 
 
-def sent_bytes(sizes: Sequence[int], owners: Sequence[int], workers: int, *, star: bool = False) -> list[int]:
+def sent_bytes(sizes: Sequence[int], owners: Sequence[int], workers: int, *, star: bool = False, uses: Sequence[int] | None = None) -> list[int]:
     """Each rank's sent bytes a step: a unit's buffer twice (down the chain, around the ring), once
     where the rank owns it (the chain ends there) or is the worker before its owner (the ring ends
     there). ``star`` (CDP with ZeRO-2): a unit once, to its owner, and N-1 times where the rank
-    owns it (its new parameters to each other worker)."""
+    owns it (its new parameters to each other worker), or, ``uses`` (ZeRO-3), that many times N-1
+    (a fetch before each forward and backward that reads it)."""
     if workers == 1:
         return [0]
     if star:
-        owned = owned_bytes(sizes, owners, workers)
-        return [sum(sizes) + (workers - 2) * mine for mine in owned]
+        out = [sum(sizes)] * workers
+        for u, (b, o) in enumerate(zip(sizes, owners, strict=True)):
+            out[o] += ((workers - 1) * (uses[u] if uses is not None else 1) - 1) * b
+        return out
     saved = [0] * workers
     for b, o in zip(sizes, owners, strict=True):
         saved[o] += b
@@ -177,7 +180,8 @@ def _spread(values: Sequence[int]) -> float:
     return max(values) / min(values) if min(values) > 0 else math.inf
 
 
-def message_units(stage_bytes: Sequence[int], workers: int, *, zero: bool, itemsize: Sequence[int] | None = None) -> Units:
+def message_units(stage_bytes: Sequence[int], workers: int, *, zero: bool, itemsize: Sequence[int] | None = None,
+                  uses: Sequence[int] | None = None) -> Units:
     """Each stage's piece count and each piece's owner (:func:`stage_owners`): of the cuts that
     keep every rank's sent bytes, and with ZeRO its owned bytes (its optimizer state and master
     copy), within :data:`BALANCE` of the least, the one with the fewest pieces (each costs 2(N-1)
@@ -192,12 +196,18 @@ def message_units(stage_bytes: Sequence[int], workers: int, *, zero: bool, items
     stage). With fewer stages than workers some ranks would own nothing: they send every buffer
     twice while the owners send theirs once, and with ZeRO only L ranks hold optimizer state
     (gpt2-small, L = 4, N = 8: 1.39 in sent bytes). Cutting stages into pieces gives every rank
-    pieces to own."""
-    return _message_units(tuple(stage_bytes), workers, zero, tuple(itemsize) if itemsize is not None else (1,) * len(stage_bytes))
+    pieces to own.
+
+    ``uses`` (CDP with ZeRO-3, the star): each stage's sends per piece to each other worker from
+    its owner (a fetch before each forward and backward that reads it); the sent bytes checked are
+    then the star's (:func:`sent_bytes`), so a piece read by more ops (a tied embedding) is cut
+    until every rank owns as much of it."""
+    return _message_units(tuple(stage_bytes), workers, zero, tuple(itemsize) if itemsize is not None else (1,) * len(stage_bytes),
+                          tuple(uses) if uses is not None else None)
 
 
 @functools.lru_cache(maxsize=256)
-def _message_units(stage_bytes: tuple[int, ...], workers: int, zero: bool, align: tuple[int, ...]) -> Units:
+def _message_units(stage_bytes: tuple[int, ...], workers: int, zero: bool, align: tuple[int, ...], uses: tuple[int, ...] | None = None) -> Units:
     """:func:`message_units`, cached: a search evaluates a CDP configuration's plans many times,
     mostly with the same stage sizes. The cuts are tried fewest pieces first, so the first that
     balances is the answer; with ZeRO a cut with fewer pieces than workers is not tried (a worker
@@ -222,7 +232,9 @@ def _message_units(stage_bytes: tuple[int, ...], workers: int, zero: bool, align
             continue  # some worker would own no state (unless no cut has a piece for every worker)
         sizes = tuple((hi - lo) * a for b, c, a in zip(stage_bytes, parts, align, strict=True) for lo, hi in piece_bounds(b // a, c))
         owners = stage_owners(sizes, workers, zero=zero)
-        spread = _spread(sent_bytes(sizes, owners, workers)) if workers > 1 else 1.0
+        unit_uses = [k for c, k in zip(parts, uses, strict=True) for _ in range(c)] if uses is not None else None
+        sent = sent_bytes(sizes, owners, workers, star=uses is not None, uses=unit_uses)
+        spread = _spread(sent) if workers > 1 else 1.0
         if zero and workers > 1:
             spread = max(spread, _spread(owned_bytes(sizes, owners, workers)))
         units = Units(parts, owners, sizes)

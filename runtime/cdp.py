@@ -61,6 +61,22 @@ sends about 2(N-1)/N of the buffer: once to the owners, N-1 times what it owns. 
 piece's sum until every worker has taken it (the plan counts these on the clock); no rank holds
 the previous step's buffer, ZeRO-1's (and ZeRO-0's) largest term.
 
+**With ZeRO-3** (the star with ``fetch``): the gradients and the owners' updates as with ZeRO-2,
+but between its ops a rank holds only the pieces it owns, in the versions some op still computes
+with (the first, then each sum once the owner's optimizer has stepped: "version t", the parameters
+after step t's gradient). Before each forward and each backward, a worker receives from each
+other owner its piece of every stage the op reads (its own stage's; a weight tied to an earlier
+stage, such as GPT's embedding read by the LM head, that stage's too) in the version the rule
+gives it (the step's, less one step where it is stale: planner.cdp_clock.Clock.version), straight
+into the stage's flat parameters, posted an op ahead unless that op reads the same stage; the
+owner copies its own pieces in; after the op the flat parameters' storage is let go
+(``untyped_storage().resize_(0)``: the autograd graph of the forward keeps referring to the same
+storage, filled again before the backward). An owner sends a version from the step before the one
+that uses it, so a rank's last step sends none two steps ahead; ``finish()`` takes and drops the
+fetches sent for the two steps after the last, then broadcasts each piece's last version, so every
+rank holds theta(K) whole again. Per piece a step: N-1 gradients and 2(N-1) fetches per op pair
+that reads it (3(N-1), or 5(N-1) for a tied embedding).
+
 Memory (what planner.schemes.cdp prices): a stage's buffer lives from its backward until its update
 is applied and its sends have completed: under v1 one buffer per stage of the previous step is
 alive through each step beside the step's own gradients; under v2 a fresh stage's until the next
@@ -105,7 +121,8 @@ class CDPTrainer:
     state (and a master copy of its parameters), and what travels back around the ring is the
     owner's updated parameters, not the summed gradient: the same 2(N-1) messages a piece. With
     ``zero_stage == 2`` the gradients go straight to the owners and the new parameters straight back
-    (the module docstring's star), and no rank keeps the previous step's buffer.
+    (the module docstring's star), and no rank keeps the previous step's buffer; with
+    ``zero_stage == 3`` only the owners keep the parameters, and each op fetches its pieces.
 
     ``trace = True`` records, per op, (op index, start, end) on ``time.monotonic()`` in ``ops`` and,
     per data message sent, (op index, time, message, bytes) in ``sent``."""

@@ -164,7 +164,7 @@ def test_the_runtime_runs_cdps_clock(runs) -> None:  # type: ignore[no-untyped-d
         if rep["fetch"]:  # finish() takes (and drops) the fetches sent for the two steps after the last
             end = max(end, 2 * stages * (STEPS + 2))
 
-        def sent(m: Any) -> bool:  # runtime.cdp.CDPTrainer._runs
+        def sent(m: Any, clock: Clock = clock) -> bool:  # runtime.cdp.CDPTrainer._runs
             if m.kind in ("fetch", "refetch"):
                 return bool(m.step <= STEPS + 1 and clock.version(m.dst, m.step, m.stage) < STEPS)
             return bool(m.step < STEPS)

@@ -459,14 +459,18 @@ class CDP(Scheme):
     def describe(self, plan: Plan) -> list[str]:
         if plan.cdp == "off":
             return []
-        if plan.zero_stage == 2:
-            how = ("send each piece of a stage's gradient straight to the piece's owner, which sums it, steps its optimizer and sends the new "
-                   "parameters straight back (2(N-1) messages per piece, overlapping compute) instead of collectives; ")
+        if plan.zero_stage >= 2:
+            how = ("send each piece of a stage's gradient straight to the piece's owner, which sums it and steps its optimizer; " + (
+                "only the owner keeps a piece, and each forward and backward fetches the pieces it reads from their owners point to point "
+                "(3(N-1) messages per piece, overlapping compute) instead of collectives; " if plan.zero_stage == 3 else
+                "the owner sends the new parameters straight back (2(N-1) messages per piece, overlapping compute) instead of collectives; "))
             rule = ("each update applies the gradient summed a step before (a one-step gradient delay)" if plan.cdp == "v1" else
                     "a worker computes a stage with the newest parameters where their sum is ready, with the step before's elsewhere "
                     "(a one-step gradient delay at most)")
-            return [f"  CDP {plan.cdp}, {plan.cdp_stages} stages, ZeRO-2: the data-parallel workers run staggered and " + how + rule
-                    + "; an owner holds its pieces' sums until every worker has taken them. Run it with planner.runtime.cdp.CDPTrainer."]
+            held = ("an owner keeps its pieces in the versions still in use" if plan.zero_stage == 3 else
+                    "an owner holds its pieces' sums until every worker has taken them")
+            return [f"  CDP {plan.cdp}, {plan.cdp_stages} stages, ZeRO-{plan.zero_stage}: the data-parallel workers run staggered and " + how
+                    + rule + f"; {held}. Run it with planner.runtime.cdp.CDPTrainer."]
         return [
             f"  CDP {plan.cdp}, {plan.cdp_stages} stages: the data-parallel workers run staggered and sum each stage's gradient "
             "along a point-to-point chain (2(N-1) messages per stage, overlapping compute) instead of an all-reduce; "
