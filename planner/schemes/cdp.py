@@ -44,6 +44,9 @@ if TYPE_CHECKING:
     from planner.plan import Plan
 
 LOSS_TARGETS = ("aten.cross_entropy_loss.default",)
+# CDP with ZeRO-2/3: the ILP's linear price of what the star holds, in units of a rank's parameter bytes over N (ZeRO-3's
+# fetched stages: over L); evaluate() replaces it with the clock's count
+STAR_HELD = 3
 
 
 def batch_independent(graph: IRGraph) -> set[str]:
@@ -525,16 +528,19 @@ class CDP(Scheme):
         if problem.zero_stage == 2:
             # the star (runtime.cdp): a worker's gradient leaves for its owners after the stage's
             # backward; an owner holds the sums of its pieces, then their new parameters until
-            # every worker has taken them at its update (up to two steps' at once: 2/N on average;
-            # adjust() puts the clock's count in)
-            price.held = 2 * params / workers
+            # every worker has taken them at its update (two or three steps' at once: 3/N here,
+            # an estimate from above, so that a budgeted solve's answer rarely exceeds the budget
+            # once adjust() puts the clock's count in)
+            price.held = STAR_HELD * params / workers
             grads += price.held
             price.params, price.grads, price.states = params, grads, states
             return
         if problem.zero_stage == 3:
-            # no full parameters between ops: an owner's pieces in the versions still in use (about
-            # two: 2/N on average, the clock's count in adjust()), fetched by each op (a transient)
-            price.params, price.grads, price.states = 2 * params / workers, grads, states
+            # no full parameters between ops: an owner's pieces in the versions still in use (3/N),
+            # and the stages each op fetches whole, held as a transient (3/L); both estimates from
+            # above, the clock's counts and the fetched bytes in adjust()
+            price.held = STAR_HELD * params / problem.cdp_stages
+            price.params, price.grads, price.states = STAR_HELD * params / workers, grads + price.held, states
             return
         # the previous step's buffer (its summed gradient, applied late: v1 at step t+2's start, v2
         # at step t+1's forward of the stage where the worker is fresh and at step t+2's start where
@@ -581,14 +587,14 @@ class CDP(Scheme):
         if problem.zero_stage >= 1:
             average, busiest = cdp_owner_bytes(problem, assignment, traffic)
             tally.optimizer += busiest - average
-        if problem.zero_stage >= 2:  # the owners' sums (ZeRO-3: their versions) and the stage buffers in flight, on the clock, for 2/N priced
+        if problem.zero_stage >= 2:  # the owners' sums (ZeRO-3: their versions) and the stage buffers in flight, on the clock, for 3/N priced
             sums, buffers = cdp_held_bytes(problem.cdp, traffic, fetch=problem.zero_stage == 3)
-            linear = 2 * sum(traffic.sizes) / traffic.workers
+            total = sum(traffic.sizes)
             if problem.zero_stage == 2:
-                tally.held += sums + buffers - linear
-            else:
-                tally.params += sums - linear
-                tally.held += buffers
+                tally.held += sums + buffers - STAR_HELD * total / traffic.workers
+            else:  # (the fetched stages, priced 3/L of the parameters at every instant, are a transient)
+                tally.params += sums - STAR_HELD * total / traffic.workers
+                tally.held += buffers - STAR_HELD * total / len(traffic.units.parts)
                 tally.during += fetched_bytes(traffic)
 
 
