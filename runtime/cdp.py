@@ -401,7 +401,7 @@ class CDPTrainer:
         """One flat buffer holding the stage's parameters, each parameter made a view of it."""
         dtypes = {self.params[a].dtype for a in attrs}
         if len(dtypes) > 1:
-            raise ValueError(f"CDP with ZeRO-2 receives a stage's parameters into one flat buffer: its parameters {list(attrs)} mix dtypes "
+            raise ValueError(f"CDP with ZeRO-2 or 3 receives a stage's parameters into one flat buffer: its parameters {list(attrs)} mix dtypes "
                              f"{sorted(map(str, dtypes))}; cast the model to one dtype (mixed precision: keep float32 masters in the optimizer)")
         flat = torch.cat([self.params[a].detach().reshape(-1) for a in attrs])
         offset = 0
@@ -577,7 +577,7 @@ class CDPTrainer:
         its owner's last version (a broadcast over the workers, which finish() allows)."""
         import torch.distributed as dist
 
-        keep = last - 1 if self.rule == "v1" else last
+        keep = last - 1 if self.rule == "v1" else last  # the last step whose update theta(last + 1) takes (_keeps)
         group = self.pm.mesh_groups.group((self.axis,))
         for stage, flat in enumerate(self._flat_params):
             if flat is None:
@@ -597,7 +597,8 @@ class CDPTrainer:
 
         states = [t for opt in self.optimizers.values() for st in opt.state.values() for t in st.values()
                   if isinstance(t, torch.Tensor) and t.dim() > 0]
-        # ZeRO-3: only what the flat parameters hold now (nothing between steps: the owners' versions are message buffers)
+        # ZeRO-3: what the flat parameters hold now (between steps, the stages fetched for the next step's first ops; the
+        # owners' versions are message buffers)
         params = sum(f.untyped_storage().nbytes() for f in self._flat_params if f is not None) if self.fetch else size(self.params.values())
         return {"params": params, "optimizer": size(states) + size(self.masters.values())}
 
