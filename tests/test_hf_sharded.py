@@ -6,7 +6,7 @@ Mixtral (top-k mixture of experts; its float64 runs use transformers' batched-ma
 models/hf.py says why), plus a model of ours made of every multi-output op (tests/ops_models.py,
 on 4 ranks), each under data parallelism, ZeRO-3, Megatron 1-D over 4 (also with every repeated layer
 recomputed in backward; GPT-2 and Llama with the first half of their layers recomputed; and GPT-2 with eager
-attention, its attention cores recomputed), dp=2 x tp=2, 2-D 2x2 and CDP v1 on 4 ranks and 3-D 2x2x2 on 8. For every plan: it shards (the
+attention, its attention cores recomputed), dp=2 x tp=2, 2-D 2x2 and CDP v1 (with ZeRO 0, 2 and 3) on 4 ranks and 3-D 2x2x2 on 8. For every plan: it shards (the
 tensor-parallel plans use their family on every op that multiplies by a weight, where shapes
 allow) and nothing falls back to replication; three optimizer steps in float64 give the single
 device's losses, gradients and parameters to 1e-9; the collectives executed equal the plan's
@@ -70,6 +70,7 @@ PARTIAL = {"hf-gpt2": ("1d-recompute-half",), "hf-llama": ("1d-recompute-half",)
 # selective recomputation, on the 4-rank world (the other models' attention is one fused op)
 EAGER = {"hf-gpt2-eager": ("1d", "1d-selective")}
 CDP_STAGES = 2
+CDP_KINDS = {"cdp": 0, "cdp-zero2": 2, "cdp-zero3": 3}  # CDP v1 with each ZeRO stage its runtime runs its own way (the chain and ring; the star)
 # Mixtral at the memory checks' batch (4 rows, one a worker): every plan gathers its router's tokens
 # over the workers, which CDP's clock cannot run (test_cdp_is_refused_where_only_a_collective_...)
 NO_CDP = {("hf-mixtral", "float32")}
@@ -93,12 +94,12 @@ def _plan(name: str, kind: str, dtype: torch.dtype) -> Plan:
     return result.best
 
 
-def _cdp_plan(name: str, dtype: torch.dtype) -> Plan:
-    """CDP v1 over 4 workers: in float64 with SGD for the same-math check (tests/cdp_checks.py's
-    batch), in float32 with AdamW for the memory check (tests/dist_checks.py's)."""
+def _cdp_plan(name: str, dtype: torch.dtype, zero: int = 0) -> Plan:
+    """CDP v1 over 4 workers with ZeRO ``zero``: in float64 with SGD for the same-math check
+    (tests/cdp_checks.py's batch), in float32 with AdamW for the memory check (tests/dist_checks.py's)."""
     same_math = dtype == torch.float64
     graph = _graph(name, dtype, CDP_BATCH if same_math else BATCH)
-    space = SearchConfig(devices=4, dp=4, tp=("none",), zero=(0,), cdp=("v1",), cdp_stages=CDP_STAGES,
+    space = SearchConfig(devices=4, dp=4, tp=("none",), zero=(zero,), cdp=("v1",), cdp_stages=CDP_STAGES,
                          optimizer="sgd-momentum" if same_math else "adamw", front=False)
     result = search(graph, space, model_name=name, allow=cdp_filter(graph, (DP_AXIS,)))
     assert result.best is not None and result.best.cdp == "v1", (name, [c.reason for c in result.candidates])
@@ -106,10 +107,10 @@ def _cdp_plan(name: str, dtype: torch.dtype) -> Plan:
 
 
 def _plan_job(job: tuple[str, str, str]) -> str:
-    """One plan, as JSON: (model, kind, dtype name); kind "cdp" is _cdp_plan's."""
+    """One plan, as JSON: (model, kind, dtype name); the kinds of CDP_KINDS are _cdp_plan's."""
     torch.set_num_threads(1)
     name, kind, dtype = job
-    plan = _cdp_plan(name, getattr(torch, dtype)) if kind == "cdp" else _plan(name, kind, getattr(torch, dtype))
+    plan = _cdp_plan(name, getattr(torch, dtype), CDP_KINDS[kind]) if kind in CDP_KINDS else _plan(name, kind, getattr(torch, dtype))
     return plan.model_dump_json()
 
 
@@ -132,18 +133,18 @@ def _world(devices: int) -> dict[str, Any]:
     pairs = [(m, k) for m in models for k in kinds if not (m == OPS_MODEL and k in RECOMPUTING)]
     pairs += [(m, k) for m, ks in (EAGER | PARTIAL).items() for k in ks] if devices == 4 else []
     jobs = [(m, k, dtype) for dtype in ("float64", "float32") for m, k in pairs]
-    jobs += [(m, "cdp", dtype) for dtype in ("float64", "float32") for m in MODELS if (m, dtype) not in NO_CDP] if devices == 4 else []
+    jobs += [(m, kind, dtype) for dtype in ("float64", "float32") for m in MODELS for kind in CDP_KINDS if (m, dtype) not in NO_CDP] if devices == 4 else []
     plans = _plans(jobs)
     same = {(m, k): plans[(m, k, "float64")] for m, k in pairs}
     memory = {(m, k): plans[(m, k, "float32")] for m, k in pairs}
-    cdp = {m: plans[(m, "cdp", "float64")] for m in MODELS} if devices == 4 else {}
-    cdp_memory = {(m, "cdp"): plans[(m, "cdp", "float32")] for m in MODELS if (m, "float32") not in NO_CDP} if devices == 4 else {}
+    cdp = {(m, kind): plans[(m, kind, "float64")] for m in MODELS for kind in CDP_KINDS} if devices == 4 else {}
+    cdp_memory = {(m, kind): plans[(m, kind, "float32")] for m in MODELS for kind in CDP_KINDS if (m, "float32") not in NO_CDP} if devices == 4 else {}
     calls: list[Any] = [
         (train_and_compare, ([(m, p.model_dump_json()) for (m, _), p in same.items()],)),
         (measure_peak_memory, ([(m, p.model_dump_json()) for (m, _), p in memory.items()],)),
     ]
     if cdp:
-        calls.append((cdp_train, ([(m, p.model_dump_json(), "plan", CDP_STAGES) for m, p in cdp.items()],)))
+        calls.append((cdp_train, ([(m, p.model_dump_json(), "plan", CDP_STAGES) for (m, _), p in cdp.items()],)))
         calls.append((failing_kernel_message, ("hf-llama", memory[("hf-llama", "1d")].model_dump_json(), FAILING_MODULE)))
         calls.append((measure_cdp_peak_memory, ([(m, p.model_dump_json()) for (m, _), p in cdp_memory.items()],)))
     t0 = time.perf_counter()
@@ -221,6 +222,9 @@ def test_peak_memory_within_10_percent_of_the_plan(world: dict[str, Any]) -> Non
 
 
 def test_cdp_v1_equals_its_serial_update_rule_without_collectives(world: dict[str, Any]) -> None:
+    """CDP v1 with ZeRO 0 (the chain and ring), 2 and 3 (the star: ZeRO-3 fetching each op's pieces,
+    a tied embedding's for the LM head's stage too) on every model: the serial rule, the priced
+    messages, no collective over the workers, each rank within 10 % of the others' bytes."""
     if not world["cdp"]:
         pytest.skip("CDP runs on the 4-rank world")
     for name, ranks in world["cdp"].items():
@@ -232,6 +236,7 @@ def test_cdp_v1_equals_its_serial_update_rule_without_collectives(world: dict[st
         sent = [sum(nbytes * c for _, _, nbytes, c in r["sends"]) for r in ranks]
         busiest = ranks[max(range(len(ranks)), key=lambda r: (sent[r], -r))]
         assert busiest["sends_equal_priced"], (name, busiest["sends"], busiest["priced_sends"])
+        assert max(sent) <= 1.10 * min(sent), (name, sent)
         for rank, r in enumerate(ranks):
             assert r["dp_collectives"] == 0, (name, rank, r["dp_collective_bytes"])
 
