@@ -69,13 +69,24 @@ from __future__ import annotations
 import functools
 import heapq
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 from planner.stages import Units, message_units, stage_owners
 
 TOKEN_BYTES = 8
 Held = tuple[str, int, int, int]  # a buffer the star keeps: ("sum", step, stage, piece) on its owner, ("grads", worker, step, stage)
+
+
+def op_stage(op: int, stages: int) -> tuple[int, str]:
+    """The stage op ``op`` computes and its fetch kind: "fetch" for a forward, "refetch" for a backward."""
+    j = op % (2 * stages)
+    return (j, "fetch") if j < stages else (2 * stages - 1 - j, "refetch")
+
+
+def readers_of(stage: int, reads: Sequence[Collection[int]] | None) -> list[int]:
+    """The stages whose ops read ``stage``'s parameters: itself and those whose ``reads`` name it."""
+    return [stage, *(j for j, r in enumerate(reads or ()) if stage in r and j != stage)]
 
 
 @dataclass(frozen=True, order=True)
@@ -271,13 +282,12 @@ class Clock:
         return self.period * step + (stage if kind == "fetch" else self.period - 1 - stage)
 
     def readers(self, stage: int) -> list[int]:
-        """The stages whose ops read ``stage``'s parameters: itself and those in :attr:`reads`."""
-        return [stage, *(j for j in range(self.stages) if stage in self.reads[j] and j != stage)]
+        """The stages whose ops read ``stage``'s parameters (:func:`readers_of`)."""
+        return readers_of(stage, self.reads)
 
     def op_reads(self, op: int) -> list[int]:
         """The stages whose parameters op ``op`` reads: its own and those it reads (``reads``)."""
-        j = op % self.period
-        stage = j if j < self.stages else self.period - 1 - j
+        stage, _ = op_stage(op, self.stages)
         return [r for r in sorted({stage, *self.reads[stage]}) if self.has_params[r]]
 
     def last_read(self, step: int, stage: int) -> int:
@@ -309,7 +319,7 @@ class Clock:
         its sum is complete): just before the step's forward of the stage, the last moment."""
         step, j = divmod(op, self.period)
         if self.fetch:
-            return []  # nothing installed: each op's parameters arrive before it (Clock.needs)
+            return []  # nothing installed: each op's parameters arrive before it (Clock._has_params_for)
         if self.star:
             t = step - self.lag(worker, j) if j < self.stages else -1
             return [(t, j)] if t >= 0 and self.has_params[j] else []
@@ -481,8 +491,8 @@ class Clock:
         own pieces' version made (its sum final), the others' fetched."""
         if self.workers == 1:
             return True
-        step, j = divmod(op, self.period)
-        at, kind = (j, "fetch") if j < self.stages else (self.period - 1 - j, "refetch")
+        step = op // self.period
+        at, kind = op_stage(op, self.stages)
         for stage in self.op_reads(op):
             version = self.version(n, step, stage)
             for part in range(self.parts[stage]):
@@ -662,7 +672,7 @@ def schedule_units(sizes: Sequence[int], workers: int, rule: str, zero: bool, it
     stage is)."""
     uses = None
     if fetch:  # each piece fetched before each forward and backward that reads it
-        uses = [2 * (1 + sum(1 for r in (reads or ()) if stage in r)) for stage in range(len(sizes))]
+        uses = [2 * len(readers_of(stage, reads)) for stage in range(len(sizes))]
     units = message_units(sizes, workers, zero=zero, itemsize=itemsize, uses=uses)
     if rule != "v2" or workers == 1:
         return units

@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from planner.cdp_clock import TOKEN_BYTES, Clock, Held, Message, OpActions, ring_hold, schedule_units
+from planner.cdp_clock import TOKEN_BYTES, Clock, Held, Message, OpActions, op_stage, readers_of, ring_hold, schedule_units
 from planner.cost import STATES_PER_VALUE, comm_time
 from planner.hardware import HardwareProfile
 from planner.ir import IRGraph, Node
@@ -224,7 +224,7 @@ def cdp_traffic(problem: Problem, assignment: dict[str, int]) -> Traffic:
     owners = units.owners
     if star:  # a unit to its owner once, or, owned, to each other worker (ZeRO-3: before each forward and backward that reads it)
         stage_of = [stage for stage, parts in enumerate(units.parts) for _ in range(parts)]
-        uses = [2 * (1 + sum(1 for r in reads if stage_of[u] in r)) if reads is not None else 1 for u in range(len(owners))]
+        uses = [2 * len(readers_of(stage_of[u], reads)) if reads is not None else 1 for u in range(len(owners))]
         per_rank = [{u: uses[u] * (n - 1) if r == owners[u] else 1 for u, b in enumerate(units.sizes) if b} for r in range(n)]
     else:
         per_rank = [{u: 1 if r in (owners[u], (owners[u] - 1) % n) else 2 for u, b in enumerate(units.sizes) if b} for r in range(n)]
@@ -305,9 +305,8 @@ def fetched_bytes(traffic: Traffic) -> float:
     stages = len(units.parts)
     stage_bytes = [sum(units.sizes[u] for u in units.of_stage(st)) for st in range(stages)]
 
-    def op_reads(op: int) -> set[int]:
-        j = op % (2 * stages)
-        stage = j if j < stages else 2 * stages - 1 - j
+    def op_reads(op: int) -> set[int]:  # (Clock.op_reads, stages without parameters included: they weigh nothing)
+        stage, _ = op_stage(op, stages)
         return {stage, *(reads[stage] if reads else ())}
 
     return float(max(sum(stage_bytes[st] for st in op_reads(op) | op_reads(op + 1)) for op in range(2 * stages)))
