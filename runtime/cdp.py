@@ -209,17 +209,16 @@ class CDPTrainer:
         self.op = 0  # the next op on the clock (2L a step)
         # star: (step, stage, piece) -> an owned piece's sum so far, then its new parameters (until delivered and
         # installed; fetch: a version, until every op that computes with it has had it; step -1: the first version)
-        self._sums_init: dict[tuple[int, int, int], torch.Tensor] = {}
+        self._sums: dict[tuple[int, int, int], torch.Tensor] = {}
         if self.fetch:  # the owned pieces' first version kept apart, every stage's parameters let go until an op needs them
             for stage, flat_params in enumerate(self._flat_params):
                 if flat_params is None:
                     continue
                 for part, (lo, hi) in enumerate(self.pieces[stage]):
                     if self._owns(stage, part):
-                        self._sums_init[(-1, stage, part)] = flat_params[lo:hi].clone()
+                        self._sums[(-1, stage, part)] = flat_params[lo:hi].clone()
                 flat_params.untyped_storage().resize_(0)
         self._bufs: dict[tuple[int, int], torch.Tensor] = {}  # (step, stage) -> this rank's flat buffer
-        self._sums: dict[tuple[int, int, int], torch.Tensor] = self._sums_init
         self._summed: dict[tuple[int, int, int], int] = {}  # star: contributions in each owned sum
         self._sending: dict[Message, tuple[Any, torch.Tensor]] = {}  # sends not yet waited for
         self._receiving: dict[Message, tuple[Any, torch.Tensor]] = {}  # receives posted, not yet taken
