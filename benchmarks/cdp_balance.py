@@ -3,19 +3,20 @@
     python benchmarks/cdp_balance.py
 
 For each model, stage count L, worker count N and ZeRO stage (0, 1, and 2 and 3, whose messages go
-straight to and from each piece's owner: planner.cdp_clock's star; with ZeRO-3 each forward and
+straight to and from each piece's owner: planner.cdp_clock's star, which v2 uses with every ZeRO
+stage: planner.cdp_clock.star_messages; with ZeRO-3 each forward and
 backward that reads a piece fetches it, a tied embedding's for the head's ops too): each stage's gradient buffer
 (its parameters' bytes, :func:`planner.stages.parameter_stages`), then the ranks' sent bytes a
 step and, with ZeRO, their owned bytes (optimizer state and master copy), as max/min over the
 ranks, with the owners whole stages get (:func:`planner.stages.stage_owners`) and with the pieces
 and owners ``CDPTrainer`` uses (:func:`planner.cdp_clock.schedule_units`), and the messages a step
-that costs; under rule v1, and under v2 where its pieces differ from v1's (v2 keeps a cut only
-where its schedule holds with it). "inf": some rank owns nothing. Printed as a GitHub markdown table.
+that costs; under rule v1, and under v2 where its pieces or its messages differ from v1's (v2
+keeps a cut only where its schedule holds with it). "inf": some rank owns nothing. Printed as a GitHub markdown table.
 """
 
 from __future__ import annotations
 
-from planner.cdp_clock import schedule_units
+from planner.cdp_clock import schedule_units, star_messages
 from planner.models import build_model, example_inputs
 from planner.stages import cut_stages, owned_bytes, parameter_stages, sent_bytes, stage_owners
 from planner.trace import trace
@@ -50,14 +51,16 @@ def main() -> None:
                 itemsize[of[p.name]] = max(itemsize[of[p.name]], p.out.itemsize)
             for workers in (4, 8):
                 for zero in (0, 1, 2, 3):
-                    star, fetch = zero >= 2, zero == 3
+                    fetch = zero == 3
                     frozen = tuple(tuple(sorted(r)) for r in reads) if fetch else None
-                    whole = stage_owners(sizes, workers, zero=zero > 0)
-                    v1 = schedule_units(sizes, workers, "v1", zero > 0, itemsize, star=star, fetch=fetch, reads=frozen)
-                    v2 = schedule_units(sizes, workers, "v2", zero > 0, itemsize, star=star, fetch=fetch, reads=frozen)
-                    for rule, units in (("v1", v1), ("v2", v2)):
-                        if rule == "v2" and units == v1:
+                    stars = {rule: star_messages(rule, zero) for rule in ("v1", "v2")}
+                    cuts = {rule: schedule_units(sizes, workers, rule, zero > 0, itemsize, star=star, fetch=fetch, reads=frozen)
+                            for rule, star in stars.items()}
+                    for rule, units in cuts.items():
+                        if rule == "v2" and units == cuts["v1"] and stars["v2"] == stars["v1"]:
                             continue
+                        star = stars[rule]
+                        whole = stage_owners(sizes, workers, zero=zero > 0 or star)
                         state = ([_spread(owned_bytes(sizes, whole, workers)), _spread(owned_bytes(units.sizes, units.owners, workers))]
                                  if zero else ["-", "-"])
                         per_piece = [1 + 2 * len(readers[st]) if fetch else 2 for st in range(stages)]

@@ -26,19 +26,21 @@ what it must wait for ends later: a rule's update whose ring has not come round,
 message's op ends and where it can be taken (a chain's partial sum after the receiver's own
 backward of the stage; a ring's copy after the receiver's chain send completed, since it arrives
 in the same buffer): there its receive is posted, and the message is taken (waited for) at once,
-except the ring copies a worker applies at a step's start (v1's, and v2's where the worker is stale
-on the stage), taken an op later where that keeps the schedule (:func:`ring_hold`), travelling
+except the ring copies a worker applies at a step's start (v1's), taken an op later where that
+keeps the schedule (:func:`ring_hold`), travelling
 while the receiver computes; a send is waited for at the first op of its sender that starts
 after its receiver took it.
 
 **Updates** (theta(t) the parameters step t computes with, g(t) step t's summed gradient):
-``sync`` applies g(t) at step t+1's start; ``v1`` at step t+2's start; ``v2`` just before step
-t+1's forward of stage l where the worker is fresh on l (l >= (N-1-n) L / N), and otherwise at step
-t+2's start (the worker computes step t+1 with theta_l(t) there, the paper's second version, and
-needs no copy of it: the update waits). At a step's start the previous step's activations are
-gone, so the optimizer's temporaries meet none, as in data parallelism.
+``sync`` applies g(t) at step t+1's start; ``v1`` at step t+2's start; ``v2`` (always the star,
+below) just before step t+1's forward of stage l where the worker is fresh on l
+(l >= (N-1-n) L / N), and otherwise just before step t+2's (the worker computes step t+1 with
+theta_l(t) there, the paper's second version, and needs no copy of it: the update waits). At a
+step's start the previous step's activations are gone, so the optimizer's temporaries meet none,
+as in data parallelism.
 
-**The star** (CDP with ZeRO-2, ``star=True``): no chain and no ring. After its backward of a stage
+**The star** (``star=True``: CDP with ZeRO-2 and 3, and under v2 whatever the ZeRO stage,
+:func:`star_messages`): no chain and no ring. After its backward of a stage
 a worker sends each piece's gradient to the piece's owner ("reduce"), which takes it at its next
 op boundary once it has begun that step; with all N contributions (its own at its backward) the
 sum is final and the owner sends the new parameters to each other worker ("deliver"). A worker
@@ -46,9 +48,12 @@ posts the delivery's receive once its last use of the old parameters (its backwa
 the step before the first that uses them) has ended, and takes it an op later or just before that
 step's forward of the stage, where every rule's update is applied under the star (the owner's
 optimizer has already stepped; what is left is a copy). A sum is final two messages after the last
-worker's backward whoever owns it, so v2 keeps the balanced owners where N > L too. The clock
-counts what each rank holds at each step's start (:attr:`Clock.live`): the sums it owns not yet
-installed and taken by every worker, and its stage buffers whose reduces are not all taken.
+worker's backward whoever owns it, so v2 keeps the balanced owners where N > L too. With ZeRO-0
+(``replicated``) the delivery is the sum itself, received into a buffer of its own that the worker
+keeps until its update, where its own optimizer steps with it. The clock counts what each rank
+holds at each step's start (:attr:`Clock.live`): the sums it owns not yet installed and taken by
+every worker, its stage buffers whose reduces are not all taken, and (ZeRO-0) the sums it has
+posted receives for and not yet applied.
 
 **Fetch** (CDP with ZeRO-3, ``fetch=True``, a star): no install; an owner keeps each version of
 its pieces (the first; then each sum once final) and queues, for each step that computes with it
@@ -75,7 +80,24 @@ from dataclasses import dataclass, field
 from planner.stages import Units, message_units, stage_owners
 
 TOKEN_BYTES = 8
-Held = tuple[str, int, int, int]  # a buffer the star keeps: ("sum", step, stage, piece) on its owner, ("grads", worker, step, stage)
+# a buffer the star keeps: ("sum", step, stage, piece) on its owner, ("grads", worker, step, stage), and with ZeRO-0
+# ("got", worker, step, unit) a sum a worker received and keeps until its update
+Held = tuple[str, int, int, int]
+
+
+def star_messages(rule: str, zero_stage: int) -> bool:
+    """Whether CDP's messages run as the star (module docstring) rather than the chain and ring:
+    with ZeRO-2 and 3, and under ``v2`` whatever the ZeRO stage. Under v2 a worker fresh on a
+    stage needs the sum before its next forward of it, and the ring's N-1 hops from the owner do
+    not always come round in time with owners that even the ranks' bytes: where N > L (N = 8,
+    L = 4) and with ZeRO-1 at N = L = 8 only every chain ending at worker N-1 kept the schedule,
+    one rank owning every piece (twice the others' bytes sent; with ZeRO-1 all the optimizer
+    state on it). The star's sum is final two messages after the last backward whoever owns it.
+    With ZeRO-1 the star is ZeRO-2's (no rank keeps a gradient buffer once its pieces have left);
+    with ZeRO-0 the owner sends back the sum and every worker steps its own optimizer with it
+    (``replicated``). v1 (and sync) keep the chain and ring: balanced there, and its sends spread
+    more evenly over the step than the star's deliveries, which leave together."""
+    return zero_stage >= 2 or rule == "v2"
 
 
 def op_stage(op: int, stages: int) -> tuple[int, str]:
@@ -159,12 +181,12 @@ class Clock:
 
     def __init__(self, workers: int, stages: int, owners: Sequence[int], rule: str, has_params: Sequence[bool], keep: int | None = None,
                  hold: bool = False, parts: Sequence[int] | None = None, star: bool = False, fetch: bool = False,
-                 reads: Sequence[Sequence[int]] | None = None) -> None:
+                 reads: Sequence[Sequence[int]] | None = None, replicated: bool = False) -> None:
         """``owners``: each unit's owner, a stage's pieces in order (``parts``: each stage's piece
         count, 1 by default; :class:`planner.stages.Units`). ``keep``: the worker whose ops'
         actions are kept for :meth:`actions` (None: every worker's). ``hold``: the ring copies a
-        worker applies at a step's start (v1's; v2's where the worker is stale on the stage) are
-        taken an op after their receive is posted (:func:`ring_hold`). ``star`` (CDP with ZeRO-2):
+        worker applies at a step's start (v1's) are taken an op after their receive is posted
+        (:func:`ring_hold`). ``star`` (CDP with ZeRO-2 and 3, and v2: :func:`star_messages`):
         no chain and no ring; each worker sends its gradient of a piece straight to the piece's
         owner after its backward of the stage (taken at the owner's next op boundary, summed
         there), and the owner, once it has every worker's, sends its new parameters straight to
@@ -173,9 +195,13 @@ class Clock:
         owner keeps its pieces' versions and sends each worker the version it computes with just
         before its forward and again before its backward of the stage (module docstring).
         ``reads``: for each stage, the other stages whose parameters its ops read (a weight tied
-        across stages belongs to the earliest that reads it); fetch sends those too."""
+        across stages belongs to the earliest that reads it); fetch sends those too. ``replicated``
+        (the star with ZeRO-0): a delivery is the piece's sum, which its receiver keeps from the
+        post of its receive until its update (counted in :attr:`live`)."""
         if rule not in ("sync", "v1", "v2"):
             raise ValueError(f"unknown CDP update rule {rule!r}; use sync, v1 or v2")
+        if rule == "v2" and not (star or fetch) and workers > 1:
+            raise ValueError("CDP v2 runs as the star (planner.cdp_clock.star_messages): pass star=True")
         self.parts = tuple(parts) if parts is not None else (1,) * stages
         if len(self.parts) != stages or len(owners) != sum(self.parts) or len(has_params) != stages:
             raise ValueError(f"{stages} stages of {sum(self.parts)} pieces need {sum(self.parts)} owners and {stages} flags, "
@@ -185,6 +211,7 @@ class Clock:
         self.has_params = tuple(has_params)
         self.star = star or fetch
         self.fetch = fetch
+        self.replicated = replicated and self.star and not fetch
         self.reads = tuple(frozenset(r) for r in reads) if reads is not None else (frozenset(),) * stages
         if rule == "sync":  # every stage's sum before the next step's forward: no delay (DP through the chain)
             self.scale, self.delta, self.lead = 1, 0, 0
@@ -314,26 +341,20 @@ class Clock:
     def uses_at(self, worker: int, op: int) -> list[tuple[int, int]]:
         """The (step, stage) updates ``worker`` applies just before op ``op`` (module docstring):
         at a step's start, when the previous step's activations are gone (the optimizer's
-        temporaries then meet no activation, as in data parallelism), except v2's fresh stages,
-        which need theirs before their forward. Star (no optimizer step but the owner's, done when
-        its sum is complete): just before the step's forward of the stage, the last moment."""
+        temporaries then meet no activation, as in data parallelism). Star (v2 always; no
+        optimizer step but the owner's, done when its sum is complete, or with ZeRO-0 the
+        worker's own with the sum it received): just before the step's forward of the stage, the
+        last moment."""
         step, j = divmod(op, self.period)
         if self.fetch:
             return []  # nothing installed: each op's parameters arrive before it (Clock._has_params_for)
         if self.star:
             t = step - self.lag(worker, j) if j < self.stages else -1
             return [(t, j)] if t >= 0 and self.has_params[j] else []
-        out = []
-        if j == 0:
-            if self.rule == "sync":
-                out += [(step - 1, stage) for stage in range(self.stages)]
-            elif self.rule == "v1":
-                out += [(step - 2, stage) for stage in range(self.stages)]
-            else:  # v2's stale stages: step t's update at step t+2's start, after step t+1 ran with theta(t)
-                out += [(step - 2, stage) for stage in range(self.stages) if not self.fresh(worker, stage)]
-        if self.rule == "v2" and j < self.stages and self.fresh(worker, j):
-            out.append((step - 1, j))  # just before step t+1's forward of the stage
-        return [(t, stage) for t, stage in out if t >= 0 and self.has_params[stage]]
+        if j != 0:
+            return []
+        t = step - self.lag(worker, 0)  # sync: the step before's; v1: the one before that
+        return [(t, stage) for stage in range(self.stages) if t >= 0 and self.has_params[stage]]
 
     # ---------------------------------------------------------------- answers
 
@@ -350,7 +371,9 @@ class Clock:
         after its last step a rank runs the ops before it without compute (runtime.cdp)."""
         while any(self._closed.get(t, 0) < self.messages_per_step for t in range(last_step + 1)):
             self._advance()
-        return max(self.period * (last_step + 2) + 1, max((self._touched.get(t, 0) for t in range(last_step + 1)), default=0) + 1)
+        # the last update theta(last_step + 1) takes: at step last_step + 2's start, or (star) before its forward of the last stage
+        last_use = self.period * (last_step + 2) + (self.stages - 1 if self.star else 0)
+        return max(last_use + 1, max((self._touched.get(t, 0) for t in range(last_step + 1)), default=0) + 1)
 
     # ---------------------------------------------------------------- the simulation
 
@@ -439,6 +462,8 @@ class Clock:
                     if message.kind in ("fetch", "refetch") and op < self._fetch_post(message):
                         continue  # fetch: posted an op ahead of its use, once the stage's last use has ended
                     m.posted = now  # its receive is posted: it travels while this worker computes
+                    if message.kind == "deliver" and self.replicated:  # kept by its receiver until its update
+                        self._refs[("got", n, message.step, self._first[message.stage] + message.part)] = 1
                     self._log(acts, ("post", message, now))
                     progress = did = True
                 due = message.kind == "deliver" and (message.step, message.stage) in self.uses_at(n, op)
@@ -505,35 +530,21 @@ class Clock:
 
     def _hold(self, message: Message) -> int:
         """Ticks between posting the receive of ``message`` and taking it: with ``hold``, a ring
-        copy its receiver applies at a step's start (v1's, a step after it is due at the earliest;
-        v2's where the receiver, and every worker after it on the ring, is stale on the stage, at
-        step t+2's start) travels for an op of the receiver's compute (:attr:`_held`); a chain's
-        partial sum is taken at once (it arrives ops after it left, while the receiver ran its own
-        ops), and so are the ring copies a v2 worker fresh on the stage needs before its next
-        forward of it, and sync's. Star: an owner's new parameters travel for an op, or until they
-        are due (:meth:`uses_at`), whichever comes first."""
+        copy its receiver applies at a step's start (v1's, a step after it is due at the earliest)
+        travels for an op of the receiver's compute (:attr:`_held`); a chain's partial sum is
+        taken at once (it arrives ops after it left, while the receiver ran its own ops), and so
+        are sync's ring copies. Star: an owner's delivery travels for an op, or until it is due
+        (:meth:`uses_at`), whichever comes first."""
         if message.kind == "deliver":
             return self.scale
         return self.hold if message.kind == "ring" and (message.stage, message.part, message.dst) in self._held else 0
 
     def _late_users(self) -> set[tuple[int, int, int]]:
-        """(stage, piece, receiver) whose ring copies :meth:`_hold` lets travel an op: every
-        receiver under v1; under v2 those from which to the ring's end every worker is stale on the
-        stage (held, the copy reaches the rest of the ring an op later too)."""
+        """(stage, piece, receiver) whose ring copies :meth:`_hold` lets travel an op: with
+        ``hold`` (v1's), every receiver's."""
         if not self.hold:
             return set()
-        pieces = [(stage, part) for stage in range(self.stages) for part in range(self.parts[stage])]
-        if self.rule == "v1":
-            return {(stage, part, receiver) for stage, part in pieces for receiver in range(self.workers)}
-        out = set()
-        for stage, part in pieces:
-            for receiver in range(self.workers):
-                worker: int | None = receiver
-                while worker is not None and not self.fresh(worker, stage):
-                    worker = self.ring_next(stage, worker, part)
-                if worker is None:  # stale from here to the ring's end
-                    out.add((stage, part, receiver))
-        return out
+        return {(stage, part, receiver) for stage in range(self.stages) for part in range(self.parts[stage]) for receiver in range(self.workers)}
 
     def _log(self, acts: OpActions, entry: tuple[str, Message | int, int]) -> None:
         self._order += 1
@@ -613,12 +624,14 @@ class Clock:
                 for part in range(self.parts[stage]):
                     if self.owner(stage, part) == n:
                         self._release(("sum", t, stage, part))
+                    elif self.replicated:
+                        self._release(("got", n, t, self._first[stage] + part))
             for used in self.op_reads(op) if self.fetch else []:  # its own pieces' versions, used by this op
                 for part in range(self.parts[used]):
                     if self.owner(used, part) == n:
                         self._release(("sum", self.version(n, step, used), used, part))
             if j == 0 and self.keep is None:  # what a rank holds between steps (runtime.cdp.CDPTrainer.message_bytes)
-                self.live[(n, op)] = tuple(sorted(k for k in self._refs if (k[0] == "grads" and k[1] == n)
+                self.live[(n, op)] = tuple(sorted(k for k in self._refs if (k[0] in ("grads", "got") and k[1] == n)
                                                   or (k[0] == "sum" and self.owner(k[2], k[3]) == n)))
         if j >= self.stages and self.has_params[self.period - 1 - j]:
             stage = self.period - 1 - j
@@ -663,16 +676,18 @@ class _Boundary:
 def schedule_units(sizes: Sequence[int], workers: int, rule: str, zero: bool, itemsize: Sequence[int] | None = None, star: bool = False,
                    fetch: bool = False, reads: tuple[tuple[int, ...], ...] | None = None) -> Units:
     """Each stage's pieces and each piece's owner (where its chain ends; ``star``: where its
-    gradients are sent) for CDPTrainer:
-    :func:`planner.stages.message_units` (the ranks' sent bytes, and with ZeRO their optimizer
-    state, evened), unless under ``v2`` those owners stretch the schedule (a fresh stage's ring not
-    round in time, on the clock's ideal messages: N = 8, L = 4 does), where one piece a stage with
-    the owners :func:`planner.stages.stage_owners` picks is tried, then the chain ending at worker
-    N-1 for every stage, as in the paper (every sum complete when the last worker's backward of the
-    stage is)."""
+    gradients are sent) for CDPTrainer: :func:`planner.stages.message_units` (the ranks' sent
+    bytes, and with ZeRO their optimizer state, evened). Under the star a rank sends what it owns
+    N-1 times and the rest once, so its owners even the bytes each rank owns, as ZeRO's do,
+    whatever the ZeRO stage. Under ``v2`` a fresh stage's sum must be final before the next
+    step's forward: should those owners stretch the schedule (none of the clock tests' and
+    planner's configurations does: the star's sum is final two messages after the last backward),
+    one piece a stage with the owners :func:`planner.stages.stage_owners` picks is tried, then
+    worker N-1 owning every stage, as in the paper, whose sums are final soonest."""
     uses = None
     if fetch:  # each piece fetched before each forward and backward that reads it
         uses = [2 * len(readers_of(stage, reads)) for stage in range(len(sizes))]
+    zero = zero or star
     units = message_units(sizes, workers, zero=zero, itemsize=itemsize, uses=uses)
     if rule != "v2" or workers == 1:
         return units
@@ -686,16 +701,14 @@ def schedule_units(sizes: Sequence[int], workers: int, rule: str, zero: bool, it
 
 def ring_hold(workers: int, stages: int, owners: Sequence[int], rule: str, has_params: Sequence[bool], parts: Sequence[int] | None = None,
               star: bool = False) -> bool:
-    """Whether the ring copies applied at a step's start (v1's; v2's on the stages where their
-    receiver is stale) may travel for an op before their receivers take them: where the clock's
-    schedule still holds with it (a ring of N-1 hops an op each, and the wraps, within the rule's
-    slack; not at N = 8, L = 4 under v1). Not under v2 where N > L: there a held copy bunches with
-    the next stage's chain (N = 8, L = 4: 5/8 of a rank's bytes in 1/L of a step, against 4/7
-    without; tests/test_cdp_clock.py checks the spread). Never with ``star`` (no ring)."""
-    if (rule == "v2" and workers > stages) or star:
+    """Whether the ring copies applied at a step's start (v1's) may travel for an op before their
+    receivers take them: where the clock's schedule still holds with it (a ring of N-1 hops an op
+    each, and the wraps, within the rule's slack; not at N = 8, L = 4). Never with ``star`` (no
+    ring; v2 always)."""
+    if star or rule != "v1":
         return False
     pieces = tuple(parts) if parts is not None else (1,) * stages
-    return rule in ("v1", "v2") and workers > 1 and _stretch(workers, stages, tuple(owners), rule, tuple(has_params), hold=True, parts=pieces) == 0
+    return workers > 1 and _stretch(workers, stages, tuple(owners), rule, tuple(has_params), hold=True, parts=pieces) == 0
 
 
 @functools.lru_cache(maxsize=256)

@@ -39,9 +39,12 @@ where the previous step's activations are gone, unless the rule needs it sooner)
              g(t) is applied at step t+2's start
 * ``v2``:    worker n computes stage l with theta_l(t) if l >= (N-1-n) L / N (fresh) and with
              theta_l(t-1) otherwise; theta(t+1) = theta(t) - lr g(t). The update is applied just
-             before step t+1's forward of l where the worker is fresh, and otherwise at step t+2's
-             start: the worker computes step t+1 with the parameters it has, and no second copy is
-             kept.
+             before step t+1's forward of l where the worker is fresh, and otherwise just before
+             step t+2's: the worker computes step t+1 with the parameters it has, and no second
+             copy is kept. v2 always runs as the star (below, with every ZeRO stage): a fresh
+             worker needs the sum by its next forward, which the ring's N-1 hops from the owner
+             reach in time only with every chain ending at one rank where N > L
+             (planner.cdp_clock.star_messages).
 
 "lr g" stands for the torch optimizer's step given that gradient (SGD, momentum, AdamW...). With
 ZeRO-1, a piece's owner alone keeps its optimizer state and a master copy of its parameters (a flat
@@ -49,7 +52,7 @@ slice of the stage's: exact for element-wise optimizers, as ZeRO's slices elsewh
 when the chain's sum reaches it and sends the new parameters around the ring instead of the sum
 (the same messages); the other workers install them when the update is due.
 
-**With ZeRO-2** (the clock's star, ``planner.cdp_clock``): no chain and no ring. After a stage's
+**With ZeRO-2**, and under v2 with ZeRO-1 (the clock's star, ``planner.cdp_clock``): no chain and no ring. After a stage's
 backward each worker sends each piece of its gradient straight to the piece's owner and lets the
 stage's buffer go once those sends complete; the owner sums the N contributions as they arrive
 (in the clock's order, the same every run), steps the piece's optimizer when it has them all, and
@@ -59,7 +62,10 @@ the old ones (its backward of the stage) has ended and taken by its next forward
 the latest; the owner copies its own in then. Again 2(N-1) messages a piece a step, and each rank
 sends about 2(N-1)/N of the buffer: once to the owners, N-1 times what it owns. The owner holds a
 piece's sum until every worker has taken it (the plan counts these on the clock); no rank holds
-the previous step's buffer, ZeRO-1's (and ZeRO-0's) largest term.
+the previous step's buffer, the ring's largest term. **Under v2 with ZeRO-0** the star carries
+the sum back instead of new parameters: each worker receives it into a buffer of its own and
+steps its own optimizer with it at its update (the owner with its own sum), so a rank keeps the
+sums it has received until then.
 
 **With ZeRO-3** (the star with ``fetch``): the gradients and the owners' updates as with ZeRO-2,
 but between its ops a rank holds only the pieces it owns, in the versions some op still computes
@@ -92,7 +98,7 @@ from typing import Any, Literal
 import torch
 from torch.utils._pytree import tree_flatten
 
-from planner.cdp_clock import Clock, Message, OpActions, ring_hold, schedule_units
+from planner.cdp_clock import Clock, Message, OpActions, ring_hold, schedule_units, star_messages
 from planner.runtime import faults
 from planner.runtime.collectives import Convert
 from planner.runtime.memory import SavedTensorMeter
@@ -120,8 +126,9 @@ class CDPTrainer:
     With the plan's ``zero_stage == 1`` (CDP with ZeRO), only a piece's owner keeps its optimizer
     state (and a master copy of its parameters), and what travels back around the ring is the
     owner's updated parameters, not the summed gradient: the same 2(N-1) messages a piece. With
-    ``zero_stage == 2`` the gradients go straight to the owners and the new parameters straight back
-    (the module docstring's star), and no rank keeps the previous step's buffer; with
+    ``zero_stage == 2`` (and under v2 with ZeRO 0 and 1) the gradients go straight to the owners and
+    the new parameters (ZeRO-0: the sum) straight back (the module docstring's star), and no rank
+    keeps the previous step's buffer; with
     ``zero_stage == 3`` only the owners keep the parameters, and each op fetches its pieces.
 
     ``trace = True`` records, per op, (op index, start, end) on ``time.monotonic()`` in ``ops`` and,
@@ -159,10 +166,6 @@ class CDPTrainer:
                              f"at different times and cannot join it; {_REPLAN}")
         self.pm, self.rule = pm, rule
         self.zero = pm.plan.zero_stage >= 1  # each piece's optimizer state on its owner
-        # ZeRO-2: gradients straight to the owner, new parameters straight back (planner.cdp_clock's star);
-        # ZeRO-3: the same, and only the owner keeps a piece between ops: each op fetches the others
-        self.star = pm.plan.zero_stage >= 2 and mesh.degree(axes[0]) > 1
-        self.fetch = pm.plan.zero_stage == 3 and mesh.degree(axes[0]) > 1
         self.axis = axes[0]
         self.num_workers = mesh.degree(self.axis)
         self.worker = mg.coords[self.axis]
@@ -172,6 +175,11 @@ class CDPTrainer:
         mg.barred[self.axis] = f"CDP's workers (axis {self.axis!r}) run their stage ops at different times and cannot join it; {_REPLAN}"
         self.runner = StagedRunner(pm, cut_stages(pm.graph, num_stages))
         self.num_stages = self.runner.num_stages
+        # ZeRO-2 (and under v2, ZeRO-0 and 1): gradients straight to the owner, new parameters (ZeRO-0: the sum)
+        # straight back (planner.cdp_clock's star); ZeRO-3: the same, and only the owner keeps a piece between ops:
+        # each op fetches the others
+        self.star = self.num_workers > 1 and star_messages(rule, pm.plan.zero_stage)
+        self.fetch = pm.plan.zero_stage == 3 and self.num_workers > 1
         self.params = pm.local_parameters()
         stage_params = self.runner.stage_params
         sizes = [sum(self.params[a].numel() * self.params[a].element_size() for a in attrs) for attrs in stage_params]
@@ -189,9 +197,9 @@ class CDPTrainer:
         self._dtype = [torch.cat([torch.empty(0, dtype=self.params[a].dtype) for a in attrs]).dtype if attrs else torch.float32 for attrs in stage_params]
         self.hold = ring_hold(self.num_workers, self.num_stages, self.owners, rule, has, self.units.parts, star=self.star)
         self.clock = Clock(self.num_workers, self.num_stages, self.owners, rule, has, keep=self.worker, hold=self.hold, parts=self.units.parts,
-                           star=self.star, fetch=self.fetch, reads=self.reads)
-        # star: each stage's parameters made views of one flat buffer, so an owner's delivery is received straight into them
-        self._flat_params = [self._flatten(attrs) if self.star and attrs else None for attrs in stage_params]
+                           star=self.star, fetch=self.fetch, reads=self.reads, replicated=not self.zero)
+        # star with ZeRO: each stage's parameters made views of one flat buffer, so an owner's delivery is received straight into them
+        self._flat_params = [self._flatten(attrs) if self.star and self.zero and attrs else None for attrs in stage_params]
         self.optimizers: dict[tuple[int, int], torch.optim.Optimizer] = {}  # by (stage, piece); without ZeRO, piece 0 holds the stage's
         self.masters: dict[tuple[int, int], torch.nn.Parameter] = {}  # ZeRO: the owned pieces' master copies, flat
         for stage, attrs in enumerate(stage_params):
@@ -304,13 +312,19 @@ class CDPTrainer:
         ring's copy into the buffer the chain sent from (that send has completed)."""
         if not self._runs(message, last):
             return
-        if message.kind in ("reduce", "deliver", "fetch", "refetch"):  # star: a gradient into a piece of its own; parameters into the parameters
+        if message.kind == "reduce" or (message.kind == "deliver" and not self.zero):
+            # star: a gradient into a piece of its own; ZeRO-0's sum too, kept until this rank's update
+            lo, hi = self.pieces[message.stage][message.part]
+            into = torch.empty(hi - lo, dtype=self._dtype[message.stage])
+            if message.kind == "deliver":
+                self._sums[(message.step, message.stage, message.part)] = into
+        elif message.kind in ("deliver", "fetch", "refetch"):  # star: parameters into the parameters
             lo, hi = self.pieces[message.stage][message.part]
             flat = self._flat_params[message.stage]
             assert flat is not None
             # (after the last step: v1's last delivery would make theta(K+1), a fetch for a step not run is taken and dropped)
             into_params = self._keeps(message.step, last) if message.kind == "deliver" else message.step <= last
-            if into_params and message.kind != "reduce":
+            if into_params:
                 if message.kind != "deliver":
                     self._hold_stage(message.stage)
                 into = flat[lo:hi]
@@ -360,7 +374,8 @@ class CDPTrainer:
         self._summed[key] = self._summed.get(key, 0) + 1
         if self._summed[key] == self.num_workers:
             del self._summed[key]
-            self._owner_update(key[1], key[2], self._sums[key])
+            if self.zero:  # (ZeRO-0: the sum is what goes back)
+                self._owner_update(key[1], key[2], self._sums[key])
 
     def _owner_update(self, stage: int, part: int, buf: torch.Tensor) -> None:
         """ZeRO: step the owned piece's master with the summed gradient in ``buf`` (the piece's
@@ -376,7 +391,7 @@ class CDPTrainer:
     def _use(self, step: int, stage: int) -> None:
         """Apply step ``step``'s update of stage ``stage`` (the sum's optimizer step; with ZeRO the
         owner's new parameters) and let its buffer go (its sends keep it until they complete)."""
-        if self.star:  # the owned pieces' new parameters from their sums (the sends keep them until they complete); the rest arrived in place
+        if self.star and self.zero:  # the owned pieces' new parameters from their sums (the sends keep them until they complete); the rest arrived in place
             flat = self._flat_params[stage]
             assert flat is not None
             with torch.no_grad():
@@ -384,7 +399,11 @@ class CDPTrainer:
                     if self._owns(stage, part):
                         flat[lo:hi].copy_(self._sums.pop((step, stage, part)))
             return
-        buf = self._bufs.pop((step, stage))
+        if self.star:  # ZeRO-0: the sum's pieces, owned or received
+            sums = [self._sums.pop((step, stage, part)) for part in range(len(self.pieces[stage]))]
+            buf = sums[0] if len(sums) == 1 else torch.cat(sums)
+        else:
+            buf = self._bufs.pop((step, stage))
         if self.zero:
             with torch.no_grad():
                 for attr, value in self._unflat(stage, buf).items():

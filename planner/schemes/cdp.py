@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from planner.cdp_clock import TOKEN_BYTES, Clock, Held, Message, OpActions, op_stage, readers_of, ring_hold, schedule_units
+from planner.cdp_clock import TOKEN_BYTES, Clock, Held, Message, OpActions, op_stage, readers_of, ring_hold, schedule_units, star_messages
 from planner.cost import STATES_PER_VALUE, comm_time
 from planner.hardware import HardwareProfile
 from planner.ir import IRGraph, Node
@@ -215,10 +215,16 @@ def stage_reads(problem: Problem) -> tuple[tuple[int, ...], ...]:
     return problem.graph.memo(("cdp_reads", problem.cdp_stages), make)
 
 
+def cdp_star(problem: Problem) -> bool:
+    """Whether ``problem``'s CDP messages run as the clock's star, not the chain and ring
+    (:func:`planner.cdp_clock.star_messages`: ZeRO-2 and 3, and v2)."""
+    return problem.mesh.group_size(problem.mesh.active_dp_axes) > 1 and star_messages(problem.cdp, problem.zero_stage)
+
+
 def cdp_traffic(problem: Problem, assignment: dict[str, int]) -> Traffic:
     sizes = stage_message_bytes(problem, assignment)
     n = problem.mesh.group_size(problem.mesh.active_dp_axes)
-    star, fetch = problem.zero_stage >= 2, problem.zero_stage == 3
+    star, fetch = cdp_star(problem), problem.zero_stage == 3
     reads = stage_reads(problem) if fetch else None
     units = schedule_units(sizes, n, problem.cdp, problem.zero_stage >= 1, stage_itemsize(problem), star=star, fetch=fetch, reads=reads)
     owners = units.owners
@@ -271,7 +277,7 @@ def cdp_overlap(problem: Problem, traffic: Traffic, busy: float, p2p: float) -> 
         return seconds[TOKEN_BYTES if message.kind == "token" else units.sizes[units.unit(message.stage, message.part)]]
 
     has = [any(units.sizes[u] for u in units.of_stage(stage)) for stage in range(stages)]
-    star, fetch = problem.zero_stage >= 2, problem.zero_stage == 3
+    star, fetch = cdp_star(problem), problem.zero_stage == 3
     hold = ring_hold(traffic.workers, stages, units.owners, problem.cdp, has, units.parts, star=star)
     period = step_period(traffic.workers, stages, units.owners, problem.cdp, has, durations, latency, hold=hold, parts=units.parts, star=star,
                          fetch=fetch, reads=traffic.reads)
@@ -312,19 +318,21 @@ def fetched_bytes(traffic: Traffic) -> float:
     return float(max(sum(stage_bytes[st] for st in op_reads(op) | op_reads(op + 1)) for op in range(2 * stages)))
 
 
-def cdp_held_bytes(rule: str, traffic: Traffic, fetch: bool = False) -> tuple[float, float]:
-    """CDP with ZeRO-2 or 3 (the clock's star): what the rank that holds most between two steps
+def cdp_held_bytes(rule: str, traffic: Traffic, fetch: bool = False, replicated: bool = False) -> tuple[float, float]:
+    """CDP's star (ZeRO-2 or 3; v2 where N > L): what the rank that holds most between two steps
     holds for CDP's messages, in steady state, as (the sums of the pieces it owns not yet
     installed and taken by every worker, ZeRO-3: the versions of its pieces some op still
-    computes with; its stage buffers whose pieces have not all been taken by their owners)
+    computes with, ``replicated`` (ZeRO-0): and the sums it received and has not yet applied; its
+    stage buffers whose pieces have not all been taken by their owners)
     (:attr:`planner.cdp_clock.Clock.live`; runtime.cdp.CDPTrainer.message_bytes)."""
     units = traffic.units
     has = tuple(any(units.sizes[u] for u in units.of_stage(stage)) for stage in range(len(units.parts)))
-    live = _live(traffic.workers, len(units.parts), units.owners, rule, has, units.parts, fetch, traffic.reads)
+    live = _live(traffic.workers, len(units.parts), units.owners, rule, has, units.parts, fetch, traffic.reads, replicated)
     stage_bytes = [sum(units.sizes[u] for u in units.of_stage(stage)) for stage in range(len(units.parts))]
 
     def split(items: tuple[Held, ...]) -> tuple[float, float]:
         sums = sum(units.sizes[units.unit(item[2], item[3])] for item in items if item[0] == "sum")
+        sums += sum(units.sizes[item[3]] for item in items if item[0] == "got")
         return float(sums), float(sum(stage_bytes[item[3]] for item in items if item[0] == "grads"))
 
     return max((split(items) for items in live), key=sum, default=(0.0, 0.0))
@@ -332,10 +340,11 @@ def cdp_held_bytes(rule: str, traffic: Traffic, fetch: bool = False) -> tuple[fl
 
 @functools.lru_cache(maxsize=64)
 def _live(workers: int, stages: int, owners: tuple[int, ...], rule: str, has_params: tuple[bool, ...], parts: tuple[int, ...],
-          fetch: bool = False, reads: tuple[tuple[int, ...], ...] | None = None, steps: int = 8) -> tuple[tuple[Held, ...], ...]:
+          fetch: bool = False, reads: tuple[tuple[int, ...], ...] | None = None, replicated: bool = False,
+          steps: int = 8) -> tuple[tuple[Held, ...], ...]:
     """What each rank holds at the start of each of the last three of ``steps`` simulated steps
     (the star's clock; the first steps settle)."""
-    clock = Clock(workers, stages, owners, rule, has_params, parts=parts, star=True, fetch=fetch, reads=reads)
+    clock = Clock(workers, stages, owners, rule, has_params, parts=parts, star=True, fetch=fetch, reads=reads, replicated=replicated)
     period = 2 * stages
     for op in range(period * steps + 1):
         for n in range(workers):
@@ -461,16 +470,20 @@ class CDP(Scheme):
     def describe(self, plan: Plan) -> list[str]:
         if plan.cdp == "off":
             return []
-        if plan.zero_stage >= 2:
-            how = ("send each piece of a stage's gradient straight to the piece's owner, which sums it and steps its optimizer; " + (
-                "only the owner keeps a piece, and each forward and backward fetches the pieces it reads from their owners point to point "
-                "(3(N-1) messages per piece, overlapping compute) instead of collectives; " if plan.zero_stage == 3 else
-                "the owner sends the new parameters straight back (2(N-1) messages per piece, overlapping compute) instead of collectives; "))
+        if star_messages(plan.cdp, plan.zero_stage):
+            how = ("send each piece of a stage's gradient straight to the piece's owner, which sums it" + (
+                "; every worker steps its own optimizer with the sum the owner sends back (2(N-1) messages per piece, overlapping compute) "
+                "instead of an all-reduce; " if plan.zero_stage == 0 else " and steps its optimizer; " + (
+                    "only the owner keeps a piece, and each forward and backward fetches the pieces it reads from their owners point to "
+                    "point (3(N-1) messages per piece, overlapping compute) instead of collectives; " if plan.zero_stage == 3 else
+                    "the owner sends the new parameters straight back (2(N-1) messages per piece, overlapping compute) instead of "
+                    "collectives; ")))
             rule = ("each update applies the gradient summed a step before (a one-step gradient delay)" if plan.cdp == "v1" else
                     "a worker computes a stage with the newest parameters where their sum is ready, with the step before's elsewhere "
                     "(a one-step gradient delay at most)")
             held = ("an owner keeps its pieces in the versions still in use" if plan.zero_stage == 3 else
-                    "an owner holds its pieces' sums until every worker has taken them")
+                    "an owner holds its pieces' sums until every worker has taken them" + (", and a worker each sum until its update"
+                                                                                           if plan.zero_stage == 0 else ""))
             return [f"  CDP {plan.cdp}, {plan.cdp_stages} stages, ZeRO-{plan.zero_stage}: the data-parallel workers run staggered and " + how
                     + rule + f"; {held}. Run it with planner.runtime.cdp.CDPTrainer."]
         return [
@@ -524,13 +537,15 @@ class CDP(Scheme):
             owned = states + params
             problem.cdp_owned.setdefault(node.name, [0.0] * len(problem.choices[node.name]))[index] = owned
             states = owned / workers
-        if problem.zero_stage == 2:
-            # the star (runtime.cdp): a worker's gradient leaves for its owners after the stage's
-            # backward; an owner holds the sums of its pieces, then their new parameters until
-            # every worker has taken them at its update (two or three steps' at once: 3/N here,
-            # an estimate from above, so that a budgeted solve's answer rarely exceeds the budget
-            # once adjust() puts the clock's count in)
-            price.held = STAR_HELD * params / workers
+        star = cdp_star(problem)
+        if star and problem.zero_stage <= 2:
+            # the star (runtime.cdp; with ZeRO-1 ZeRO-2's): a worker's gradient leaves for its owners
+            # after the stage's backward; an owner holds the sums of its pieces, then their new
+            # parameters until every worker has taken them at its update (two or three steps' at
+            # once: 3/N here, an estimate from above, so that a budgeted solve's answer rarely
+            # exceeds the budget once adjust() puts the clock's count in); with ZeRO-0 each worker
+            # also keeps the sums it receives until its update, about the whole buffer
+            price.held = STAR_HELD * params / workers + (params if problem.zero_stage == 0 else 0.0)
             grads += price.held
             price.params, price.grads, price.states = params, grads, states
             return
@@ -586,11 +601,11 @@ class CDP(Scheme):
         if problem.zero_stage >= 1:
             average, busiest = cdp_owner_bytes(problem, assignment, traffic)
             tally.optimizer += busiest - average
-        if problem.zero_stage >= 2:  # the owners' sums (ZeRO-3: their versions) and the stage buffers in flight, on the clock, for 3/N priced
-            sums, buffers = cdp_held_bytes(problem.cdp, traffic, fetch=problem.zero_stage == 3)
+        if cdp_star(problem):  # the owners' sums (ZeRO-3: their versions) and the stage buffers in flight, on the clock, for 3/N priced
+            sums, buffers = cdp_held_bytes(problem.cdp, traffic, fetch=problem.zero_stage == 3, replicated=problem.zero_stage == 0)
             total = sum(traffic.sizes)
-            if problem.zero_stage == 2:
-                tally.held += sums + buffers - STAR_HELD * total / traffic.workers
+            if problem.zero_stage <= 2:  # (ZeRO-0: and the sums received, the whole buffer priced)
+                tally.held += sums + buffers - STAR_HELD * total / traffic.workers - (total if problem.zero_stage == 0 else 0.0)
             else:  # (the fetched stages, priced 3/L of the parameters at every instant, are a transient)
                 tally.params += sums - STAR_HELD * total / traffic.workers
                 tally.held += buffers - STAR_HELD * total / len(traffic.units.parts)
