@@ -259,10 +259,11 @@ def cdp_overlap(problem: Problem, traffic: Traffic, busy: float, p2p: float) -> 
     clock puts its receives, send waits and token waits. The replay's settled step is the price:
     of ``p2p``, what the step does not add to ``busy`` travelled between ops, hidden, at the hardware's ``overlap_efficiency`` (as
     DP's bucketed all-reduce, planner.overlap); what it takes beyond ``busy + p2p`` is waiting.
-    Measured on 4 gloo ranks sharing 2 cores (mlp-large, 4 stages) it erred by -3 % (v1) and +61 %
-    (v2): the replay treats each rank as its own processor, as on GPUs, but there a ring hop a v2
-    worker waits for runs 2-3x faster than the profile's price (measured with every rank busy),
-    since the waiting rank frees a core."""
+    Measured on 4 gloo ranks sharing 2 cores (mlp-large, 4 stages, two runs) it erred by +7 / -13 %
+    (v1) and -20 / -14 % (v2, the star; on the ring, before v2 ran as the star, +61 %: a ring hop a
+    v2 worker waited for ran 2-3x faster than the profile's price, measured with every rank busy,
+    since the waiting rank freed a core). The replay treats each rank as its own processor, as on
+    GPUs."""
     mesh, hw = problem.mesh, problem.hardware
     axes = mesh.active_dp_axes
     cut = problem.graph.memo(("cdp_cut", problem.cdp_stages), lambda: cut_stages(problem.graph, problem.cdp_stages))
