@@ -687,12 +687,11 @@ def schedule_units(sizes: Sequence[int], workers: int, rule: str, zero: bool, it
     uses = None
     if fetch:  # each piece fetched before each forward and backward that reads it
         uses = [2 * len(readers_of(stage, reads)) for stage in range(len(sizes))]
-    zero = zero or star
-    units = message_units(sizes, workers, zero=zero, itemsize=itemsize, uses=uses)
+    units = message_units(sizes, workers, zero=zero, itemsize=itemsize, uses=uses, star=star)
     if rule != "v2" or workers == 1:
         return units
     has = tuple(b > 0 for b in sizes)
-    whole = Units((1,) * len(sizes), stage_owners(sizes, workers, zero=zero), tuple(sizes))
+    whole = Units((1,) * len(sizes), stage_owners(sizes, workers, zero=zero or star), tuple(sizes))
     for candidate in (units, whole):
         if _stretch(workers, len(sizes), candidate.owners, rule, has, parts=candidate.parts, star=star, fetch=fetch, reads=reads) == 0:
             return candidate

@@ -181,7 +181,7 @@ def _spread(values: Sequence[int]) -> float:
 
 
 def message_units(stage_bytes: Sequence[int], workers: int, *, zero: bool, itemsize: Sequence[int] | None = None,
-                  uses: Sequence[int] | None = None) -> Units:
+                  uses: Sequence[int] | None = None, star: bool = False) -> Units:
     """Each stage's piece count and each piece's owner (:func:`stage_owners`): of the cuts that
     keep every rank's sent bytes, and with ZeRO its owned bytes (its optimizer state and master
     copy), within :data:`BALANCE` of the least, the one with the fewest pieces (each costs 2(N-1)
@@ -201,13 +201,18 @@ def message_units(stage_bytes: Sequence[int], workers: int, *, zero: bool, items
     ``uses`` (CDP with ZeRO-3, the star): each stage's sends per piece to each other worker from
     its owner (a fetch before each forward and backward that reads it); the sent bytes checked are
     then the star's (:func:`sent_bytes`), so a piece read by more ops (a tied embedding) is cut
-    until every rank owns as much of it."""
+    until every rank owns as much of it. ``star`` (the clock's star, ``uses`` or not): the sent
+    bytes checked are the star's, a rank sending what it owns N-1 times and the rest once, so the
+    owners are picked to even the bytes each owns (as ZeRO's): without ZeRO that is the only
+    check, which a cut with fewer pieces passes than the owned bytes' own (each piece costs
+    messages, the latency a small model's step is made of)."""
     return _message_units(tuple(stage_bytes), workers, zero, tuple(itemsize) if itemsize is not None else (1,) * len(stage_bytes),
-                          tuple(uses) if uses is not None else None)
+                          tuple(uses) if uses is not None else None, star)
 
 
 @functools.lru_cache(maxsize=256)
-def _message_units(stage_bytes: tuple[int, ...], workers: int, zero: bool, align: tuple[int, ...], uses: tuple[int, ...] | None = None) -> Units:
+def _message_units(stage_bytes: tuple[int, ...], workers: int, zero: bool, align: tuple[int, ...], uses: tuple[int, ...] | None = None,
+                   star: bool = False) -> Units:
     """:func:`message_units`, cached: a search evaluates a CDP configuration's plans many times,
     mostly with the same stage sizes. The cuts are tried fewest pieces first, so the first that
     balances is the answer; with ZeRO a cut with fewer pieces than workers is not tried (a worker
@@ -231,9 +236,9 @@ def _message_units(stage_bytes: tuple[int, ...], workers: int, zero: bool, align
         if zero and pieces(parts) < workers <= most:
             continue  # some worker would own no state (unless no cut has a piece for every worker)
         sizes = tuple((hi - lo) * a for b, c, a in zip(stage_bytes, parts, align, strict=True) for lo, hi in piece_bounds(b // a, c))
-        owners = stage_owners(sizes, workers, zero=zero)
+        owners = stage_owners(sizes, workers, zero=zero or star)
         unit_uses = [k for c, k in zip(parts, uses, strict=True) for _ in range(c)] if uses is not None else None
-        sent = sent_bytes(sizes, owners, workers, star=uses is not None, uses=unit_uses)
+        sent = sent_bytes(sizes, owners, workers, star=star or uses is not None, uses=unit_uses)
         spread = _spread(sent) if workers > 1 else 1.0
         if zero and workers > 1:
             spread = max(spread, _spread(owned_bytes(sizes, owners, workers)))
