@@ -152,7 +152,7 @@ def piece_bounds(elements: int, parts: int) -> list[tuple[int, int]]:
 def sent_bytes(sizes: Sequence[int], owners: Sequence[int], workers: int, *, star: bool = False, uses: Sequence[int] | None = None) -> list[int]:
     """Each rank's sent bytes a step: a unit's buffer twice (down the chain, around the ring), once
     where the rank owns it (the chain ends there) or is the worker before its owner (the ring ends
-    there). ``star`` (CDP with ZeRO-2): a unit once, to its owner, and N-1 times where the rank
+    there). ``star`` (the clock's star: ZeRO-2 and 3, and v2): a unit once, to its owner, and N-1 times where the rank
     owns it (its new parameters to each other worker), or, ``uses`` (ZeRO-3), that many times N-1
     (a fetch before each forward and backward that reads it)."""
     if workers == 1:

@@ -177,9 +177,10 @@ class Traffic:
     (:func:`planner.cdp_clock.schedule_units`, as the runtime chooses them), and how many times the
     rank sends each unit of a stage that has parameters: twice (down the chain and around the
     ring), once where it owns the unit (the chain ends there) or is the worker before its owner
-    (the ring ends there); with ZeRO-2 (the star) once, to its owner, and N-1 times where it owns
-    it; besides, every rank sends its successor a token after each of its 2L
-    stage ops (planner.cdp_clock, ``tokens``)."""
+    (the ring ends there); under the star (ZeRO-2 and 3, and v2: :func:`cdp_star`) once, to its
+    owner, and N-1 times where it owns it (ZeRO-3: that many times each op that reads it);
+    besides, every rank sends its successor a token after each of its 2L stage ops
+    (planner.cdp_clock, ``tokens``)."""
 
     units: Units
     workers: int
@@ -320,7 +321,7 @@ def fetched_bytes(traffic: Traffic) -> float:
 
 
 def cdp_held_bytes(rule: str, traffic: Traffic, fetch: bool = False, replicated: bool = False) -> tuple[float, float]:
-    """CDP's star (ZeRO-2 or 3; v2 where N > L): what the rank that holds most between two steps
+    """CDP's star (ZeRO-2 or 3; v2 with every ZeRO stage): what the rank that holds most between two steps
     holds for CDP's messages, in steady state, as (the sums of the pieces it owns not yet
     installed and taken by every worker, ZeRO-3: the versions of its pieces some op still
     computes with, ``replicated`` (ZeRO-0): and the sums it received and has not yet applied; its
