@@ -221,8 +221,7 @@ class Clock:
             self.lead = 2 * stages // workers  # ops a worker's predecessor is ahead by, whole
         self.period = 2 * stages
         self._order = 0  # every action and op numbered in the order the simulation does them
-        self.hold = self.scale if hold and rule in ("v1", "v2") and not star else 0  # ticks between posting a late-used ring copy's receive and taking it
-        self._held = self._late_users()
+        self.hold = self.scale if hold and rule == "v1" and not star else 0  # ticks between posting a v1 ring copy's receive and taking it
         self._start: dict[tuple[int, int], int] = {}
         self._done: dict[tuple[int, int], OpActions] = {}
         self._queue: list[tuple[int, int, int, int]] = []
@@ -529,22 +528,15 @@ class Clock:
         return True
 
     def _hold(self, message: Message) -> int:
-        """Ticks between posting the receive of ``message`` and taking it: with ``hold``, a ring
-        copy its receiver applies at a step's start (v1's, a step after it is due at the earliest)
-        travels for an op of the receiver's compute (:attr:`_held`); a chain's partial sum is
-        taken at once (it arrives ops after it left, while the receiver ran its own ops), and so
-        are sync's ring copies. Star: an owner's delivery travels for an op, or until it is due
+        """Ticks between posting the receive of ``message`` and taking it: with ``hold`` (v1's ring
+        copies, applied at a step's start, a step after they are due at the earliest), a ring copy
+        travels for an op of the receiver's compute; a chain's partial sum is taken at once (it
+        arrives ops after it left, while the receiver ran its own ops), and so are sync's ring
+        copies. Star: an owner's delivery travels for an op, or until it is due
         (:meth:`uses_at`), whichever comes first."""
         if message.kind == "deliver":
             return self.scale
-        return self.hold if message.kind == "ring" and (message.stage, message.part, message.dst) in self._held else 0
-
-    def _late_users(self) -> set[tuple[int, int, int]]:
-        """(stage, piece, receiver) whose ring copies :meth:`_hold` lets travel an op: with
-        ``hold`` (v1's), every receiver's."""
-        if not self.hold:
-            return set()
-        return {(stage, part, receiver) for stage in range(self.stages) for part in range(self.parts[stage]) for receiver in range(self.workers)}
+        return self.hold if message.kind == "ring" else 0
 
     def _log(self, acts: OpActions, entry: tuple[str, Message | int, int]) -> None:
         self._order += 1
