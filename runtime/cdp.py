@@ -419,7 +419,7 @@ class CDPTrainer:
         """One flat buffer holding the stage's parameters, each parameter made a view of it."""
         dtypes = {self.params[a].dtype for a in attrs}
         if len(dtypes) > 1:
-            raise ValueError(f"CDP with ZeRO-2 or 3 receives a stage's parameters into one flat buffer: its parameters {list(attrs)} mix dtypes "
+            raise ValueError(f"CDP with ZeRO-2 or 3 (and v2 with ZeRO-1) receives a stage's parameters into one flat buffer: its parameters {list(attrs)} mix dtypes "
                              f"{sorted(map(str, dtypes))}; cast the model to one dtype (mixed precision: keep float32 masters in the optimizer)")
         flat = torch.cat([self.params[a].detach().reshape(-1) for a in attrs])
         offset = 0
