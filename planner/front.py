@@ -17,9 +17,10 @@ configuration that cannot fit is dismissed in microseconds: the peak is PO + max
 G + S) >= PO + G and >= PO + A (planner.solve), and each group's share of a sum is at least its
 smallest over its strategies. :func:`time_lower_bound` does the same for the step time (each
 group's fastest strategy, no conversion, less what overlap could hide), and
-:func:`conversion_time_bound` a tighter one once conversions are priced (each group's strategy
-with the cheapest conversion any producer leaves it: on 3-D meshes conversions are most of a
-step, and this bound dismisses configurations without building their ILP).
+:func:`conversion_time_bound` a tighter one once conversions are priced (the conversions coupled
+along a spanning forest of the groups' graph, solved exactly by a dynamic programme: on 3-D
+meshes conversions are most of a step, and this bound dismisses configurations without building
+their ILP).
 A configuration whose two bounds a point already found beats on both (:func:`dominated`) can add
 nothing to the front and is not solved.
 
@@ -120,56 +121,129 @@ def time_lower_bound(problem: Problem, *, overlap: bool = True) -> float:
 
 
 def conversion_time_bound(problem: Problem) -> float:
-    """Seconds per step no plan of ``problem`` goes below, conversions counted (prices them first):
+    """Seconds per step no plan of ``problem`` goes below, conversions counted (prices them first).
+    Every plan ``j`` (a strategy per group) pays at least
 
-        T >= sum_v min_j [ t_v(j) - credit_v(j) + sum_{edges u -> v} min_i c_e(i, j) ]
+        T(j) >= sum_g own_g(j_g) + sum_{edges e = (g, h)} c_e(j_g, j_h)
 
-    each edge's conversion charged to its consumer, at the cheapest producer strategy for the
-    consumer's strategy j (:func:`conversion_charges`). Credit as in :func:`time_lower_bound`."""
+    own: the group's time less what may hide (as in :func:`time_lower_bound`) and the
+    conversions inside the group; ``c_e``: the conversions the pair of strategies triggers on the
+    edges between two groups, each charged cost / uses (:func:`_coupling`). Minimising the right
+    side over all plans is as hard as the ILP without memory, because the groups' graph has cycles
+    (a repeated layer's templates feed themselves); on a spanning forest of it, it is a dynamic
+    programme. So the edges of a maximum spanning forest (weighted by their largest charge) keep
+    their coupling, and every other edge is charged to its consumer at the cheapest producer
+    strategy for each of the consumer's (``min_i c_e(i, j)``, a lower bound of its term):
+
+        T >= min_j [ sum_g own'_g(j_g) + sum_{e in forest} c_e(j_g, j_h) ]
+
+    solved exactly tree by tree (leaves up: each group's best total for each strategy of its
+    parent). Measured, gpt2-small on 64 devices, one configuration of each family against the LP
+    relaxation within 80 GiB and the bound that charged every edge to its consumer alone (ms):
+    dp=16 x tp=4 ZeRO-0 35.49 (LP 40.66, alone 33.10), dp=4 x 4 x 4 55.25 (57.23, 46.27),
+    dp=8 x 2 x 2 x 2 41.17 (43.29, 38.19), 4 x 4 x 4 118.81 (119.40, 77.04), in 0.1 s at most
+    once the conversions are priced; the 2 x 2 x 2 configuration, whose LP the search solved to
+    dismiss it, is dismissed by this bound."""
     price_conversions(problem)
-    charges = conversion_charges(problem)
-    total = 0.0
+    within, pairs, forest, dropped = _coupling(problem)
+    own: dict[str, np.ndarray] = {}
     for g, group in problem.groups.items():
-        own = np.asarray(group.time, dtype=float) - np.asarray(problem.hideable(group), dtype=float)
-        if g in charges:
-            own += charges[g]
-        total += float(own.min())
+        own[g] = np.asarray(group.time, dtype=float) - np.asarray(problem.hideable(group), dtype=float)
+        for extra in (within.get(g), dropped.get(g)):
+            if extra is not None:
+                own[g] = own[g] + extra
+    total = 0.0
+    for root, order, parent in forest:
+        best = {g: own[g] for g in order}
+        for g in reversed(order[1:]):  # children before their parents
+            up = parent[g]
+            # the pair's charges oriented (parent's strategies) x (this group's)
+            coupling = pairs[(up, g)] if (up, g) in pairs else pairs[(g, up)].T
+            best[up] = best[up] + (coupling + best[g][None, :]).min(axis=1)
+        total += float(best[root].min())
     return max(total, 0.0)
 
 
-def conversion_charges(problem: Problem) -> dict[str, np.ndarray]:
-    """Per group, per strategy, the seconds of conversion it is charged in
-    :func:`conversion_time_bound`. A conversion that several edges (or a group's own strategies)
-    can trigger is paid once, so each use is charged its cost / uses: the charges of the uses a
-    plan triggers add up to at most the cost. Worked out once per pricing of the conversions (the
-    ZeRO 0-2 problems of a mesh share it: :func:`planner.edges.shared_edges`)."""
-    memo = cast(dict[str, np.ndarray] | None, problem.priced_memo.get("charges"))
+_Coupling = tuple[dict[str, np.ndarray], dict[tuple[str, str], np.ndarray], list[tuple[str, list[str], dict[str, str]]], dict[str, np.ndarray]]
+
+
+def _coupling(problem: Problem) -> _Coupling:
+    """The conversion charges of :func:`conversion_time_bound`: per group, those of its own
+    strategies (a conversion inside the group); per pair of groups, the matrix of charges
+    (first group's strategies x second's; the edges between them, either way, summed); the
+    spanning forest (per tree: its root, its groups parents first, each group's parent); and per
+    group, what the edges outside the forest charge it as their consumer. A conversion that
+    several edges (or a group's own strategies) can trigger is paid once, so each use is charged
+    its cost / uses: the charges of the uses a plan triggers add up to at most the cost. Worked
+    out once per pricing of the conversions (the ZeRO 0-2 problems of a mesh share it:
+    :func:`planner.edges.shared_edges`)."""
+    memo = cast(_Coupling | None, problem.priced_memo.get("coupling"))
     if memo is not None:
         return memo
     uses = conversion_uses(problem)
-    charges: dict[str, np.ndarray] = {}
-
-    def charge(g: str) -> np.ndarray:
-        if g not in charges:
-            charges[g] = np.zeros(len(problem.groups[g].time))
-        return charges[g]
-
+    sizes = {g: len(group.time) for g, group in problem.groups.items()}
+    within: dict[str, np.ndarray] = {}
     for key, term in problem.conversions.items():
         for gu, iu, gv, iv in term.conditions:
             if gu == gv and term.cost:
-                charge(gu)[np.fromiter(iu & iv, dtype=int)] += term.cost / uses[key]
+                charge = within.setdefault(gu, np.zeros(sizes[gu]))
+                charge[np.fromiter(iu & iv, dtype=int)] += term.cost / uses[key]
+    pairs: dict[tuple[str, str], np.ndarray] = {}
     for edge in problem.edges.values():
+        gu, gv = edge.group_u, edge.group_v
         srcs, dsts = list(edge.src_sets), list(edge.dst_sets)
         row, col = {s: k for k, s in enumerate(srcs)}, {t: k for k, t in enumerate(dsts)}
-        cost = np.zeros((len(srcs), len(dsts)))
+        cost = np.zeros((len(srcs) + 1, len(dsts) + 1))  # the last row and column: strategies with no Spec at that end
         for (a, b), keys in edge.conversions.items():
             cost[row[a], col[b]] = sum(problem.conversions[k].cost / uses[k] for k in keys)
-        cheapest = cost.min(axis=0)
-        for b, k in col.items():
-            if cheapest[k]:
-                charge(edge.group_v)[np.fromiter(edge.dst_sets[b], dtype=int)] += cheapest[k]
-    problem.priced_memo["charges"] = charges
-    return charges
+        rows, cols = np.full(sizes[gu], len(srcs)), np.full(sizes[gv], len(dsts))
+        for a, idx in edge.src_sets.items():
+            rows[list(idx)] = row[a]
+        for b, idx in edge.dst_sets.items():
+            cols[list(idx)] = col[b]
+        charges = cost[np.ix_(rows, cols)]
+        if (gv, gu) in pairs:
+            pairs[(gv, gu)] = pairs[(gv, gu)] + charges.T
+        else:
+            pairs[(gu, gv)] = pairs[(gu, gv)] + charges if (gu, gv) in pairs else charges
+    # Kruskal: the largest charges first
+    root_of = {g: g for g in sizes}
+
+    def find(g: str) -> str:
+        while root_of[g] != g:
+            root_of[g] = root_of[root_of[g]]
+            g = root_of[g]
+        return g
+
+    linked: dict[str, list[str]] = {g: [] for g in sizes}
+    dropped: dict[str, np.ndarray] = {}
+    for (gu, gv), charges in sorted(pairs.items(), key=lambda kv: -float(kv[1].max())):
+        ru, rv = find(gu), find(gv)
+        if ru != rv:
+            root_of[ru] = rv
+            linked[gu].append(gv)
+            linked[gv].append(gu)
+        else:
+            dropped[gv] = dropped.get(gv, np.zeros(sizes[gv])) + charges.min(axis=0)
+    forest: list[tuple[str, list[str], dict[str, str]]] = []
+    placed: set[str] = set()
+    for root in sizes:
+        if root in placed:
+            continue
+        order, parent, stack = [], {}, [root]
+        placed.add(root)
+        while stack:  # depth first: each group after its parent
+            g = stack.pop()
+            order.append(g)
+            for h in linked[g]:
+                if h not in placed:
+                    placed.add(h)
+                    parent[h] = g
+                    stack.append(h)
+        forest.append((root, order, parent))
+    memo = (within, pairs, forest, dropped)
+    problem.priced_memo["coupling"] = memo
+    return memo
 
 
 def dominated(front: Sequence[P], step_time: float, memory: float, resolution: float = 0.0) -> P | None:

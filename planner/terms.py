@@ -149,7 +149,7 @@ class Problem:
     instances: dict[str, int] = field(default_factory=dict)  # template -> number of instances
     build_seconds: float = 0.0
     # what is worked out from the conversion terms alone (planner.edges.conversion_uses,
-    # planner.front.conversion_charges) and the last LP relaxation's basis (planner.solve.BudgetILP.relax),
+    # planner.front._coupling) and the last LP relaxation's basis (planner.solve.BudgetILP.relax),
     # shared with the problems that share the terms (planner.edges.shared_edges)
     priced_memo: dict[str, object] = field(default_factory=dict)
     conversions_priced: bool = False  # conversion and hold terms built (price_conversions)

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from planner import front as front_module
 from planner.config import SearchConfig
 from planner.front import conversion_time_bound, covered_below, knee, memory_lower_bound, merge, reprices_overlap, time_lower_bound
 from planner.hardware import A100_80G
@@ -61,6 +62,32 @@ def test_bounds_hold_for_every_assignment() -> None:
         assert time_lower_bound(c.problem) * (1 - 1e-12) <= with_conversions <= float(c.time.min()) * (1 + 1e-12)
         tighter += with_conversions > time_lower_bound(c.problem) * (1 + 1e-9)
     assert tighter  # some case has a conversion every plan pays
+
+
+def test_the_conversion_bound_couples_conversions_along_a_forest() -> None:
+    """On real meshes, where brute force cannot run: the bound stays below the fastest plan (the
+    ILP's optimum; ZeRO-0 hides nothing the ILP does not price), and is at least the bound that
+    charges every edge to its consumer at its cheapest producer (what the forest's dynamic
+    programme tightens); strictly above it on the 2-D and 3-D meshes, where conversions couple."""
+    args, kwargs = example_inputs("gpt-tiny", batch=8)
+    graph = trace(build_model("gpt-tiny"), args, kwargs)
+    tighter = 0
+    for mesh in (Mesh(("dp", "tp"), (2, 4)), Mesh(("dp", "row", "col"), (2, 2, 2)), Mesh(("dp", "i", "j", "k"), (1, 2, 2, 2))):
+        problem = build_problem(graph, mesh, A100_80G, zero_stage=0)
+        bound = conversion_time_bound(problem)
+        fastest = BudgetILP(problem, "time", EXACT).run(float("inf"))
+        assert fastest is not None and bound <= fastest.evaluation.step_time * (1 + 1e-9)
+        # every edge charged to its consumer at the cheapest producer strategy
+        charges = {g: np.asarray(grp.time) - np.asarray(problem.hideable(grp)) for g, grp in problem.groups.items()}
+        within, pairs, _, _ = front_module._coupling(problem)
+        for g, extra in within.items():
+            charges[g] = charges[g] + extra
+        for (_, gv), coupling in pairs.items():
+            charges[gv] = charges[gv] + coupling.min(axis=0)
+        alone = sum(float(c.min()) for c in charges.values())
+        assert bound >= alone * (1 - 1e-12)
+        tighter += bound > alone * (1 + 1e-6)
+    assert tighter >= 2
 
 
 @pytest.mark.parametrize("name", list(CASES))

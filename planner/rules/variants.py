@@ -70,6 +70,9 @@ def regather_variants(
     if axes is None and len(tp) < 2:
         return strategies
     out = list(strategies)
+    # what a position's arrival and its collectives are depends on the Spec the kernel computes
+    # with alone, which many strategies share (a 3-D linear's 194 strategies have a few dozen)
+    arrivals: dict[tuple[int, Spec], tuple[Spec, tuple[Comm, ...]] | None] = {}
     for s in strategies:
         if axes is None and not s.split_axes & set(tp):
             continue
@@ -80,30 +83,45 @@ def regather_variants(
             if pos >= len(s.inputs) or not ctx.needs_grad(pos):
                 continue
             compute = s.inputs[pos]
-            pool = axes if axes is not None else tuple(tp)
-            idle = tuple(a for a in pool if ctx.mesh.degree(a) > 1 and a not in compute.layout.shard_axes and a not in compute.layout.partial)
-            if not idle:
+            if (pos, compute) not in arrivals:
+                arrivals[(pos, compute)] = _arrival(ctx, compute, pos, dim, axes, bucket_bytes)
+            arrival = arrivals[(pos, compute)]
+            if arrival is None:
                 continue
-            arrival_layout = _extended(compute.layout, idle, dim, ctx.in_shape(pos), ctx, any_dim=axes is not None)
-            if arrival_layout is None:
-                continue
-            arrival = Spec(arrival_layout, compute.grad_partial - set(idle))
-            conv = spec_conversion(arrival, compute, ctx.mesh)
-            nbytes = ctx.in_meta(pos).nbytes
-            gathered = steps_comms(conv.forward, nbytes // arrival_layout.shard_factor(ctx.mesh), ctx.mesh, "fwd")
-            reduced = steps_comms(conv.backward, nbytes // compute.layout.shard_factor(ctx.mesh), ctx.mesh, "bwd")
-            if axes is not None and bucket_bytes and is_unit_gather(conv, ctx.mesh):
-                gathered = tuple(replace(c, bucket_bytes=bucket_bytes) for c in gathered)
-                reduced = tuple(replace(c, bucket_bytes=bucket_bytes) for c in reduced)
-            comms += [*gathered, *reduced]
-            if any(saved.source == "input" and saved.index == pos for saved in ctx.node.saved):
-                comms += [replace(c, phase="bwd") for c in gathered]  # gathered again for backward, where autograd keeps it
-            new_inputs[pos] = arrival
+            new_inputs[pos] = arrival[0]
+            comms += arrival[1]
             regather.append((pos, compute))
         if regather:
             tag = "+zero3" if axes is not None else "+regather"
             out.append(replace(s, algorithm=f"{s.algorithm}{tag}", inputs=tuple(new_inputs), comms=s.comms + tuple(comms), regather=tuple(regather)))
     return out
+
+
+def _arrival(ctx: RuleContext, compute: Spec, pos: int, dim: int | None, axes: tuple[str, ...] | None,
+             bucket_bytes: int) -> tuple[Spec, tuple[Comm, ...]] | None:
+    """How input ``pos`` arrives for a kernel computing with it as ``compute`` (see
+    :func:`regather_variants`), and the collectives that gather it before use and again for
+    backward; None where it arrives as the kernel computes with it."""
+    tp = active_tp(ctx.mesh)
+    pool = axes if axes is not None else tuple(tp)
+    idle = tuple(a for a in pool if ctx.mesh.degree(a) > 1 and a not in compute.layout.shard_axes and a not in compute.layout.partial)
+    if not idle:
+        return None
+    arrival_layout = _extended(compute.layout, idle, dim, ctx.in_shape(pos), ctx, any_dim=axes is not None)
+    if arrival_layout is None:
+        return None
+    arrival = Spec(arrival_layout, compute.grad_partial - set(idle))
+    conv = spec_conversion(arrival, compute, ctx.mesh)
+    nbytes = ctx.in_meta(pos).nbytes
+    gathered = steps_comms(conv.forward, nbytes // arrival_layout.shard_factor(ctx.mesh), ctx.mesh, "fwd")
+    reduced = steps_comms(conv.backward, nbytes // compute.layout.shard_factor(ctx.mesh), ctx.mesh, "bwd")
+    if axes is not None and bucket_bytes and is_unit_gather(conv, ctx.mesh):
+        gathered = tuple(replace(c, bucket_bytes=bucket_bytes) for c in gathered)
+        reduced = tuple(replace(c, bucket_bytes=bucket_bytes) for c in reduced)
+    comms = (*gathered, *reduced)
+    if any(saved.source == "input" and saved.index == pos for saved in ctx.node.saved):
+        comms += tuple(replace(c, phase="bwd") for c in gathered)  # gathered again for backward, where autograd keeps it
+    return arrival, comms
 
 
 def _extended(
