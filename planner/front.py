@@ -20,7 +20,10 @@ group's fastest strategy, no conversion, less what overlap could hide), and
 :func:`conversion_time_bound` a tighter one once conversions are priced (the conversions coupled
 along a spanning forest of the groups' graph, solved exactly by a dynamic programme: on 3-D
 meshes conversions are most of a step, and this bound dismisses configurations without building
-their ILP).
+their ILP). The same programme, run both ways along the forest, bounds the plans that choose
+each strategy (:func:`strategies_within`): a one-plan search cuts a configuration to the
+strategies that could beat the best plan found before it builds its LP (exact: no faster plan is
+cut).
 A configuration whose two bounds a point already found beats on both (:func:`dominated`) can add
 nothing to the front and is not solved.
 
@@ -144,6 +147,32 @@ def conversion_time_bound(problem: Problem) -> float:
     dp=8 x 2 x 2 x 2 41.17 (43.29, 38.19), 4 x 4 x 4 118.81 (119.40, 77.04), in 0.1 s at most
     once the conversions are priced; the 2 x 2 x 2 configuration, whose LP the search solved to
     dismiss it, is dismissed by this bound."""
+    return _forest(problem, marginals=False)[0]
+
+
+def strategies_within(problem: Problem, step_time: float) -> dict[str, tuple[int, ...]] | None:
+    """Per group, the strategies a plan of ``problem`` faster than ``step_time`` may use, as
+    indices of the whole problem (``problem.kept``); None when no plan is faster. The bound of
+    :func:`conversion_time_bound` holds for the plans that choose a given strategy too: the same
+    programme with the group held at it (its min-marginal, both passes of the forest), so a
+    strategy whose bound is at least ``step_time`` is in no faster plan (a relative 1e-9 kept,
+    for rounding). Exact: the problem restricted to these strategies
+    (:func:`planner.problem.build_problem`'s ``keep``) has every faster plan, priced as before."""
+    bound, marginals = _forest(problem, marginals=True)
+    if bound >= step_time * (1 - 1e-9):
+        return None
+    kept: dict[str, tuple[int, ...]] = {}
+    for g, least in marginals.items():
+        idx = np.flatnonzero(least < step_time * (1 + 1e-9))
+        whole = problem.kept.get(g)
+        kept[g] = tuple(int(i) for i in idx) if whole is None else tuple(whole[i] for i in idx)
+    return kept
+
+
+def _forest(problem: Problem, *, marginals: bool) -> tuple[float, dict[str, np.ndarray]]:
+    """The bound of :func:`conversion_time_bound` and, with ``marginals``, per group and strategy
+    the bound with the group held at that strategy (a second pass, parents before children: the
+    best the rest of the tree offers each strategy through its parent)."""
     price_conversions(problem)
     within, pairs, forest, dropped = _coupling(problem)
     own: dict[str, np.ndarray] = {}
@@ -152,16 +181,29 @@ def conversion_time_bound(problem: Problem) -> float:
         for extra in (within.get(g), dropped.get(g)):
             if extra is not None:
                 own[g] = own[g] + extra
+
+    def coupling(up: str, g: str) -> np.ndarray:
+        """The pair's charges oriented (parent's strategies) x (this group's)."""
+        return pairs[(up, g)] if (up, g) in pairs else pairs[(g, up)].T
+
     total = 0.0
+    trees: list[tuple[float, dict[str, np.ndarray]]] = []
     for root, order, parent in forest:
-        best = {g: own[g] for g in order}
+        best = {g: own[g] for g in order}  # a group's strategies, with its subtree at its best
+        sent: dict[str, np.ndarray] = {}
         for g in reversed(order[1:]):  # children before their parents
-            up = parent[g]
-            # the pair's charges oriented (parent's strategies) x (this group's)
-            coupling = pairs[(up, g)] if (up, g) in pairs else pairs[(g, up)].T
-            best[up] = best[up] + (coupling + best[g][None, :]).min(axis=1)
-        total += float(best[root].min())
-    return max(total, 0.0)
+            sent[g] = (coupling(parent[g], g) + best[g][None, :]).min(axis=1)
+            best[parent[g]] = best[parent[g]] + sent[g]
+        least = float(best[root].min())
+        total += least
+        if marginals:
+            whole = {root: best[root]}  # a group's strategies, with the whole tree at its best
+            for g in order[1:]:  # parents before their children
+                rest = whole[parent[g]] - sent[g]  # the parent's side of the tree, without this subtree
+                whole[g] = best[g] + (coupling(parent[g], g) + rest[:, None]).min(axis=0)
+            trees.append((least, whole))
+    held = {g: values - least + total for least, whole in trees for g, values in whole.items()}
+    return max(total, 0.0), held
 
 
 _Coupling = tuple[dict[str, np.ndarray], dict[tuple[str, str], np.ndarray], list[tuple[str, list[str], dict[str, str]]], dict[str, np.ndarray]]

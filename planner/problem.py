@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Collection, Mapping
 from typing import Any, cast
 
 from planner.buckets import DEFAULT_BUCKET_BYTES
@@ -51,6 +52,7 @@ def build_problem(
     allow: StrategyFilter | None = None,
     edges: bool = True,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    keep: Mapping[str, Collection[int]] | None = None,
     **settings: Any,
 ) -> Problem:
     """The problem of planning ``graph`` on ``mesh``. ``settings``: a value of each scheme's
@@ -67,7 +69,12 @@ def build_problem(
     the terms the conversion bound reads, :func:`price_edges` the rest before a solve.
 
     ``allow(node, strategy)``, when given, pins choices: an anchor keeps only the strategies it
-    accepts (a ValueError names the node if it accepts none)."""
+    accepts (a ValueError names the node if it accepts none).
+
+    ``keep``: per group, the indices (as the problem built without ``keep`` numbers them) of the
+    only strategies it may choose; a group left out keeps all (:func:`restrict`). What the
+    schemes work out over every choice (ZeRO's largest packed gradient) still sees them all, so
+    each plan of the restricted problem is priced exactly as the whole problem prices it."""
     t0 = time.perf_counter()
     unknown = sorted(set(settings) - set(OFF))
     if unknown:
@@ -89,6 +96,8 @@ def build_problem(
     _choose(problem, op_anchors, allow)
     for scheme in SCHEMES:
         scheme.prepare(problem)
+    if keep is not None:
+        restrict(problem, keep)
     master_itemsize = dtype_itemsize(master_dtype) if master_dtype else None
     sync, backward = _price_nodes(problem, optimizer, master_itemsize)
     problem.sync_rows = sync_rows(graph, problem.node_group, sync, backward)
@@ -147,11 +156,32 @@ def _choose(problem: Problem, op_anchors: dict[str, list[Strategy]], allow: Stra
             ]
         choices[node.name] = strategies
         node_group[node.name] = node.name
-        n = len(strategies)
-        problem.groups[node.name] = Group(
-            node.name, strategies, problem.instances[node.name], [0.0] * n, [0.0] * n, [(0.0, 0.0, 0.0)] * n,
-            [[] for _ in range(n)], [0.0] * n, credit=[0.0] * n, sync=[0.0] * n,
-        )
+        problem.groups[node.name] = _unpriced_group(problem, node.name, strategies)
+
+
+def _unpriced_group(problem: Problem, name: str, strategies: list[Strategy]) -> Group:
+    n = len(strategies)
+    return Group(name, strategies, problem.instances[name], [0.0] * n, [0.0] * n, [(0.0, 0.0, 0.0)] * n,
+                 [[] for _ in range(n)], [0.0] * n, credit=[0.0] * n, sync=[0.0] * n)
+
+
+def restrict(problem: Problem, keep: Mapping[str, Collection[int]]) -> None:
+    """Before pricing: each group of ``keep`` keeps only the strategies at those indices (its
+    nodes' choices cut alike, so a follower still follows its leader strategy by strategy);
+    ``problem.kept`` records, per group cut, the indices they have in the whole problem."""
+    cut: dict[str, list[int]] = {}
+    for g, idx in keep.items():
+        n = len(problem.groups[g].strategies)
+        wanted = sorted(i for i in set(idx) if 0 <= i < n)
+        if len(wanted) < n:
+            cut[g] = wanted
+    for node, strategies in list(problem.choices.items()):
+        idx = cut.get(problem.node_group[node])
+        if idx is not None:
+            problem.choices[node] = [strategies[i] for i in idx]
+    for g, idx in cut.items():
+        problem.groups[g] = _unpriced_group(problem, g, problem.choices[g])
+    problem.kept = {g: tuple(idx) for g, idx in cut.items()}
 
 
 def price_conversions(problem: Problem) -> Problem:

@@ -24,7 +24,7 @@ import math
 import multiprocessing
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple, TypeVar
@@ -39,6 +39,7 @@ from planner.front import (
     memory_lower_bound,
     merge,
     reprices_overlap,
+    strategies_within,
     time_lower_bound,
 )
 from planner.ir import IRGraph
@@ -67,7 +68,7 @@ from planner.solve import (
 from planner.space import Candidate, candidate_meshes
 from planner.sweep import sweep
 from planner.terms import Problem, StrategyFilter
-from planner.units import format_bytes
+from planner.units import format_bytes, format_seconds
 
 log = logging.getLogger(__name__)
 
@@ -225,7 +226,9 @@ def search(
         for k in order:
             t_lb, m_lb = bounds[k]
             outcome_k = _plan_configuration(problems.pop(k), configs[k], t_lb, m_lb, config, lambda: merge([*found, *incumbents]),
-                                            defer=not config.front and not exhaustive, incumbents=incumbents, **options)  # type: ignore[arg-type]
+                                            defer=not config.front and not exhaustive, incumbents=incumbents,
+                                            rebuild=functools.partial(_problem, graphs, configs[k], config, allow, edges=False),
+                                            **options)  # type: ignore[arg-type]
             if isinstance(outcome_k, Deferred):
                 deferred.append((k, outcome_k))
             else:
@@ -271,11 +274,30 @@ def _stamp(result: SearchResult, config: SearchConfig) -> None:
     result.best, result.knee = stamp(result.best), stamp(result.knee)
 
 
-def _problem(graphs: dict[int, IRGraph], cand: Candidate, config: SearchConfig, allow: StrategyFilter | None, *, edges: bool = True) -> Problem:
-    """Configuration ``cand``'s problem: its mesh and scheme settings, the search-wide rest from ``config``."""
+def _problem(graphs: dict[int, IRGraph], cand: Candidate, config: SearchConfig, allow: StrategyFilter | None,
+             keep: Mapping[str, Sequence[int]] | None = None, *, edges: bool = True) -> Problem:
+    """Configuration ``cand``'s problem: its mesh and scheme settings, the search-wide rest from
+    ``config``; ``keep``: only those strategies of each group (:func:`planner.problem.restrict`)."""
     return build_problem(graphs[cand.micro_batches], cand.mesh, config.hardware, optimizer=config.optimizer, master_dtype=config.master_dtype,
                          prefetch=config.prefetch, cdp_stages=config.cdp_stages, allow=allow, edges=edges, bucket_bytes=config.bucket_bytes,
-                         **cand.settings)
+                         keep=keep, **cand.settings)
+
+
+# a cut problem is built only when it keeps at most this share of the strategies: a smaller cut
+# saves less than building and pricing the problem again costs (a round figure, not tuned)
+_CUT_SHARE = 0.8
+
+
+def _within_reach(problem: Problem, step_time: float, rebuild: Callable[[dict[str, tuple[int, ...]]], Problem]) -> Problem | None:
+    """``problem`` cut to the strategies a plan faster than ``step_time`` may use
+    (:func:`planner.front.strategies_within`), rebuilt where that drops enough of them; None when
+    no plan of it can be faster."""
+    keep = strategies_within(problem, step_time)
+    if keep is None or not all(keep.values()):
+        return None
+    if sum(map(len, keep.values())) > _CUT_SHARE * problem.num_choices:
+        return problem
+    return rebuild(keep)
 
 
 def _solver(config: SearchConfig) -> SolverSettings:
@@ -389,10 +411,14 @@ def _plan_configuration(
     exhaustive: bool = False,
     defer: bool = False,
     incumbents: list[_Seen] | None = None,
+    rebuild: Callable[[dict[str, tuple[int, ...]]], Problem] | None = None,
 ) -> Candidate | Deferred:
     """One configuration: dismissed by its bounds, or its front (its fastest plan, ``front=False``).
     ``defer`` (one plan, the time objective): only bounds now, the MIP in :meth:`Deferred.finish`;
-    a rounded LP answer that fits goes to ``incumbents``."""
+    a rounded LP answer that fits goes to ``incumbents``. With ``rebuild`` (the configuration's
+    problem cut to given strategies) and a plan known, a deferred configuration is first cut to
+    the strategies a faster plan may use (:func:`_within_reach`): a one-plan search needs no
+    other, and its LP and MIP are smaller."""
     t0 = time.perf_counter()
     budget, objective, front, resolution = config.budget, config.objective, config.front, config.resolution
     done = Candidate(cand.mesh, cand.family, cand.settings)
@@ -412,6 +438,18 @@ def _plan_configuration(
                                what="bounds with conversions")
         if dismissed is not None:
             return replace(dismissed, seconds=time.perf_counter() - t0)
+    # the bounds of a problem cut to the strategies a plan faster than the best found may use hold
+    # below that plan's time only: they are clipped there (the configuration's fastest plan is
+    # faster, and then in the cut problem, or it is not, and that plan's time bounds it)
+    ceiling = math.inf
+    if now and defer and objective == "time" and rebuild is not None:
+        cut = _within_reach(problem, now[0].step_time_s, rebuild)
+        if cut is None:  # (rounding: the bound and the plan's time within 1e-9)
+            dismissed = dismissal(done, max(t_lb, now[0].step_time_s), m_lb, now, objective=objective, front=front, what="bounds with conversions")
+            assert dismissed is not None
+            return replace(dismissed, seconds=time.perf_counter() - t0)
+        if cut is not problem:
+            problem, ceiling = cut, now[0].step_time_s
     settings = _solver(config)
     overlaps = reprices_overlap(problem)
     if defer and objective == "time":
@@ -419,12 +457,14 @@ def _plan_configuration(
         # answer, when it fits, is a plan that dismisses others); the MIP waits for the second
         bounding = BudgetILP(problem, "time", settings, credited=overlaps)
         relaxation = bounding.relax(budget, simplex_first=True)  # a fresh model, the device's memory: likely loose
-        if relaxation.infeasible:
+        if relaxation.infeasible and problem.kept:  # none of the plans that could beat the best found fits
+            t_lb = max(t_lb, ceiling)
+        elif relaxation.infeasible:
             return relaxation_infeasible(done, budget, time.perf_counter() - t0)
         if relaxation.bound is not None:
-            t_lb = max(t_lb, relaxation.bound * (1 - settings.relative_gap))
+            t_lb = max(t_lb, min(relaxation.bound * (1 - settings.relative_gap), ceiling))
         dismissed = dismissal(done, t_lb, m_lb, found(), objective=objective, front=front, resolution=resolution,
-                               what="the LP relaxation within the budget")
+                               what="the LP relaxation within the budget" + (" of the strategies that could beat it" if problem.kept else ""))
         if dismissed is not None:
             return replace(dismissed, seconds=time.perf_counter() - t0)
         own = None
@@ -518,8 +558,12 @@ class Deferred:
             # a plan of another configuration is known: this one's exact least memory is not needed
             # when nothing fits (its ILP prices all the memory only without overlap: self.ilp set)
             sol = solve_within(self.ilp or BudgetILP(self.problem, "time", _solver(config)), config.budget,
-                               exact_least=not (found and self.ilp is not None))
+                               exact_least=not (found and (self.ilp is not None or self.problem.kept)))
         except InfeasibleBudget as exc:
+            if self.problem.kept:  # cut to the strategies that could beat a plan found: none of those fits
+                return replace(self.done, reason=f"dominated: none of its plans that could beat the {describe(found[0])} plan "
+                               f"({format_seconds(found[0].step_time_s)} with {format_bytes(found[0].peak_memory_bytes)}) fits "
+                               f"{format_bytes(config.budget)} per device", seconds=self.seconds + time.perf_counter() - start)
             return infeasible(self.done, self.problem, config.budget, exc.least, str(exc), self.seconds + time.perf_counter() - start)
         except SolveStopped as exc:
             return replace(self.done, reason=f"stopped: {exc}", seconds=self.seconds + time.perf_counter() - start)

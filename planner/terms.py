@@ -194,6 +194,9 @@ class Problem:
     # the gradient sync's exposure (planner.overlap.sync_rows): E >= each form (seconds over x),
     # E >= 0; a step hides overlap_efficiency * (sum of Group.sync chosen - E)
     sync_rows: list[Form] = field(default_factory=list)
+    # a problem restricted to some strategies (planner.problem.restrict): per group cut, the
+    # indices its strategies have in the whole problem, in order
+    kept: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     @property
     def zero_stage(self) -> int:

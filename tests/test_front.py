@@ -90,6 +90,86 @@ def test_the_conversion_bound_couples_conversions_along_a_forest() -> None:
     assert tighter >= 2
 
 
+def test_each_strategys_bound_holds_for_every_plan_that_chooses_it() -> None:
+    """The min-marginals of the conversion bound (planner.front.strategies_within): for every
+    assignment, each group's bound at its chosen strategy is at most the plan's time, and the
+    least of them is the problem's bound; so a plan faster than a time uses only the strategies
+    kept for it."""
+    for name in CASES:
+        c = case(name)
+        bound, held = front_module._forest(c.problem, marginals=True)
+        assert bound == pytest.approx(conversion_time_bound(c.problem), rel=1e-12)
+        for g, values in held.items():
+            assert float(values.min()) == pytest.approx(bound, rel=1e-9, abs=1e-15)
+        for flat in range(len(c.time)):
+            chosen = c.assignment(flat)
+            assert max(float(held[g][i]) for g, i in chosen.items()) <= c.time[flat] * (1 + 1e-12)
+        t = float(np.quantile(c.time, 0.3))
+        keep = front_module.strategies_within(c.problem, t)
+        assert keep is not None
+        for flat in np.flatnonzero(c.time < t):
+            assert all(i in keep[g] for g, i in c.assignment(int(flat)).items())
+        assert front_module.strategies_within(c.problem, bound * (1 - 1e-6)) is None  # nothing beats the bound
+
+
+def test_a_problem_cut_to_some_strategies_prices_each_of_its_plans_as_the_whole_problem_does() -> None:
+    """build_problem's ``keep``: the restricted problem's plans are the whole problem's plans that
+    use only the kept strategies, evaluated to the same time and memory, and its ILP finds the
+    fastest of them; the indices it records map back to the whole problem's."""
+    args, kwargs = example_inputs("gpt-tiny", batch=8)
+    graph = trace(build_model("gpt-tiny"), args, kwargs)
+    mesh = Mesh(("dp", "row", "col"), (2, 2, 2))
+    for zero in (0, 3):
+        whole = build_problem(graph, mesh, A100_80G, zero_stage=zero)
+        fastest = BudgetILP(whole, "time", EXACT).run(float("inf"))
+        assert fastest is not None
+        # ZeRO-3 hides its gathers behind compute in the evaluation, so its bound is far below its
+        # plans: a time between the two still cuts
+        bound = conversion_time_bound(whole)
+        t = fastest.evaluation.step_time * 1.02 if zero == 0 else (bound + fastest.evaluation.step_time) / 2
+        keep = front_module.strategies_within(whole, t)
+        assert keep is not None and sum(map(len, keep.values())) < whole.num_choices  # it cuts
+        cut = build_problem(graph, mesh, A100_80G, zero_stage=zero, keep=keep)
+        back = {g: cut.kept.get(g, tuple(range(len(whole.groups[g].strategies)))) for g in whole.groups}
+        assert back == keep
+        best = BudgetILP(cut, "time", EXACT).run(float("inf"))
+        assert best is not None
+        plans = [best.assignment]
+        if zero == 0:  # the fastest plan is kept, and found again
+            assert all(i in keep[g] for g, i in fastest.assignment.items())
+            assert best.evaluation.step_time == pytest.approx(fastest.evaluation.step_time, rel=1e-6)
+            plans.append({g: back[g].index(i) for g, i in fastest.assignment.items()})
+        for local in plans:  # each plan priced alike by both problems
+            a, b = evaluate(cut, local), evaluate(whole, {g: back[g][i] for g, i in local.items()})
+            assert a.step_time == pytest.approx(b.step_time, rel=1e-12)
+            assert a.peak_memory == pytest.approx(b.peak_memory, rel=1e-12)
+
+
+def test_one_plan_searches_cut_to_the_strategies_that_could_win_find_the_same_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The one-plan search cuts each configuration to the strategies that could beat the best plan
+    found (planner.search._within_reach): the same plan as without the cuts, and the cuts ran."""
+    import planner.search as search_module
+
+    args, kwargs = example_inputs("gpt-tiny", batch=8)
+    graph = trace(build_model("gpt-tiny"), args, kwargs)
+    config = SearchConfig(devices=8, zero=(0, 1, 2, 3), hardware=A100_80G, front=False)
+    cuts: list[int] = []
+    real = search_module._within_reach
+
+    def counted(problem, step_time, rebuild):  # type: ignore[no-untyped-def]
+        out = real(problem, step_time, rebuild)
+        cuts.append(out is not None and out is not problem)
+        return out
+
+    monkeypatch.setattr(search_module, "_within_reach", counted)
+    with_cuts = search(graph, config, model_name="gpt-tiny")
+    monkeypatch.setattr(search_module, "_within_reach", lambda problem, step_time, rebuild: problem)
+    without = search(graph, config, model_name="gpt-tiny")
+    assert any(cuts)
+    assert with_cuts.best is not None and without.best is not None
+    assert with_cuts.best.step_time_s == pytest.approx(without.best.step_time_s, rel=1e-6)
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_the_lp_relaxation_bounds_and_weighted_sums_find_supported_points(name: str) -> None:
     """What the search leans on to skip MIPs: the LP relaxation within a budget is at most the
