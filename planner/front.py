@@ -144,7 +144,7 @@ def conversion_time_bound(problem: Problem) -> float:
     parent). Measured, gpt2-small on 64 devices, one configuration of each family against the LP
     relaxation within 80 GiB and the bound that charged every edge to its consumer alone (ms):
     dp=16 x tp=4 ZeRO-0 35.49 (LP 40.66, alone 33.10), dp=4 x 4 x 4 55.25 (57.23, 46.27),
-    dp=8 x 2 x 2 x 2 41.17 (43.29, 38.19), 4 x 4 x 4 118.81 (119.40, 77.04), in 0.1 s at most
+    dp=8 x 2 x 2 x 2 41.17 (43.29, 38.19), 4 x 4 x 4 118.81 (119.40, 77.04), in 0.13 s at most
     once the conversions are priced; the 2 x 2 x 2 configuration, whose LP the search solved to
     dismiss it, is dismissed by this bound."""
     return _forest(problem, marginals=False)[0]
@@ -214,7 +214,9 @@ def _coupling(problem: Problem) -> _Coupling:
     strategies (a conversion inside the group); per pair of groups, the matrix of charges
     (first group's strategies x second's; the edges between them, either way, summed); the
     spanning forest (per tree: its root, its groups parents first, each group's parent); and per
-    group, what the edges outside the forest charge it as their consumer. A conversion that
+    group, what the pairs outside the forest charge it as their second group (at the first
+    group's cheapest strategy for each of its own: a lower bound of the pair's charge, whichever
+    way its edges run). A conversion that
     several edges (or a group's own strategies) can trigger is paid once, so each use is charged
     its cost / uses: the charges of the uses a plan triggers add up to at most the cost. Worked
     out once per pricing of the conversions (the ZeRO 0-2 problems of a mesh share it:

@@ -71,7 +71,8 @@ def regather_variants(
         return strategies
     out = list(strategies)
     # what a position's arrival and its collectives are depends on the Spec the kernel computes
-    # with alone, which many strategies share (a 3-D linear's 194 strategies have a few dozen)
+    # with alone, which many strategies share (measured, gpt2-small's 3-D ZeRO-3 problem on 64
+    # devices: this function was 0.67 s of its 0.73 s build when it worked them out per strategy)
     arrivals: dict[tuple[int, Spec], tuple[Spec, tuple[Comm, ...]] | None] = {}
     for s in strategies:
         if axes is None and not s.split_axes & set(tp):
