@@ -170,18 +170,18 @@ def restrict(problem: Problem, keep: Mapping[str, Collection[int]]) -> None:
     nodes' choices cut alike, so a follower still follows its leader strategy by strategy);
     ``problem.kept`` records, per group cut, the indices they have in the whole problem."""
     cut: dict[str, list[int]] = {}
-    for g, idx in keep.items():
+    for g, indices in keep.items():
         n = len(problem.groups[g].strategies)
-        wanted = sorted(i for i in set(idx) if 0 <= i < n)
+        wanted = sorted(i for i in set(indices) if 0 <= i < n)
         if len(wanted) < n:
             cut[g] = wanted
     for node, strategies in list(problem.choices.items()):
-        idx = cut.get(problem.node_group[node])
-        if idx is not None:
-            problem.choices[node] = [strategies[i] for i in idx]
-    for g, idx in cut.items():
+        kept = cut.get(problem.node_group[node])
+        if kept is not None:
+            problem.choices[node] = [strategies[i] for i in kept]
+    for g in cut:
         problem.groups[g] = _unpriced_group(problem, g, problem.choices[g])
-    problem.kept = {g: tuple(idx) for g, idx in cut.items()}
+    problem.kept = {g: tuple(wanted) for g, wanted in cut.items()}
 
 
 def price_conversions(problem: Problem) -> Problem:
