@@ -481,21 +481,35 @@ class BudgetILP:
         without a budget: a supported point of the front (on its convex hull), solved without the
         budget row whose knapsack makes the epsilon-constraint MIPs hard (measured, GPT-3 13B on
         4x4x4: about 1 s each, where a budgeted solve took up to 19 s). ``gap``, ``absolute_gap``:
-        stop once within that fraction, or that much (in the objective's units), of the optimum."""
-        assert self.objective == "time"
+        stop once within that fraction, or that much (in the objective's units), of the optimum.
+
+        On a least-memory model (``objective="memory"``, no budget row) the same objective starts
+        from the least-memory plan's basis, a near start where ``weight`` makes memory dominate:
+        measured, gpt-tiny on 8 devices, the front's least-memory end (:func:`planner.sweep._end`)
+        0.54 s where the time model took 6.38 s (3-D 2 x 2 x 2), 1.16 s where it took 7.55 s
+        (dp=2 x 2 x 2 2-D); the same plans."""
+        solution = self.weighted_below(weight, math.inf, gap=gap, absolute_gap=absolute_gap)
+        assert solution is not None  # no budget binds, no cutoff
+        return solution
+
+    def weighted_below(self, weight: float, below: float, *, gap: float | None = None, absolute_gap: float = 0.0) -> Solution | None:
+        """:meth:`weighted`, only a plan whose value (time + ``weight`` x memory, normalised, the
+        tie-break's ``TIE_BREAK`` x memory included) is below ``below``: None when there is none.
+        The solver prunes with it (HiGHS' ``objective_bound``), so a search for a point below a
+        segment of the front's hull (:func:`planner.sweep.sweep`) need not prove the optimum of
+        plans above the segment: measured, gpt-tiny on 8 devices, the hull of the 3-D 2 x 2 x 2
+        configuration had weighted MIPs of 100.9 s and 14.9 s without it (the relaxation that
+        would have answered them stopped at its time limit)."""
         costs = self._costs((self.time_e, 1.0), (self.mem_e, weight + TIE_BREAK))
         highs = self._highs()
         if highs is None:
-            solution = self.run(float("inf"), costs, gap=gap, absolute_gap=absolute_gap)
-        else:
-            cols = np.arange(len(costs), dtype=np.int32)
-            highs.changeColsCost(len(costs), cols, costs)
-            try:
-                solution = self.run(float("inf"), costs, gap=gap, absolute_gap=absolute_gap)
-            finally:
-                highs.changeColsCost(len(costs), cols, self.costs)
-        assert solution is not None  # no budget binds
-        return solution
+            return self.run(float("inf"), costs, gap=gap, absolute_gap=absolute_gap, cutoff=below)
+        cols = np.arange(len(costs), dtype=np.int32)
+        highs.changeColsCost(len(costs), cols, costs)
+        try:
+            return self.run(float("inf"), costs, gap=gap, absolute_gap=absolute_gap, cutoff=below)
+        finally:
+            highs.changeColsCost(len(costs), cols, self.costs)
 
     def _costs(self, *parts: tuple[Expr, float]) -> np.ndarray:
         """The objective's column costs: the sum of each form times its weight."""
@@ -506,7 +520,7 @@ class BudgetILP:
         return costs
 
     def run(self, budget: float, costs: np.ndarray | None = None, *, gap: float | None = None, absolute_gap: float = 0.0,
-            faster_than: float | None = None) -> Solution | None:
+            faster_than: float | None = None, cutoff: float = math.inf) -> Solution | None:
         """The fastest plan within ``budget`` bytes per device (the smallest, for the memory
         objective), or None when none fits. ``costs``: another objective (:meth:`weighted`);
         ``gap``: the relative MIP gap of this solve (the settings' otherwise); ``absolute_gap``:
@@ -515,19 +529,22 @@ class BudgetILP:
         prices it; a cutoff the solver prunes with (HiGHS' ``objective_bound``; measured, gpt-tiny's
         front on 8 devices, ZeRO 0: 22.4 s -> 19.4-20.5 s; vit-base's, ZeRO 0-3, unchanged: most of
         its budgeted MIPs are of configurations whose evaluation hides communication, where the
-        ILP's time bounds nothing and the sweep passes no cutoff)."""
+        ILP's time bounds nothing and the sweep passes no cutoff). ``cutoff``: None also when no
+        plan's objective (in the model's normalised units, ``costs``' when given) is below it."""
         t0 = time.perf_counter()
         gap = self.settings.relative_gap if gap is None else gap
-        cutoff = math.inf
         if faster_than is not None and costs is None and self.objective == "time":
-            cutoff = faster_than / self.model.t_unit * (1 + 1e-9) + TIE_BREAK * min(budget, NO_BUDGET) / self.model.m_unit
+            cutoff = min(cutoff, faster_than / self.model.t_unit * (1 + 1e-9) + TIE_BREAK * min(budget, NO_BUDGET) / self.model.m_unit)
+        costs = self.costs if costs is None else costs
         with quiet():
-            outcome = self._run(budget, self.costs if costs is None else costs, gap, absolute_gap, cutoff)
+            outcome = self._run(budget, costs, gap, absolute_gap, cutoff)
         elapsed = time.perf_counter() - t0
         log.debug("mesh %s: %s solve within %s took %.2f s", self.problem.mesh, self.objective, format_bytes(budget), elapsed)
         build = self.build_seconds if not self.solves else 0.0
         self.solves += 1
         if outcome.values is None or outcome.status is None:
+            if cutoff < math.inf:
+                return None  # (or none below the cutoff)
             if self.objective == "memory" and outcome.reason == "Infeasible" and self.problem.cdp != "off":
                 raise SolveStopped(f"no CDP plan of mesh {self.problem.mesh}: every choice of strategies needs a collective over the "
                                    "data-parallel workers (a tensor gathered over them), which CDP's workers, running at different times, "
@@ -537,6 +554,8 @@ class BudgetILP:
                                    f"{self.settings.time_limit_s:g} s ({outcome.reason}): raise it (--time-limit, SolverSettings.time_limit_s)")
             return None
         values = outcome.values
+        if float(costs @ values) >= cutoff:
+            return None  # (a plan the solver's neighbourhood search or tolerances let through)
         assignment = self.model.assignment(values)
         evaluation = evaluate(self.problem, assignment)
         primary = _dot(self.time_e, values) * self.model.t_unit if self.objective == "time" else _dot(self.mem_e, values) * self.model.m_unit
@@ -555,6 +574,16 @@ class BudgetILP:
 
 def _dot(expr: Expr, values: np.ndarray) -> float:
     return float(sum(coef * values[col] for col, coef in expr.items()))
+
+
+def least_memory(problem: Problem, settings: SolverSettings) -> tuple[Solution, BudgetILP]:
+    """The least-memory plan (to the time tie-break, the fastest of that memory) and the model that
+    found it, whose basis a weighted solve near that memory starts from (:meth:`BudgetILP.weighted`).
+    Raises :class:`SolveStopped` when the time limit ends the MIP without a plan."""
+    ilp = BudgetILP(problem, "memory", settings)
+    least = ilp.run(float("inf"))
+    assert least is not None  # no budget row: run() returns a plan or raises
+    return least, ilp
 
 
 def solve_once(problem: Problem, budget: float, objective: Literal["time", "memory"], settings: SolverSettings) -> Solution:

@@ -8,10 +8,11 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import math
 from collections.abc import Callable
 
 from planner.messages import infeasible_message
-from planner.solve import FLOOR_SLACK, BudgetILP, InfeasibleBudget, Solution, SolverSettings, SolveStopped, solve_once, within
+from planner.solve import FLOOR_SLACK, TIE_BREAK, BudgetILP, InfeasibleBudget, Solution, SolverSettings, SolveStopped, least_memory, within
 from planner.terms import Problem
 
 log = logging.getLogger(__name__)
@@ -67,7 +68,7 @@ def sweep(
     :class:`InfeasibleBudget` when ``m_min`` exceeds the budget."""
     settings = ilp.settings if ilp is not None else settings or SolverSettings()
     try:
-        least = solve_once(problem, float("inf"), "memory", settings)
+        least, least_ilp = least_memory(problem, settings)
     except SolveStopped:  # the front's low-memory end is unknown: the fastest plan is still a plan, marked as stopped
         top = fastest or (ilp or BudgetILP(problem, "time", settings)).run(float("inf"))
         if top is None or top.evaluation.peak_memory > memory_budget:
@@ -82,9 +83,9 @@ def sweep(
     cap = max_points if max_points is not None else float("inf")
     top = fastest or ilp.run(float("inf"))
     assert top is not None
-    # the least-memory end (see _end), unless a bound shows it covered by points found elsewhere
+    # the least-memory end (see _end); exact (r = 0), unless a bound shows it covered by points found elsewhere
     gap = settings.sweep_gap(resolution)
-    end = _end(ilp, least, resolution, covered, bounding, gap)
+    end = _end(ilp, least, resolution, covered, bounding, gap, least_ilp)
     least = end or least  # when covered: the memory objective's plan, to end the hull, not to report
     if covered is not None and top.evaluation.peak_memory > memory_budget:
         covered_at_budget = covered(bounding.relaxation(memory_budget) or 0.0)
@@ -110,8 +111,14 @@ def sweep(
         if dt <= 0:
             continue  # b is as fast as a with less memory: a is not on the front (tolerances)
         w = dt / dm
-        r = ilp.weighted(w, gap=gap)
         line = seconds(a) / ilp.model.t_unit + w * memory(a) / ilp.model.m_unit
+        # a point is a plan strictly below the segment: with the tie-break, below a's value (as it is smaller
+        # than a), which the solver prunes with where the ILP prices what the evaluation does (not where it
+        # hides communication: there a plan above the line as the ILP prices it may be below it evaluated)
+        below = math.inf if overlaps else line + TIE_BREAK * memory(a) / ilp.model.m_unit
+        r = ilp.weighted_below(w, below, gap=gap)
+        if r is None:
+            continue
         value = seconds(r) / ilp.model.t_unit + w * memory(r) / ilp.model.m_unit
         if memory(b) < memory(r) < memory(a) and value < line - 1e-9 * max(abs(line), 1.0):
             hull.append(r)
@@ -145,7 +152,7 @@ def sweep(
 
 
 def _end(ilp: BudgetILP, least: Solution, resolution: float, covered: Callable[[float], float] | None, bounding: BudgetILP | None,
-         gap: float) -> Solution | None:
+         gap: float, least_ilp: BudgetILP | None = None) -> Solution | None:
     """The front's least-memory end, from the least-memory plan ``least`` (memory ``m_min``, step
     time ``T_L``), or None when a bound shows it covered (see :func:`_fill`).
 
@@ -169,13 +176,9 @@ def _end(ilp: BudgetILP, least: Solution, resolution: float, covered: Callable[[
     window = max(floor * (1 + FLOOR_SLACK), floor / (1 - resolution))
     if resolution <= 0:
         return _fill(ilp, window, covered, floor * (1 - 1e-6), bounding, gap)
-    if covered is not None:
-        below = _covered_within(ilp, window, covered, bounding)
-        if below is not None and below <= floor * (1 - 1e-6):
-            return None
     t_least = max(least.evaluation.step_time, 1e-30) / ilp.model.t_unit
     weight = t_least * (1 - resolution) * (1 + resolution) / (resolution * floor / ilp.model.m_unit)
-    return ilp.weighted(weight, absolute_gap=resolution * t_least)
+    return (least_ilp or ilp).weighted(weight, absolute_gap=resolution * t_least)
 
 
 def _fill(ilp: BudgetILP, budget: float, covered: Callable[[float], float] | None, floor: float, bounding: BudgetILP | None = None,

@@ -23,7 +23,7 @@ from planner.mesh import Mesh
 from planner.models import build_model, example_inputs
 from planner.problem import build_problem, evaluate
 from planner.search import search
-from planner.solve import BudgetILP, solve
+from planner.solve import TIE_BREAK, BudgetILP, solve
 from planner.space import candidate_meshes
 from planner.sweep import sweep
 from planner.trace import trace
@@ -174,7 +174,9 @@ def test_one_plan_searches_cut_to_the_strategies_that_could_win_find_the_same_pl
 def test_the_lp_relaxation_bounds_and_weighted_sums_find_supported_points(name: str) -> None:
     """What the search leans on to skip MIPs: the LP relaxation within a budget is at most the
     fastest plan that fits (brute force), and a weighted sum returns a plan minimising
-    time + w x memory over every assignment (so a point on the front's convex hull)."""
+    time + w x memory over every assignment (so a point on the front's convex hull); asked for a
+    plan below a value (the sweep's hull search), it returns one when the best is below, None when
+    no plan is."""
     c = case(name)
     ilp = BudgetILP(c.problem, "time", EXACT)
     u_t, u_m = ilp.model.t_unit, ilp.model.m_unit
@@ -187,6 +189,14 @@ def test_the_lp_relaxation_bounds_and_weighted_sums_find_supported_points(name: 
         value = sol.evaluation.step_time / u_t + w * sol.evaluation.peak_memory / u_m
         best = float((c.time / u_t + w * c.memory / u_m).min())
         assert value <= best + 1e-9 * max(best, 1.0) + _time_slack(c) / u_t
+        # below a value: the best plan when it is below it, None when no plan is (the tie-break counted)
+        tied = c.time / u_t + w * c.memory / u_m + TIE_BREAK * c.memory / u_m
+        least_tied = float(tied.min())
+        above = ilp.weighted_below(w, least_tied * (1 + 1e-6) + 1e-12)
+        assert above is not None
+        found = above.evaluation.step_time / u_t + (w + TIE_BREAK) * above.evaluation.peak_memory / u_m
+        assert found < least_tied * (1 + 1e-6) + 1e-12 + _time_slack(c) / u_t
+        assert ilp.weighted_below(w, least_tied * (1 - 1e-6)) is None
     # the ends: no weight is the fastest plan, an overwhelming one the least memory
     assert ilp.weighted(0.0).evaluation.step_time <= float(c.time.min()) * (1 + 1e-9) + _time_slack(c)
     assert ilp.weighted(1e6).evaluation.peak_memory == pytest.approx(c.least_memory, rel=1e-9)

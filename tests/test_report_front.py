@@ -244,8 +244,11 @@ def test_a_least_memory_solve_stopped_by_the_time_limit_keeps_the_fastest_plan(c
             raise solve.SolveStopped(f"the least-memory ILP of mesh {problem.mesh} found no plan within the time limit of 2 s: raise it (--time-limit)")
         return real(problem, budget, objective, settings)
 
+    def least_stopped(problem, settings):  # type: ignore[no-untyped-def]
+        return stopped(problem, float("inf"), "memory", settings)
+
     monkeypatch.setattr(solve, "solve_once", stopped)
-    monkeypatch.setattr(sweep, "solve_once", stopped)
+    monkeypatch.setattr(sweep, "least_memory", least_stopped)
     code, out, _ = run(capsys, "report", *TINY)
     assert code == 0 and out.splitlines()[1].startswith("Chosen plan (time): ")
     assert "time limit" in out, out

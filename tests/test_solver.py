@@ -240,10 +240,12 @@ def test_the_fronts_least_memory_end_keeps_its_bound(name: str, resolution: floa
     assert m_min == pytest.approx(c.least_memory, rel=1e-9)
     fastest_at_least = c.fastest_within(m_min * (1 + 1e-9))
     ilp = solve_module.BudgetILP(c.problem, "time", EXACT)
-    end = sweep_module._end(ilp, least, resolution, None, None, EXACT.sweep_gap(resolution))
-    assert end is not None
-    assert m_min <= end.evaluation.peak_memory <= m_min / (1 - resolution) * (1 + 1e-9)
-    assert end.evaluation.step_time <= fastest_at_least + resolution * t_least * (1 + 1e-9)
+    _, least_ilp = solve_module.least_memory(c.problem, EXACT)
+    for model in (None, least_ilp):  # solved on the time model, or on the least-memory model (the sweep's), from its basis
+        end = sweep_module._end(ilp, least, resolution, None, None, EXACT.sweep_gap(resolution), model)
+        assert end is not None
+        assert m_min <= end.evaluation.peak_memory <= m_min / (1 - resolution) * (1 + 1e-9)
+        assert end.evaluation.step_time <= fastest_at_least + resolution * t_least * (1 + 1e-9)
     exact = sweep_module._end(ilp, least, 0.0, None, None, 0.0)
     assert exact is not None and exact.evaluation.peak_memory <= m_min * (1 + 1e-9)
     assert exact.evaluation.step_time == pytest.approx(fastest_at_least, rel=1e-6, abs=_time_slack(c))
