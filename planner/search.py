@@ -526,8 +526,14 @@ def _plan_configuration(
     if not solutions:  # the sweep's LP bounds showed every plan that fits covered by points found before
         return replace(done, reason=f"dominated: the LP relaxation shows its plans within {format_bytes(budget)} all slower and "
                        f"{larger_text(resolution)} than plans of the configurations above", seconds=time.perf_counter() - t0)
-    plans = merge([make_plan(problem.graph, problem, sol, model_name=model_name, memory_budget=budget, optimizer=config.optimizer) for sol in solutions],
-                  resolution if front else 0.0)
+    every = [make_plan(problem.graph, problem, sol, model_name=model_name, memory_budget=budget, optimizer=config.optimizer) for sol in solutions]
+    plans = merge(every, resolution if front else 0.0)
+    lowest = min(every, key=lambda p: p.peak_memory_bytes)
+    if plans[-1].peak_memory_bytes > lowest.peak_memory_bytes:
+        # its least-memory plan stays, at the end, within the resolution of the point before it: the
+        # merged front, spaced across configurations, may drop that point for another configuration's
+        # and still need this one (planner.sweep.sweep)
+        plans.append(lowest)
     log.info("%s: %d points", configuration_text(cand), len(plans))
     return replace(done, family=plans[0].tp, plan=plans[0], front=tuple(plans), seconds=time.perf_counter() - t0)
 
