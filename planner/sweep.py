@@ -163,7 +163,10 @@ def sweep(
 def _end(ilp: BudgetILP, least: Solution, resolution: float, covered: Callable[[float], float] | None, bounding: BudgetILP | None,
          gap: float, least_ilp: BudgetILP | None = None) -> Solution | None:
     """The front's least-memory end, from the least-memory plan ``least`` (memory ``m_min``, step
-    time ``T_L``), or None when a bound shows it covered (see :func:`_fill`).
+    time ``T_L``), or None (``resolution`` 0) when a bound shows it covered (see :func:`_fill`).
+    ``least_ilp``: the model that found ``least``, whose basis the weighted solve below starts from
+    (:meth:`planner.solve.BudgetILP.weighted`; where a bound showed this end covered, that bound was an
+    LP relaxation near the least memory, which took longer than the solve it could save).
 
     ``resolution`` 0: the fastest plan of exactly ``m_min`` (a budgeted MIP there). With r > 0: the
     plan P minimising ``M + lam T`` without a budget, ``lam = r m_min / ((1 - r)(1 + r) T_L)``,
