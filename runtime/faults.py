@@ -6,14 +6,14 @@ neither names the collective nor the rank to look at. Every collective the runti
 wrapped so that, when it raises, :func:`failed` turns the error into a :class:`CollectiveError`:
 
 1. this rank posts what failed under ``planner/fault/<rank>`` in the process group's store;
-2. it waits up to :data:`GRACE_S` seconds (``PLANNER_FAULT_GRACE_S``, default 3) for the other
+2. it waits up to ``grace_s()`` seconds (``PLANNER_FAULT_GRACE_S``, default 3) for the other
    ranks of the collective's group to post theirs: healthy ones fail the same collective within a
    moment (their own timeout, or a closed connection once a peer is gone);
 3. the ranks that never posted are the ones to look at: stalled (hung, or far behind) or dead.
 
 So a stalled rank fails the others after the process group's timeout (``init_process_group(timeout=)``,
-torch's default 30 min; set it to a few times your slowest step) plus ``GRACE_S``; a dead rank's
-peers fail at once plus ``GRACE_S``. The message names the collective (kind, mesh axes, phase), its
+torch's default 30 min; set it to a few times your slowest step) plus ``grace_s()``; a dead rank's
+peers fail at once plus ``grace_s()``. The message names the collective (kind, mesh axes, phase), its
 group's ranks, the ranks that did not report, and gloo's own words. The store lives with
 torchrun's agent (or on rank 0 when launched by hand: if rank 0 is the dead one, the message
 says the store did not answer). Under NCCL, torch's own watchdog may abort the process first
@@ -36,7 +36,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-GRACE_S = float(os.environ.get("PLANNER_FAULT_GRACE_S", "3"))
+
+def grace_s() -> float:
+    """Seconds a failing rank waits for the others' reports: ``PLANNER_FAULT_GRACE_S`` (default
+    3), read when a collective fails (a process forked after this module was imported still
+    sees the value its launcher set)."""
+    return float(os.environ.get("PLANNER_FAULT_GRACE_S", "3"))
+
 _KEY = "planner/fault/{}"
 _SOURCE = re.compile(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*")  # gloo's "[/path/to/pair.cc:553] " prefix
 
@@ -61,7 +67,7 @@ def failed(what: str, ranks: Sequence[int], exc: BaseException) -> CollectiveErr
     silent = [r for r in ranks if r != me and r not in reported]
     if silent:
         others = f" {_plural('Rank', reported)} {_ranks(sorted(reported))} failed too." if reported else ""
-        return CollectiveError(f"{head} {_plural('Rank', silent)} {_ranks(silent)} did not report within {GRACE_S:g} s: "
+        return CollectiveError(f"{head} {_plural('Rank', silent)} {_ranks(silent)} did not report within {grace_s():g} s: "
                                f"stalled or dead, read {'their' if len(silent) > 1 else 'its'} log.{others} (A stall shows after the "
                                "process group's timeout, init_process_group(timeout=...).)")
     elsewhere = {r: w for r, w in reported.items() if w != what}
@@ -70,11 +76,11 @@ def failed(what: str, ranks: Sequence[int], exc: BaseException) -> CollectiveErr
 
 
 def _compare(me: int, what: str, others: list[int]) -> dict[int, str]:
-    """Post this rank's failure; the failures the ``others`` post within GRACE_S."""
+    """Post this rank's failure; the failures the ``others`` post within :func:`grace_s`."""
     store = dist.distributed_c10d._get_default_store()
     store.set(_KEY.format(me), json.dumps({"what": what}))
     reported: dict[int, str] = {}
-    deadline = time.monotonic() + GRACE_S
+    deadline = time.monotonic() + grace_s()
     while True:
         for r in others:
             if r not in reported and store.check([_KEY.format(r)]):

@@ -1,8 +1,13 @@
 """Run a function on ``world_size`` gloo processes once, collect per-rank results, reap everything.
 
-Spawning is the expensive part (~2-5 s per world size on 2 cores), so each world size is started
-once and runs many checks inside (see tests/dist_checks.py). Every process is joined or killed
-before :func:`run_world` returns, whether the checks pass, fail, raise or hang.
+Starting ranks is the expensive part, so each world size is started once and runs many checks
+inside (see tests/dist_checks.py). Ranks are forked by multiprocessing's fork server, which has
+imported torch, the planner, the runtime and the Hugging Face models once for the whole session
+(:data:`PRELOAD`): a freshly spawned rank spent ~2 s of CPU on imports, ~7 s with transformers'
+model modules, and 4 or 8 of them share CI's 2 cores. A forked rank gets the launcher's
+environment as it is at :func:`run_world` (the server's own is the one it started with). Every
+process is joined or killed before :func:`run_world` returns, whether the checks pass, fail,
+raise or hang.
 """
 
 from __future__ import annotations
@@ -25,9 +30,27 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...], out: Any, pg_timeout: float, settle: bool) -> None:
+# what every rank imports, once in the fork server (a module that is not installed is skipped)
+PRELOAD = [
+    "torch", "torch.distributed", "torch.export", "planner.search", "planner.runtime", "runtime.compile", "runtime.cdp",
+    "tests.dist_checks", "tests.cdp_checks", "tests.hf_checks", "models.hf", "transformers",
+    *(f"transformers.models.{m}.modeling_{m}" for m in ("gpt2", "llama", "qwen2", "mistral", "bert", "vit", "bart", "mixtral", "t5")),
+]
+_CONTEXT = mp.get_context("forkserver")
+_CONTEXT.set_forkserver_preload(PRELOAD)
+
+
+def context() -> Any:
+    """The multiprocessing context that starts ranks and planning workers (the fork server)."""
+    return _CONTEXT
+
+
+def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...], out: Any, pg_timeout: float, settle: bool,
+           env: dict[str, str]) -> None:
     import torch.distributed as dist
 
+    os.environ.clear()
+    os.environ.update(env)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     # one compute thread a rank: more ranks than cores already, and torch's pool of one thread per
@@ -49,10 +72,10 @@ def run_world(world: int, fn: Callable[..., Any], *args: Any, timeout: float = 6
     """``fn(rank, world, *args)`` on every rank; returns the ranks' results (rank order).
     ``pg_timeout``: the process group's timeout (s); ``settle=False``: no closing barrier (the
     function broke the world on purpose)."""
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
+    out = _CONTEXT.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world, port, fn, args, out, pg_timeout, settle), daemon=True) for r in range(world)]
+    env = dict(os.environ)
+    procs = [_CONTEXT.Process(target=_entry, args=(r, world, port, fn, args, out, pg_timeout, settle, env), daemon=True) for r in range(world)]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}

@@ -21,7 +21,6 @@ each are most of the cost; the world's plans are made by two processes at once (
 from __future__ import annotations
 
 import functools
-import multiprocessing as mp
 import os
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -43,7 +42,7 @@ from planner.trace import trace
 from tests.cdp_checks import BATCH as CDP_BATCH
 from tests.cdp_checks import cdp_train
 from tests.dist_checks import BATCH, build, inputs, measure_cdp_peak_memory, measure_peak_memory, train_and_compare
-from tests.harness import run_world
+from tests.harness import context, run_world
 from tests.hf_checks import failing_kernel_message, family_mesh, require_family, run_many
 
 MODELS = ("hf-gpt2", "hf-llama", "hf-qwen2", "hf-mistral", "hf-bert", "hf-vit", "hf-bart", "hf-mixtral")
@@ -120,7 +119,7 @@ def _plans(jobs: list[tuple[str, str, str]]) -> dict[tuple[str, str, str], Plan]
     row, so each traces a model once (_graph's cache)."""
     workers = min(2, os.cpu_count() or 1)
     chunk = max(1, len(jobs) // (4 * workers))
-    with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
+    with ProcessPoolExecutor(workers, mp_context=context()) as pool:
         texts = list(pool.map(_plan_job, jobs, chunksize=chunk))
     return {job: Plan.model_validate_json(text) for job, text in zip(jobs, texts, strict=True)}
 
