@@ -84,6 +84,8 @@ def cdp_train(rank: int, world: int, cases: list[tuple[str, str, str, int]]) -> 
     from planner.plan import Plan
     from planner.runtime.cdp import CDPTrainer
     from planner.runtime.compile import compile_plan
+    from planner.trace import micro_batch_inputs
+    from tests.dist_checks import traced
 
     out = []
     for name, text, rule, num_stages in cases:  # rule "plan": the CDP mode the plan was made with
@@ -92,8 +94,9 @@ def cdp_train(rank: int, world: int, cases: list[tuple[str, str, str, int]]) -> 
         model = build_model(name, dtype=torch.float64, seed=0)
         dp_axes = frozenset(plan.mesh_obj.active_dp_axes)
         report: dict[str, Any] = {"rule": rule}
+        graph = traced(name, model, *micro_batch_inputs(*batches[0], plan.micro_batches))
         if rule == "dp":
-            pm = compile_plan(plan, model, *batches[0])
+            pm = compile_plan(plan, model, *batches[0], graph=graph)
             opt = torch.optim.SGD(pm.parameters(), **SGD)
             losses = []
             for args, kwargs in batches:
@@ -106,7 +109,7 @@ def cdp_train(rank: int, world: int, cases: list[tuple[str, str, str, int]]) -> 
             report |= {"losses": losses, "params": {k: v.tolist() for k, v in pm.full_state_dict().items()}}
             out.append(report)
             continue
-        pm = compile_plan(plan, model, *batches[0], loss_partial_over=dp_axes)
+        pm = compile_plan(plan, model, *batches[0], loss_partial_over=dp_axes, graph=graph)
         if rule == "plan":  # the plan's own CDP mode and stage count
             trainer = CDPTrainer(pm, torch.optim.SGD, **SGD)
         else:

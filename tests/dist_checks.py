@@ -26,6 +26,24 @@ BATCH = 4
 STEPS = 3
 # precision name -> (compute dtype, master dtype or None); see tests/test_mixed_precision.py
 PRECISIONS = {"fp64": (torch.float64, None), "fp32+master64": (torch.float32, torch.float64), "bf16+master32": (torch.bfloat16, torch.float32)}
+_GRAPHS: dict[tuple[Any, ...], Any] = {}
+
+
+def traced(name: str, model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``model`` (preset ``name``) traced on ``args, kwargs``: once per process for each preset,
+    parameter dtype and device, and input shapes, whichever check asks (a rank compiles many plans
+    of one model, each with a fresh instance of it; export takes 0.3-1.9 s a model here, and 4 or
+    8 ranks share 2 cores)."""
+    from torch.utils._pytree import tree_flatten
+
+    from planner.trace import trace
+
+    first = next(model.parameters())
+    shapes = tuple((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else repr(a) for a in tree_flatten((args, kwargs))[0])
+    key = (name, first.dtype, first.device.type, shapes)
+    if key not in _GRAPHS:
+        _GRAPHS[key] = trace(model, args, kwargs)
+    return _GRAPHS[key]
 
 
 def build(name: str, dtype: torch.dtype, seed: int = 0) -> torch.nn.Module:
@@ -130,11 +148,10 @@ def train_and_compare(rank: int, world: int, plans_json: list[tuple[str, ...]]) 
     its shards, against the same model built on one CPU."""
     from planner.plan import Plan
     from planner.runtime.compile import compile_plan
-    from planner.trace import micro_batch_inputs, trace
+    from planner.trace import micro_batch_inputs
 
     reports = []
-    graphs: dict[tuple[str, torch.dtype, int], Any] = {}  # each model traced once, however many plans it has
-    references: dict[tuple[str, str, str], dict[str, Any]] = {}
+    references: dict[tuple[str, str, str, bool], dict[str, Any]] = {}
     for name, text, *rest in plans_json:
         optimizer = rest[0] if rest else "sgd"
         precision = rest[1] if len(rest) > 1 else "fp64"
@@ -148,12 +165,10 @@ def train_and_compare(rank: int, world: int, plans_json: list[tuple[str, ...]]) 
         want = references[(name, optimizer, precision, meta)]
         model = build_native(name, dtype, "meta") if meta else build(name, dtype)
         args, kwargs = batches[0]
-        key = (name, dtype, plan.micro_batches, meta)
-        if key not in graphs:
-            graphs[key] = trace(model, *micro_batch_inputs(args, kwargs, plan.micro_batches))
+        graph = traced(name, model, *micro_batch_inputs(args, kwargs, plan.micro_batches))
         if meta:
             torch.manual_seed(0)  # as before the CPU twin's construction: the replayed draws are its draws
-        pm = compile_plan(plan, model, args, kwargs, graph=graphs[key])
+        pm = compile_plan(plan, model, args, kwargs, graph=graph)
         state = pm.full_state_dict()
         source = build_native(name, dtype) if meta else model
         exact_state = all(torch.equal(state[n], t) for n, t in source.named_parameters(remove_duplicate=False))
@@ -213,11 +228,10 @@ def measure_peak_memory(rank: int, world: int, cases: list[tuple[str, str]]) -> 
     from tests.memory_probe import peak_over
 
     out = []
-    graphs: dict[str, Any] = {}
     for name, text in cases:
         plan = Plan.model_validate_json(text)
         batches = _batches(name, 3, torch.float32)
-        pm = _compiled_float32(name, plan, batches[0], graphs)
+        pm = _compiled_float32(name, plan, batches[0])
         opt = pm.make_optimizer(torch.optim.AdamW, lr=1e-3)
         measured = (0, 0)
         for k, (args, kwargs) in enumerate(batches):
@@ -250,12 +264,11 @@ def measure_cdp_peak_memory(rank: int, world: int, cases: list[tuple[str, str]])
     from tests.memory_probe import peaks_over_steps
 
     out = []
-    graphs: dict[str, Any] = {}
     for name, text in cases:
         plan = Plan.model_validate_json(text)
         batches = _batches(name, 4, torch.float32)
         dp_axes = frozenset(plan.mesh_obj.active_dp_axes)
-        pm = _compiled_float32(name, plan, batches[0], graphs, loss_partial_over=dp_axes)
+        pm = _compiled_float32(name, plan, batches[0], loss_partial_over=dp_axes)
         trainer = CDPTrainer(pm, torch.optim.AdamW, lr=1e-3)
         local = [pm.shard_batch(*args, **kwargs) for args, kwargs in batches]
         for a, kw in local[:2]:  # warm-up, unprofiled: the optimizer's states appear (v1 first steps at step 1)
@@ -266,15 +279,12 @@ def measure_cdp_peak_memory(rank: int, world: int, cases: list[tuple[str, str]])
     return out
 
 
-def _compiled_float32(name: str, plan: Any, batch: tuple[tuple[Any, ...], dict[str, Any]], graphs: dict[str, Any], **kwargs: Any) -> Any:
-    """A fresh float32 ``name`` compiled under ``plan`` (its traced graph cached in ``graphs``)."""
+def _compiled_float32(name: str, plan: Any, batch: tuple[tuple[Any, ...], dict[str, Any]], **kwargs: Any) -> Any:
+    """A fresh float32 ``name`` compiled under ``plan`` (its graph traced once, :func:`traced`)."""
     from planner.runtime.compile import compile_plan
-    from planner.trace import trace
 
     model = build(name, torch.float32)
-    if name not in graphs:
-        graphs[name] = trace(model, *batch)
-    return compile_plan(plan, model, *batch, graph=graphs[name], **kwargs)
+    return compile_plan(plan, model, *batch, graph=traced(name, model, *batch), **kwargs)
 
 
 def _memory_row(plan: Any, measured: tuple[int, int]) -> dict[str, Any]:
