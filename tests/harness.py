@@ -6,8 +6,9 @@ imported torch, the planner, the runtime and the Hugging Face models once for th
 (:data:`PRELOAD`): a freshly spawned rank spent ~2 s of CPU on imports, ~7 s with transformers'
 model modules, and 4 or 8 of them share CI's 2 cores. A forked rank gets the launcher's
 environment as it is at :func:`run_world` (the server's own is the one it started with). Every
-process is joined or killed before :func:`run_world` returns, whether the checks pass, fail,
-raise or hang.
+rank is joined or killed before :func:`run_world` returns, whether the checks pass, fail, raise
+or hang (the server reaps it); the server itself exits when the test process does (multiprocessing
+closes its pipe).
 """
 
 from __future__ import annotations
