@@ -19,6 +19,7 @@ import queue
 import socket
 import traceback
 from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
 import torch
@@ -41,9 +42,14 @@ _CONTEXT = mp.get_context("forkserver")
 _CONTEXT.set_forkserver_preload(PRELOAD)
 
 
-def context() -> Any:
-    """The multiprocessing context that starts ranks and planning workers (the fork server)."""
-    return _CONTEXT
+WORKERS = min(2, os.cpu_count() or 1)  # processes that make a world's plans before it starts: CI has 2 cores
+
+
+def map_in_workers(fn: Callable[..., Any], *iterables: Any, chunksize: int = 1) -> list[Any]:
+    """``list(map(fn, *iterables))`` in :data:`WORKERS` processes of the fork server (``fn`` and
+    its results picklable): planning a world's plans serially is much of its time."""
+    with ProcessPoolExecutor(WORKERS, mp_context=_CONTEXT) as pool:
+        return list(pool.map(fn, *iterables, chunksize=chunksize))
 
 
 def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...], out: Any, pg_timeout: float, settle: bool,

@@ -21,9 +21,7 @@ each are most of the cost; the world's plans are made by two processes at once (
 from __future__ import annotations
 
 import functools
-import os
 import time
-from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
 import pytest
@@ -42,7 +40,7 @@ from planner.trace import trace
 from tests.cdp_checks import BATCH as CDP_BATCH
 from tests.cdp_checks import cdp_train
 from tests.dist_checks import BATCH, build, inputs, measure_cdp_peak_memory, measure_peak_memory, train_and_compare
-from tests.harness import context, run_world
+from tests.harness import WORKERS, map_in_workers, run_world
 from tests.hf_checks import failing_kernel_message, family_mesh, require_family, run_many
 
 MODELS = ("hf-gpt2", "hf-llama", "hf-qwen2", "hf-mistral", "hf-bert", "hf-vit", "hf-bart", "hf-mixtral")
@@ -114,13 +112,10 @@ def _plan_job(job: tuple[str, str, str]) -> str:
 
 
 def _plans(jobs: list[tuple[str, str, str]]) -> dict[tuple[str, str, str], Plan]:
-    """The plans of ``jobs`` (_plan_job), made by up to two spawned processes at once: planning is
-    half of a world's time on CI's two cores. Jobs of one model and dtype go to one process in a
-    row, so each traces a model once (_graph's cache)."""
-    workers = min(2, os.cpu_count() or 1)
-    chunk = max(1, len(jobs) // (4 * workers))
-    with ProcessPoolExecutor(workers, mp_context=context()) as pool:
-        texts = list(pool.map(_plan_job, jobs, chunksize=chunk))
+    """The plans of ``jobs`` (_plan_job), made by two processes at once (tests.harness.map_in_workers):
+    planning is half of a world's time on CI's two cores. Jobs of one model and dtype go to one
+    process in a row, so each traces a model once (_graph's cache)."""
+    texts = map_in_workers(_plan_job, jobs, chunksize=max(1, len(jobs) // (4 * WORKERS)))
     return {job: Plan.model_validate_json(text) for job, text in zip(jobs, texts, strict=True)}
 
 

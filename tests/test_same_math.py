@@ -12,8 +12,6 @@ checked to use the family). Two plans on 4 ranks start from the model built on t
 
 from __future__ import annotations
 
-import os
-from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
 import pytest
@@ -27,7 +25,7 @@ from planner.search import search
 from planner.strategy import Strategy
 from planner.trace import trace
 from tests.dist_checks import BATCH, build_native, train_and_compare
-from tests.harness import context, run_world
+from tests.harness import map_in_workers, run_world
 
 HEAVY = ("aten.linear.default", "aten.layer_norm.default", "aten.scaled_dot_product_attention.default", "aten.cross_entropy_loss.default")
 COL = ("q_proj", "k_proj", "v_proj", "fc", "lm_head")
@@ -163,8 +161,7 @@ def world_results(request: pytest.FixtureRequest) -> tuple[int, dict[str, list[d
     most of the 8-rank world's time."""
     world = request.param
     names = list(CASES[world])
-    with ProcessPoolExecutor(min(2, os.cpu_count() or 1), mp_context=context()) as pool:
-        plans = list(pool.map(_case_plan, [world] * len(names), names))
+    plans = map_in_workers(_case_plan, [world] * len(names), names)
     per_rank = run_world(world, train_and_compare, plans, timeout=900)
     return world, {name: [r[i] for r in per_rank] for i, name in enumerate(names)}
 
