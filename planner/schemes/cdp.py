@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from planner.cdp_clock import TOKEN_BYTES, Clock, Held, Message, OpActions, op_stage, readers_of, ring_hold, schedule_units, star_messages
+from planner.cdp_clock import TOKEN_BYTES, Clock, Held, Message, op_stage, readers_of, ring_hold, schedule_units, star_messages
 from planner.cost import STATES_PER_VALUE, comm_time
 from planner.hardware import HardwareProfile
 from planner.ir import IRGraph, Node
@@ -622,65 +622,116 @@ def step_period(workers: int, stages: int, owners: Sequence[int], rule: str, has
     planner's price of CDP, :func:`cdp_overlap`): the clock's actions replayed in seconds, in the
     order the clock does them, each rank blocking where the clock puts its waits. ``durations``:
     seconds of op j of a step (2L); ``latency(message)``: seconds a message takes from its send
-    (a token's too, from its op's end). A receive ends when the message has arrived; a send's
-    wait when its receiver has it; a token wait when the predecessor's op has ended and its token
-    arrived; an op starts when its actions are done. Returns the slowest worker's time over its
-    last two simulated steps, halved."""
-    period = 2 * stages
-    events, by_key = _clock_events(workers, stages, tuple(owners), rule, tuple(has_params), steps, hold,
-                                   tuple(parts) if parts is not None else (1,) * stages, star, fetch, reads)
+    (a token's too, from its op's end), the same for every token and for every message of one
+    piece of one stage (it is asked once for each). A receive ends when the message has arrived;
+    a send's wait when its receiver has it; a token wait when the predecessor's op has ended and
+    its token arrived; an op starts when its actions are done. Returns the slowest worker's time
+    over its last two simulated steps, halved.
+
+    The replay runs a program compiled once per schedule (:func:`_replay_program`: the clock's
+    actions as numbered slots), so an evaluation pays only the arithmetic: a brute force over a
+    CDP configuration's plans evaluates thousands of them."""
+    program = _replay_program(workers, stages, tuple(owners), rule, tuple(has_params), steps, hold,
+                              tuple(parts) if parts is not None else (1,) * stages, star, fetch, reads)
+    seconds = [latency(m) for m in program.classes]
     now = [0.0] * workers
-    sent: dict[Message, float] = {}
-    taken: dict[Message, float] = {}
-    ends: dict[tuple[int, int], float] = {}
-    starts: dict[tuple[int, int], float] = {}
-    for n, op, i in events:
-        a = by_key[(n, op)]
-        if i < 0:  # the op: then the chain it heads leaves
-            starts[(n, op)] = now[n]
-            now[n] += durations[op % period]
-            ends[(n, op)] = now[n]
-            for head in a.heads:
-                sent[head] = now[n]
-            continue
-        kind, item, _ = a.log[i]
-        if kind == "tokens":
-            pred = (n - 1) % workers
-            last = int(item)  # type: ignore[arg-type]
-            now[n] = max(now[n], ends.get((pred, last), now[n]) + latency(Message(last, -1, "token", 0, pred, n)))
-        elif kind == "recv":  # (a "post" only starts the receive: the message moves from its send)
-            assert isinstance(item, Message)
-            now[n] = max(now[n], sent.get(item, now[n]) + latency(item))
-            taken[item] = now[n]
-            if item in a.forwards:
-                sent[a.forwards[item]] = now[n]
-            for delivery in a.delivers.get(item, ()):
-                sent[delivery] = now[n]
-        elif kind == "send":  # fetch: a version leaves its owner
-            assert isinstance(item, Message)
-            sent[item] = now[n]
-        elif kind == "wait" and isinstance(item, Message) and item.kind != "token":  # a send's completion: its receive
-            now[n] = max(now[n], taken.get(item, now[n]))
-    # (beyond the measured ops, what an op waits for may not have been replayed: it is not measured)
-    last_op, first_op = period * (steps - 1), period * (steps - 3)
-    return max(starts[(n, last_op)] - starts[(n, first_op)] for n in range(workers)) / 2
+    at: list[float | None] = [None] * program.slots  # each message's send (then its take) and each op's end, once done
+    starts = [0.0] * (2 * workers)
+    for code, n, a, b, c in program.steps:
+        if code == _OP:  # a: the op's index in its step, b: its end's slot, c: its heads' slots (and where its start is kept)
+            heads, keep = c
+            if keep >= 0:
+                starts[keep] = now[n]
+            now[n] += durations[a]
+            at[b] = now[n]
+            for slot in heads:
+                at[slot] = now[n]
+        elif code == _WAIT_FOR:  # a send's completion, or an op's end and its token (a: the slot, b: the latency class or -1)
+            t = at[a]
+            base = now[n] if t is None else t
+            if b >= 0:
+                base += seconds[b]
+            if base > now[n]:
+                now[n] = base
+        elif code == _RECV:  # a: the message's slot, b: its latency class, c: where it is taken, and the slots it sends on
+            t = at[a]
+            arrive = (now[n] if t is None else t) + seconds[b]
+            if arrive > now[n]:
+                now[n] = arrive
+            taken, onward = c
+            at[taken] = now[n]
+            for slot in onward:
+                at[slot] = now[n]
+        else:  # _SEND, fetch: a version leaves its owner
+            at[a] = now[n]
+    return max(starts[workers + n] - starts[n] for n in range(workers)) / 2
+
+
+_OP, _WAIT_FOR, _RECV, _SEND = range(4)
+
+
+@dataclass(frozen=True)
+class _Program:
+    """:func:`step_period`'s replay of one schedule: ``steps`` (code, worker, a, b, c), see
+    there; ``slots``: the floats it keeps; ``classes``: a message of each latency class."""
+
+    steps: tuple[tuple[int, int, int, int, Any], ...]
+    slots: int
+    classes: tuple[Message, ...]
 
 
 @functools.lru_cache(maxsize=64)
-def _clock_events(workers: int, stages: int, owners: tuple[int, ...], rule: str, has_params: tuple[bool, ...], steps: int,
-                  hold: bool, parts: tuple[int, ...], star: bool = False, fetch: bool = False,
-                  reads: tuple[tuple[int, ...], ...] | None = None) -> tuple[list[tuple[int, int, int]], dict[tuple[int, int], OpActions]]:
-    """The clock's actions for :func:`step_period` over ``steps`` + 2 steps (a worker ahead of
-    another in the clock's order runs ops of a later step), as (worker, op, log index; -1: the op
-    itself) in the order the clock does them, and each (worker, op)'s actions. They depend on the
-    schedule alone, not on the seconds, so a search's evaluations of one CDP configuration (a
-    brute force's thousands) simulate the clock once: the simulation was 5 of the 6 ms an
-    evaluation of a 2-stage plan on dp=2 took (measured), the replay in seconds the rest."""
+def _replay_program(workers: int, stages: int, owners: tuple[int, ...], rule: str, has_params: tuple[bool, ...], steps: int,
+                    hold: bool, parts: tuple[int, ...], star: bool = False, fetch: bool = False,
+                    reads: tuple[tuple[int, ...], ...] | None = None) -> _Program:
+    """The clock's actions over ``steps`` + 2 steps (a worker ahead of another in the clock's order
+    runs ops of a later step) in the order the clock does them, as :func:`step_period` replays
+    them. They depend on the schedule alone, not on the seconds, so a search's evaluations of one
+    CDP configuration (a brute force's thousands) simulate the clock once: the simulation was 5 of
+    the 6 ms an evaluation of a 2-stage plan on dp=2 took (measured), and the replay, its actions
+    read from the clock's records each time, 1.75 of the 3.5 ms left."""
     clock = Clock(workers, stages, owners, rule, has_params, hold=hold, parts=parts, star=star, fetch=fetch, reads=reads)
     period = 2 * stages
     acts = [(n, op, clock.actions(n, op)) for op in range(period * (steps + 2)) for n in range(workers)]
-    events: list[tuple[int, int, int, int]] = []  # (order, worker, op, log index)
+    order: list[tuple[int, int, int, int]] = []  # (place in the clock's order, worker, op, log index; -1: the op)
     for n, op, a in acts:
-        events += [(order, n, op, i) for i, order in enumerate(a.log_order)]
-        events.append((a.order, n, op, -1))
-    return [(n, op, i) for _, n, op, i in sorted(events)], {(n, op): a for n, op, a in acts}
+        order += [(place, n, op, i) for i, place in enumerate(a.log_order)]
+        order.append((a.order, n, op, -1))
+    by_key = {(n, op): a for n, op, a in acts}
+    slots: dict[object, int] = {}  # a message's send, ("taken", message) its take, (worker, op) an op's end
+
+    def slot(key: object) -> int:
+        return slots.setdefault(key, len(slots))
+
+    classes: dict[tuple[int, int] | None, int] = {}  # None: a token; (stage, part) a data message
+
+    def latency_class(message: Message) -> int:
+        key = None if message.kind == "token" else (message.stage, message.part)
+        if key not in classes:
+            classes[key] = len(classes)
+            representatives.append(message)
+        return classes[key]
+
+    representatives: list[Message] = []
+    last_op, first_op = period * (steps - 1), period * (steps - 3)
+    program: list[tuple[int, int, int, int, Any]] = []
+    for _, n, op, i in sorted(order):
+        a = by_key[(n, op)]
+        if i < 0:
+            keep = n if op == first_op else workers + n if op == last_op else -1
+            program.append((_OP, n, op % period, slot((n, op)), (tuple(slot(h) for h in a.heads), keep)))
+            continue
+        kind, item, _ = a.log[i]
+        if kind == "tokens":
+            pred, last = (n - 1) % workers, int(item)  # type: ignore[arg-type]
+            program.append((_WAIT_FOR, n, slot((pred, last)), latency_class(Message(last, -1, "token", 0, pred, n)), None))
+        elif kind == "recv":  # (a "post" only starts the receive: the message moves from its send)
+            assert isinstance(item, Message)
+            onward = ([a.forwards[item]] if item in a.forwards else []) + list(a.delivers.get(item, ()))
+            program.append((_RECV, n, slot(item), latency_class(item), (slot(("taken", item)), tuple(slot(m) for m in onward))))
+        elif kind == "send":
+            assert isinstance(item, Message)
+            program.append((_SEND, n, slot(item), -1, None))
+        elif kind == "wait" and isinstance(item, Message) and item.kind != "token":  # a send's completion: its receive
+            program.append((_WAIT_FOR, n, slot(("taken", item)), -1, None))
+    return _Program(tuple(program), len(slots), tuple(representatives))
