@@ -37,6 +37,7 @@ PRELOAD = [
     "torch", "torch.distributed", "torch.export", "planner.search", "planner.runtime", "runtime.compile", "runtime.cdp",
     "tests.dist_checks", "tests.cdp_checks", "tests.hf_checks", "models.hf", "transformers",
     *(f"transformers.models.{m}.modeling_{m}" for m in ("gpt2", "llama", "qwen2", "mistral", "bert", "vit", "bart", "mixtral", "t5")),
+    "tests.world_traces",  # last: traces the Hugging Face worlds' models when their test runs (its docstring)
 ]
 _CONTEXT = mp.get_context("forkserver")
 _CONTEXT.set_forkserver_preload(PRELOAD)

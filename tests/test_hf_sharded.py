@@ -20,7 +20,6 @@ each are most of the cost; the world's plans are made by two processes at once (
 
 from __future__ import annotations
 
-import functools
 import time
 from typing import Any
 
@@ -36,17 +35,13 @@ from planner.schemes.cdp import cdp_filter
 from planner.schemes.recompute import parse
 from planner.schemes.tp import DP_AXIS
 from planner.search import search
-from planner.trace import trace
 from tests.cdp_checks import BATCH as CDP_BATCH
 from tests.cdp_checks import cdp_train
-from tests.dist_checks import BATCH, build, inputs, measure_cdp_peak_memory, measure_peak_memory, train_and_compare
+from tests.dist_checks import BATCH, build, inputs, measure_cdp_peak_memory, measure_peak_memory, traced, train_and_compare
 from tests.harness import WORKERS, map_in_workers, run_world
 from tests.hf_checks import failing_kernel_message, family_mesh, require_family, run_many
+from tests.world_traces import MODELS, OPS_MODEL
 
-MODELS = ("hf-gpt2", "hf-llama", "hf-qwen2", "hf-mistral", "hf-bert", "hf-vit", "hf-bart", "hf-mixtral")
-# ours, made of the multi-output and routing ops (split, chunk, unbind, split_with_sizes, topk,
-# sort, max.dim, var_mean, gather, scatter): tests/ops_models.py
-OPS_MODEL = "tests.ops_models:ROUTED"
 # kind -> (devices, dp degree, family, objective); "1d" is the least-memory 1-D plan (sequence
 # parallel layouts), the others the fastest plan that uses the family on every weight
 KINDS = {
@@ -74,9 +69,10 @@ NO_CDP = {("hf-mixtral", "float32")}
 FAILING_MODULE = "model.layers.1.mlp.down_proj"  # whose kernel the error check breaks (Llama, 1-D)
 
 
-@functools.cache
 def _graph(name: str, dtype: torch.dtype, batch: int = BATCH) -> IRGraph:
-    return trace(build(name, dtype), *inputs(name, batch, dtype))
+    """``name`` traced on ``batch`` rows of ``dtype`` (once a process; the planning processes find
+    the fork server's, tests/world_traces.py)."""
+    return traced(name, build(name, dtype), *inputs(name, batch, dtype))  # type: ignore[no-any-return]
 
 
 def _plan(name: str, kind: str, dtype: torch.dtype) -> Plan:
