@@ -14,8 +14,9 @@ priced list. The same plans made for float32 and trained with AdamW (CDP's by it
 per rank, a peak within 10 % of the plan's prediction, measured by the CPU allocator
 (tests/memory_probe.py).
 
-One world per size runs every check (run_many): spawning 8 ranks and importing transformers in
-each are most of the cost; the world's plans are made by two processes at once (_plans).
+One world per size runs every check (run_many). Its ranks and planning processes fork from a server
+that imported transformers and traced every model once (tests/harness.py, tests/world_traces.py); the
+world's plans are made by two processes at once (_plans).
 """
 
 from __future__ import annotations
