@@ -21,6 +21,7 @@ world's plans are made by two processes at once (_plans).
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any
 
@@ -70,9 +71,10 @@ NO_CDP = {("hf-mixtral", "float32")}
 FAILING_MODULE = "model.layers.1.mlp.down_proj"  # whose kernel the error check breaks (Llama, 1-D)
 
 
+@functools.cache
 def _graph(name: str, dtype: torch.dtype, batch: int = BATCH) -> IRGraph:
-    """``name`` traced on ``batch`` rows of ``dtype`` (once a process; the planning processes find
-    the fork server's, tests/world_traces.py)."""
+    """``name`` traced on ``batch`` rows of ``dtype`` (once a process, the model built once too; the
+    planning processes find the fork server's trace, tests/world_traces.py)."""
     return traced(name, build(name, dtype), *inputs(name, batch, dtype))  # type: ignore[no-any-return]
 
 
@@ -111,7 +113,7 @@ def _plan_job(job: tuple[str, str, str]) -> str:
 def _plans(jobs: list[tuple[str, str, str]]) -> dict[tuple[str, str, str], Plan]:
     """The plans of ``jobs`` (_plan_job), made by two processes at once (tests.harness.map_in_workers):
     planning is half of a world's time on CI's two cores. Jobs of one model and dtype go to one
-    process in a row, so each traces a model once (_graph's cache)."""
+    process in a row (_graph's cache; the traces themselves come from the fork server)."""
     texts = map_in_workers(_plan_job, jobs, chunksize=max(1, len(jobs) // (4 * WORKERS)))
     return {job: Plan.model_validate_json(text) for job, text in zip(jobs, texts, strict=True)}
 

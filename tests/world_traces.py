@@ -35,9 +35,10 @@ def preload() -> None:
     for name in (*MODELS, OPS_MODEL):
         for dtype in (torch.float64, torch.float32):
             try:
-                traced(name, build(name, dtype), *inputs(name, BATCH, dtype))
+                model = build(name, dtype)
+                traced(name, model, *inputs(name, BATCH, dtype))
                 if dtype == torch.float64 and name in MODELS:
-                    traced(name, build(name, dtype), *example_inputs(name, batch=CDP_BATCH, dtype=dtype))
+                    traced(name, model, *example_inputs(name, batch=CDP_BATCH, dtype=dtype))
             except Exception:  # (the ranks trace it again and report the error)
                 continue
 

@@ -664,6 +664,7 @@ def step_period(workers: int, stages: int, owners: Sequence[int], rule: str, has
                 at[slot] = now[n]
         else:  # _SEND, fetch: a version leaves its owner
             at[a] = now[n]
+    # (beyond the measured ops, what an op waits for may not have been replayed: a slot still None, not measured)
     return max(starts[workers + n] - starts[n] for n in range(workers)) / 2
 
 
@@ -705,6 +706,7 @@ def _replay_program(workers: int, stages: int, owners: tuple[int, ...], rule: st
         return slots.setdefault(key, len(slots))
 
     classes: dict[tuple[int, int] | None, int] = {}  # None: a token; (stage, part) a data message
+    representatives: list[Message] = []  # a message of each class, in its number's order
 
     def latency_class(message: Message) -> int:
         key = None if message.kind == "token" else (message.stage, message.part)
@@ -713,7 +715,6 @@ def _replay_program(workers: int, stages: int, owners: tuple[int, ...], rule: st
             representatives.append(message)
         return classes[key]
 
-    representatives: list[Message] = []
     last_op, first_op = period * (steps - 1), period * (steps - 3)
     program: list[tuple[int, int, int, int, Any]] = []
     for _, n, op, i in sorted(order):
