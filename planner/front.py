@@ -14,8 +14,9 @@ rule of Das 1999, "On characterizing the knee of the Pareto curve", which Kneedl
 
 :func:`memory_lower_bound` bounds a configuration's least memory from below without an ILP, so a
 configuration that cannot fit is dismissed in microseconds: the peak is PO + max(A + T, G + T,
-G + S) >= PO + G and >= PO + A (planner.solve), and each group's share of a sum is at least its
-smallest over its strategies. :func:`time_lower_bound` does the same for the step time (each
+G + S) >= PO + G and >= PO + A (planner.solve), each group's share of a sum is at least its
+smallest over its strategies, and each saved tensor's hold at least the least any plan keeps of
+it (:func:`planner.edges.hold_floor`). :func:`time_lower_bound` does the same for the step time (each
 group's fastest strategy, no conversion, less what overlap could hide), and
 :func:`conversion_time_bound` a tighter one once conversions are priced (the conversions coupled
 along a spanning forest of the groups' graph, solved exactly by a dynamic programme: on 3-D
@@ -40,7 +41,7 @@ from typing import Protocol, TypeVar, cast
 
 import numpy as np
 
-from planner.edges import conversion_uses
+from planner.edges import conversion_uses, hold_floor
 from planner.problem import price_conversions
 from planner.terms import Problem
 
@@ -101,7 +102,7 @@ def memory_lower_bound(problem: Problem) -> float:
     for group in problem.groups.values():
         po_g += min(p + o + g for p, g, o in group.param_memory)
         po_a += min(mem - g for mem, (_, g, _) in zip(group.memory, group.param_memory, strict=True))
-    return max(po_g, po_a)
+    return max(po_g, po_a + hold_floor(problem))
 
 
 def reprices_overlap(problem: Problem) -> bool:

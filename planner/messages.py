@@ -102,9 +102,10 @@ def outcome_line(c: Candidate) -> str:
 
 
 def nothing_fits(config: SearchConfig, graph: IRGraph, least: float, cand: Candidate, memory: dict[str, float],
-                 pipeline: PipelineEstimate | None = None) -> str:
-    """No configuration fits the budget (``config.budget``): the least memory any plan needs (``least``, on ``cand``,
-    made of ``memory``'s terms) and what would change it (``graph``: the traced batch's).
+                 pipeline: PipelineEstimate | None = None, *, lower: float | None = None) -> str:
+    """No configuration fits the budget (``config.budget``): the least memory any plan needs (``least``, the smallest
+    plan found, on ``cand``, made of ``memory``'s terms; ``lower``: what no plan goes below, where that is less) and
+    what would change it (``graph``: the traced batch's).
     ``pipeline``: CDP with its stages on different devices for these devices, the estimate that
     needs least memory; CDP is advised only where it needs less than ``least`` (CDP over data
     parallelism alone holds more per device than DP, not less)."""
@@ -115,15 +116,20 @@ def nothing_fits(config: SearchConfig, graph: IRGraph, least: float, cand: Candi
     advice = [part for scheme in SCHEMES if (part := scheme.advice(config, graph, memory))]
     if memory["activations"] >= state / 2:
         advice.append("a smaller batch per step (--batch), since activations are a large share")
-    if pipeline is not None and pipeline.peak_memory < least:
+    lower = least if lower is None or lower >= least * (1 - 1e-5) else lower  # (1e-5: an LP bound's tolerances)
+    if pipeline is not None and pipeline.peak_memory < lower:
         advice.append(f"CDP with its {pipeline.stages} stages on different devices (runtime.cdp_pipeline.CDPPipeline, "
                       f"{pipeline.per_stage} devices a stage: each holds its stage's parameters and the activations of its workers "
                       f"in flight), estimated at {format_bytes(pipeline.peak_memory)} per device")
-    advice.append(f"more devices (at least {least / budget:.1f}x the memory in all: more tensor or data parallelism spreads the "
+    advice.append(f"more devices (at least {lower / budget:.1f}x the memory in all: more tensor or data parallelism spreads the "
                   f"{'parameter, gradient and optimizer state' if state >= memory['activations'] else 'activation'} bytes)")
+    if lower == least:
+        need = f"{format_bytes(least)} ({format_bytes(least - budget)} over), on {configuration_text(cand)}"
+    else:
+        need = (f"between {format_bytes(lower)} and {format_bytes(least)} (at least {format_bytes(lower - budget)} over); "
+                f"the smallest plan found needs {format_bytes(least)}, on {configuration_text(cand)}")
     return (f"No plan on {config.devices} devices fits {format_bytes(budget)} per device. The least memory any plan needs is "
-            f"{format_bytes(least)} ({format_bytes(least - budget)} over), on {configuration_text(cand)}: {parts}. "
-            "To fit, try " + "; or ".join(advice) + ".")
+            f"{need}: {parts}. To fit, try " + "; or ".join(advice) + ".")
 
 
 def infeasible_message(problem: Problem, budget: float, least: Evaluation) -> str:

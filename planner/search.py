@@ -111,6 +111,9 @@ class SearchResult:
     objective: Objective = "time"
     memory_budget: float = 0.0
     infeasible: str = ""  # when nothing fits: the least memory any plan needs, its terms, what to change
+    # when nothing fits: what no plan goes below and the smallest plan found (bytes per device), the
+    # least memory any plan needs between them, the first at least (1 - LEAST_GAP) of the second
+    least_memory: tuple[float, float] | None = None
     config: SearchConfig | None = None  # what was searched: every plan carries it too
 
     @property
@@ -246,7 +249,7 @@ def search(
     if result.front:
         result.best = {"time": result.front[0], "memory": result.front[-1], "knee": result.knee}[config.objective]
     elif any(c.least_memory is not None for c in result.candidates):
-        result.infeasible = least_memory_message(graphs, config, result, allow=allow)
+        result.infeasible, result.least_memory = least_memory_message(graphs, config, result, allow=allow)
     else:
         stopped = [c for c in result.candidates if c.reason.startswith("stopped")]
         if stopped:
@@ -577,50 +580,74 @@ class Deferred:
         return replace(self.done, family=plan.tp, plan=plan, front=(plan,), seconds=self.seconds + time.perf_counter() - start)
 
 
-def least_memory_message(graphs: dict[int, IRGraph], config: SearchConfig, result: SearchResult, *, allow: StrategyFilter | None) -> str:
-    """Nothing fits: the least memory any configuration needs (exact: configurations dismissed by
-    a bound are solved best first, each bound raised to its least-memory LP before its MIP, until
-    no bound is below the best exact least), the terms that make it up, and what would change it."""
-    exact = [c for c in result.candidates if c.least_memory is not None and not c.least_is_bound]
-    best: tuple[float, Candidate, dict[str, float]] | None = None
-    if exact:
-        c = min(exact, key=lambda c: c.least_memory or 0.0)
-        best = (c.least_memory or 0.0, c, dict(c.least_terms))
-    # best first: the candidate with the least bound next; a bound without an ILP (or the budget, for
-    # a configuration its LP relaxation dismissed within it) is first raised to its least-memory LP
-    # (measured, GPT-3 175B on 64 devices, where nothing fits 80 GiB: 32 of 39 configurations had the
-    # budget for a bound, and 17 least-memory MIPs ran, up to 97 s each), and the MIP runs only on a
-    # candidate whose LP bound is still the least
-    queue = [(c.least_memory or 0.0, k, False, c) for k, c in enumerate(result.candidates) if c.least_is_bound]
+def _tp_axes(cand: Candidate) -> int:
+    """How many tensor-parallel axes of ``cand``'s mesh split anything (1-D: 1, 3-D: 3)."""
+    return sum(1 for a in cand.mesh.tp_axes if cand.mesh.degree(a) > 1)
+
+
+# the least memory a "nothing fits" message quotes is within this fraction of the exact least
+LEAST_GAP = 0.02
+
+
+def least_memory_message(graphs: dict[int, IRGraph], config: SearchConfig, result: SearchResult, *,
+                         allow: StrategyFilter | None) -> tuple[str, tuple[float, float] | None]:
+    """Nothing fits: the least memory any plan needs, to within :data:`LEAST_GAP`, the terms of
+    the smallest plan found, and what would change it.
+
+    Best first over the configurations' lower bounds (the search's bound without an ILP, or the
+    budget where the LP relaxation within it was infeasible): the configuration with the least is
+    refined by its least-memory LP relaxation, whose rounded answer is a plan
+    (:meth:`planner.solve.BudgetILP.memory_relaxation`); the least-memory MIP, to the same gap, runs
+    only on a configuration whose LP bound is still the least. It stops once the least bound left
+    is within the gap of the smallest plan found, so the least memory is between that bound and
+    that plan, and the message says so where they differ. A configuration the search solved
+    brings its exact least memory. Measured, GPT-3 175B on 64 devices at batch 64, where nothing
+    fits 80 GiB: the exact least (184.90 GiB) took 25 LP relaxations (up to 23 s each on
+    dp=8 x 2 x 2 x 2) and a 27.6 s MIP, 131 s in all; now two LP relaxations, 0.7 s, and the
+    message says 184.13-187.25 GiB (the bounds count the saved tensors every plan holds,
+    :func:`planner.edges.hold_floor`, 153 GiB there: without them the bounds of ZeRO 0-2 were
+    their parameters and states alone, and each needed its LP)."""
+    settings = replace(_solver(config), relative_gap=max(_solver(config).relative_gap, LEAST_GAP))
+    best: tuple[float, Candidate, dict[str, float]] | None = None  # the smallest plan found
+    lows: list[float] = []  # the lower bounds of the configurations taken off the queue
+    for c in result.candidates:
+        if c.least_memory is not None and not c.least_is_bound:  # exact: the search solved it
+            lows.append(c.least_memory)
+            if best is None or c.least_memory < best[0]:
+                best = (c.least_memory, c, dict(c.least_terms))
+    # equal bounds (the saved tensors every plan holds are often most of it) in the order of their
+    # LPs' cost: the meshes of fewer tensor-parallel axes first
+    queue = [(c.least_memory or 0.0, _tp_axes(c), k, False, c) for k, c in enumerate(result.candidates) if c.least_is_bound]
     heapq.heapify(queue)
-    while queue:
-        bound, k, refined, c = heapq.heappop(queue)
-        if best is not None and bound >= best[0]:
-            break
-        ilp = BudgetILP(_problem(graphs, c, config, allow), "memory", _solver(config))
+    while queue and (best is None or queue[0][0] < best[0] * (1 - LEAST_GAP)):
+        bound, cost, k, refined, c = heapq.heappop(queue)
+        ilp = BudgetILP(_problem(graphs, c, config, allow), "memory", settings)
         if not refined:
-            bound = max(bound, ilp.memory_bound() or 0.0)
-            if best is not None and bound >= best[0]:
-                continue
-            if queue and bound > queue[0][0]:  # another may need less: its turn first
-                heapq.heappush(queue, (bound, k, True, c))
-                continue
+            relaxation = ilp.memory_relaxation()
+            if relaxation.plan is not None and (best is None or relaxation.plan.peak_memory < best[0]):
+                best = (relaxation.plan.peak_memory, c, relaxation.plan.memory)
+            heapq.heappush(queue, (max(bound, relaxation.bound or 0.0), cost, k, True, c))
+            continue
+        # the least bound, refined: its MIP, to the gap (the lexicographic second MIP, the fastest
+        # plan of that memory, is not run: the message quotes the memory alone)
         try:
-            # the least memory and its terms, which is all the message quotes: not the lexicographic
-            # solve's second MIP (the fastest plan of that memory, a budgeted MIP at the floor: measured,
-            # GPT-3 175B on 8 devices, 21 of the 23 s this message took)
             solution = ilp.run(float("inf"))
             assert solution is not None  # the memory objective has no budget row; run() raises when it stops without a plan
-            ev = solution.evaluation
-        except SolveStopped:  # no plan of it (or none known): it has no least memory to quote
+        except SolveStopped:  # no plan of it (or none known): its bound stays
+            lows.append(bound)
             continue
+        ev = solution.evaluation
+        # within the gap of its optimum (the MIP's own bound, or its LP's where the neighbourhood's plan sufficed)
+        lows.append(max(bound, ev.peak_memory * (1 - LEAST_GAP) * (1 - 1e-6)) if solution.status == "optimal" else bound)
         if best is None or ev.peak_memory < best[0]:
             best = (ev.peak_memory, c, ev.memory)
     if best is None:
-        return ""
+        return "", None
+    lower = min([*lows, *(b for b, *_ in queue[:1]), best[0]])
     least, cand, memory = best
     graph = graphs[1]
     # CDP's one saving: with its stages on different devices (runtime.cdp_pipeline.CDPPipeline),
     # a device holds only its stage's parameters and the activations of its workers in flight
     pipelines = pipeline_estimates(graph, config.hardware, devices=config.devices, batch=graph.batch_rows(), optimizer=config.optimizer)
-    return nothing_fits(config, graph, least, cand, memory, min(pipelines, key=lambda e: e.peak_memory, default=None))
+    text = nothing_fits(config, graph, least, cand, memory, min(pipelines, key=lambda e: e.peak_memory, default=None), lower=lower)
+    return text, (lower, least)

@@ -162,7 +162,7 @@ def within(ilp: BudgetILP, memory_budget: float, gap: float | None = None, faste
 
 
 class Relaxation(NamedTuple):
-    bound: float | None  # seconds no plan within the budget goes below; None: nothing fits
+    bound: float | None  # what no plan within the budget goes below (seconds; bytes for memory_relaxation); None: nothing fits
     plan: Evaluation | None  # the relaxation's answer rounded, when it fits the budget
     infeasible: bool = False  # proven: even with integrality dropped nothing fits, so no plan does
 
@@ -447,17 +447,19 @@ class BudgetILP:
         rounded = evaluate(self.problem, self.model.assignment(values))
         return Relaxation(max(value, 0.0) * self.model.t_unit, rounded if rounded.peak_memory <= budget else None)
 
-    def memory_bound(self) -> float | None:
-        """Bytes per device no plan goes below (``objective="memory"``): the LP relaxation of the
-        least-memory ILP (integrality dropped, the pair rows on, the time tie-break off), by interior
-        point after presolve; None where the backend is not HiGHS or the LP does not solve. The model is left as it
-        was, so :meth:`run` solves the MIP after it. (A bound to skip a configuration's MIP with, not
-        its answer: fractional strategies undercut the peak, a max over instants.)"""
+    def memory_relaxation(self) -> Relaxation:
+        """The least-memory LP relaxation (``objective="memory"``; integrality dropped, the pair
+        rows on, the time tie-break off), by interior point after presolve: its optimum, bytes per
+        device no plan goes below (a bound to skip a configuration's MIP with, not its answer:
+        fractional strategies undercut the peak, a max over instants), and its answer rounded (each
+        group's largest x) and evaluated exactly, a plan (:meth:`relax`, for memory). Both None
+        where the backend is not HiGHS or the LP does not solve. The model is left as it was, so
+        :meth:`run` solves the MIP after it, from its basis."""
         assert self.objective == "memory"
         t0 = time.perf_counter()
         highs = self._highs()
         if highs is None:
-            return None
+            return Relaxation(None, None)
         cols = np.arange(len(self.costs), dtype=np.int32)
         highs.changeColsCost(len(cols), cols, self._costs((self.mem_e, 1.0)))
         try:
@@ -471,10 +473,14 @@ class BudgetILP:
                     run_for(highs, self.settings.time_limit_s)
                 optimal = highs.getModelStatus() == highspy.HighsModelStatus.kOptimal
                 value = highs.getInfo().objective_function_value
+                values = np.asarray(highs.getSolution().col_value)
         finally:
             highs.changeColsCost(len(cols), cols, self.costs)
         log.debug("mesh %s: least-memory LP relaxation took %.2f s", self.problem.mesh, time.perf_counter() - t0)
-        return max(value, 0.0) * self.model.m_unit * (1 - 1e-6) if optimal else None  # (1 - 1e-6): the LP's tolerances
+        if not optimal:
+            return Relaxation(None, None)
+        # (1 - 1e-6): the LP's tolerances
+        return Relaxation(max(value, 0.0) * self.model.m_unit * (1 - 1e-6), evaluate(self.problem, self.model.assignment(values)))
 
     def weighted(self, weight: float, *, gap: float | None = None, absolute_gap: float = 0.0) -> Solution:
         """The plan minimising time + ``weight`` x memory (both in the model's normalised units),
