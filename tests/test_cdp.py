@@ -416,10 +416,14 @@ def test_in_flight_counts_a_devices_micro_batches_between_forward_and_backward()
     """planner.stages.in_flight: L - l where L divides N (a device's workers 2 time units apart);
     where it does not, the count from the clock (N = 2, L = 4: one device per stage, its 2 workers
     4 units apart; N = 3, L = 2: workers 0 and 2 share a device, 8/3 units apart)."""
-    from planner.stages import in_flight
+    from planner.stages import counted_in_flight, in_flight
 
     for workers, stages in ((4, 2), (4, 4), (8, 4), (16, 4)):
         assert [in_flight(workers, stages, st) for st in range(stages)] == [stages - st for st in range(stages)]
+    for workers in range(1, 41):  # the clock's count is the closed form wherever L divides N
+        for stages in (1, 2, 3, 4, 5, 8):
+            if workers % stages == 0:
+                assert [counted_in_flight(workers, stages, st) for st in range(stages)] == [stages - st for st in range(stages)]
     assert [in_flight(2, 4, st) for st in range(4)] == [2, 2, 1, 1]
     assert [in_flight(3, 2, st) for st in range(2)] == [2, 2]
     assert [in_flight(4, 1, 0)] == [1]
