@@ -624,8 +624,10 @@ def least_memory_message(graphs: dict[int, IRGraph], config: SearchConfig, resul
         ilp = BudgetILP(_problem(graphs, c, config, allow), "memory", settings)
         if not refined:
             relaxation = ilp.memory_relaxation()
-            if relaxation.plan is not None and (best is None or relaxation.plan.peak_memory < best[0]):
-                best = (relaxation.plan.peak_memory, c, relaxation.plan.memory)
+            # (a rounded answer may choose a pair of strategies CDP forbids, which the evaluation does not check)
+            rounded = relaxation.plan if not ilp.problem.barred_axes else None
+            if rounded is not None and (best is None or rounded.peak_memory < best[0]):
+                best = (rounded.peak_memory, c, rounded.memory)
             heapq.heappush(queue, (max(bound, relaxation.bound or 0.0), cost, k, True, c))
             continue
         # the least bound, refined: its MIP, to the gap (the lexicographic second MIP, the fastest

@@ -360,7 +360,8 @@ def test_a_resolution_spaces_the_merged_front_and_keeps_the_fastest_at_the_least
         merge(points, 1.0)
 
 
-@pytest.mark.parametrize("space", [{"devices": 2, "tp": ("none", "1d")}, {"devices": 8, "zero": (0, 1, 2, 3)}], ids=["2", "8-zero0123"])
+@pytest.mark.parametrize("space", [{"devices": 2, "tp": ("none", "1d")}, {"devices": 8, "zero": (0, 1, 2, 3)}, {"devices": 4, "cdp": ("off", "v1")}],
+                         ids=["2", "8-zero0123", "4-cdp"])
 def test_nothing_fits_says_the_least_memory_its_terms_and_what_to_change(space: dict[str, Any]) -> None:
     """The least memory quoted brackets the least over every configuration, solved exactly, within
     :data:`planner.search.LEAST_GAP`, although the search solves only those its bounds (a
@@ -371,11 +372,13 @@ def test_nothing_fits_says_the_least_memory_its_terms_and_what_to_change(space: 
     result = search(graph, config, model_name="mlp-tiny")
     assert result.best is None and not result.front
     exact = {
-        (str(c.mesh), c.zero): solve(build_problem(graph, c.mesh, A100_80G, zero_stage=c.zero), memory_budget=float("inf"), objective="memory").evaluation.peak_memory
+        (str(c.mesh), str(c.settings)): solve(build_problem(graph, c.mesh, A100_80G, **c.settings), memory_budget=float("inf"),
+                                              objective="memory").evaluation.peak_memory
         for c in candidate_meshes(config, 8) if not c.reason
     }
     least = min(exact.values())
-    assert all(c.least_memory is not None and c.least_memory <= exact[(str(c.mesh), c.zero)] for c in result.candidates if not c.reason)  # bounds, or exact
+    assert all(c.least_memory is not None and c.least_memory <= exact[(str(c.mesh), str(c.settings))]
+               for c in result.candidates if not c.reason)  # bounds, or exact
     text = result.infeasible
     assert "The least memory any plan needs is" in text and "over" in text and "ZeRO" in text and "more devices" in text
     assert "params" in text and "optimizer" in text
