@@ -32,6 +32,7 @@ from planner.mesh import Mesh
 from planner.overlap import ASYNC_SYNC, sync_rows
 from planner.peak import instants, peak
 from planner.rules import RuleContext, anchor_strategies, follow, is_follower
+from planner.rules.context import active_tp
 from planner.schemes.base import OFF, NodePrice, ParamPrice, Tally
 from planner.schemes.registry import SCHEMES
 from planner.strategy import Comm, Strategy
@@ -221,7 +222,7 @@ def _param_strategies(node: Node, mesh: Mesh, consumers: list[tuple[list[Strateg
         for s in strategies or ():
             if pos < len(s.inputs):
                 wanted[Layout(s.inputs[pos].layout.dims)] = None
-    tp = [a for a in mesh.tp_axes if mesh.degree(a) > 1]
+    tp = active_tp(mesh)
     layouts: dict[Layout, None] = dict.fromkeys(sorted(wanted))
     for lay in sorted(wanted):
         idle = tuple(a for a in tp if a not in lay.shard_axes)

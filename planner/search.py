@@ -55,6 +55,7 @@ from planner.messages import (
 )
 from planner.plan import Plan
 from planner.problem import build_problem
+from planner.rules.context import active_tp
 from planner.schemes.cdp import PipelineEstimate, pipeline_estimates
 from planner.solve import (
     BudgetILP,
@@ -580,11 +581,6 @@ class Deferred:
         return replace(self.done, family=plan.tp, plan=plan, front=(plan,), seconds=self.seconds + time.perf_counter() - start)
 
 
-def _tp_axes(cand: Candidate) -> int:
-    """How many tensor-parallel axes of ``cand``'s mesh split anything (1-D: 1, 3-D: 3)."""
-    return sum(1 for a in cand.mesh.tp_axes if cand.mesh.degree(a) > 1)
-
-
 # the least memory a "nothing fits" message quotes is within this fraction of the exact least
 LEAST_GAP = 0.02
 
@@ -617,7 +613,7 @@ def least_memory_message(graphs: dict[int, IRGraph], config: SearchConfig, resul
                 best = (c.least_memory, c, dict(c.least_terms))
     # equal bounds (the saved tensors every plan holds are often most of it) in the order of their
     # LPs' cost: the meshes of fewer tensor-parallel axes first
-    queue = [(c.least_memory or 0.0, _tp_axes(c), k, False, c) for k, c in enumerate(result.candidates) if c.least_is_bound]
+    queue = [(c.least_memory or 0.0, len(active_tp(c.mesh)), k, False, c) for k, c in enumerate(result.candidates) if c.least_is_bound]
     heapq.heapify(queue)
     while queue and (best is None or queue[0][0] < best[0] * (1 - LEAST_GAP)):
         bound, cost, k, refined, c = heapq.heappop(queue)
@@ -628,10 +624,13 @@ def least_memory_message(graphs: dict[int, IRGraph], config: SearchConfig, resul
             rounded = relaxation.plan if not ilp.problem.barred_axes else None
             if rounded is not None and (best is None or rounded.peak_memory < best[0]):
                 best = (rounded.peak_memory, c, rounded.memory)
-            heapq.heappush(queue, (max(bound, relaxation.bound or 0.0), cost, k, True, c))
-            continue
-        # the least bound, refined: its MIP, to the gap (the lexicographic second MIP, the fastest
-        # plan of that memory, is not run: the message quotes the memory alone)
+            bound = max(bound, relaxation.bound or 0.0)
+            if (queue and bound > queue[0][0]) or (best is not None and bound >= best[0] * (1 - LEAST_GAP)):
+                heapq.heappush(queue, (bound, cost, k, True, c))  # another may need less, or it is within the gap: it waits
+                continue
+        # the least bound, refined: its MIP, to the gap, on the model whose LP just ran where it did
+        # (its basis is the MIP's start); the lexicographic second MIP, the fastest plan of that
+        # memory, is not run: the message quotes the memory alone
         try:
             solution = ilp.run(float("inf"))
             assert solution is not None  # the memory objective has no budget row; run() raises when it stops without a plan
