@@ -225,8 +225,22 @@ def hold_floor(problem: Problem) -> float:
     all 39 configurations in 0.26 s, where pricing the conversions of dp=8 x 2 x 2 x 2 alone took
     4.9 s; every plan holds 153 GiB of saved tensors there (the attention scores), which lifts the
     bound of dp=8 x 2 x 2 x 2 ZeRO-1 from 182.9 to 255.3 GiB (its LP relaxation: 257.5)."""
-    holds = problem.holds if problem.conversions_priced else _holds_alone(problem)
+    return sum(floor for floor, _ in hold_floors(problem, bound_holds(problem)))
+
+
+def bound_holds(problem: Problem) -> dict[tuple[object, ...], HoldTerm]:
+    """The hold terms of ``problem``: its own once its conversions are priced, else those
+    :func:`_price_edges` would make, priced alone (the cheap part of it; ``problem.holds`` is left
+    as it was)."""
+    return problem.holds if problem.conversions_priced else _holds_alone(problem)
+
+
+def hold_floors(problem: Problem, holds: dict[tuple[object, ...], HoldTerm]) -> list[tuple[float, tuple[tuple[object, ...], ...]]]:
+    """Per saved tensor (:func:`_root`), the bytes of it every plan holds (:func:`hold_floor`) and
+    the hold terms that may keep them: whatever the plan, the sum over those terms of
+    ``nbytes * (1 - recomputed)`` times their indicators is at least the floor."""
     least: dict[tuple[object, ...], dict[str, dict[int, float]]] = defaultdict(lambda: defaultdict(dict))
+    keys: dict[tuple[object, ...], list[tuple[object, ...]]] = defaultdict(list)
     for key, hold in holds.items():
         kept = hold.nbytes * (1 - hold.recomputed)
         for gu, iu, gv, _ in hold.conditions:
@@ -235,10 +249,10 @@ def hold_floor(problem: Problem) -> float:
             per = least[key[1:3]][gu]
             for j in iu:
                 per[j] = min(per.get(j, kept), kept)
-    total = 0.0
-    for savers in least.values():
-        total += max(min(per.get(j, 0.0) for j in range(len(problem.groups[g].strategies))) for g, per in savers.items())
-    return total
+            if not keys[key[1:3]] or keys[key[1:3]][-1] != key:
+                keys[key[1:3]].append(key)
+    return [(max(min(per.get(j, 0.0) for j in range(len(problem.groups[g].strategies))) for g, per in savers.items()), tuple(dict.fromkeys(keys[root])))
+            for root, savers in least.items()]
 
 
 def _holds_alone(problem: Problem) -> dict[tuple[object, ...], HoldTerm]:

@@ -403,6 +403,13 @@ def _run_parallel(workers: int, order: list[int], finished: Callable[[int, Candi
         _SHARED = ()
 
 
+def _over_budget(done: Candidate, budget: float, m_lb: float, t0: float) -> Candidate:
+    """``done`` dismissed: its memory bound ``m_lb`` is over ``budget``."""
+    return replace(done, reason=f"no plan on mesh {done.mesh} fits {format_bytes(budget)} per device: every plan needs at least "
+                   f"{format_bytes(m_lb)} (a bound without an ILP), {format_bytes(m_lb - budget)} over",
+                   least_memory=m_lb, least_is_bound=True, seconds=time.perf_counter() - t0)
+
+
 def _plan_configuration(
     problem: Problem,
     cand: Candidate,
@@ -427,13 +434,15 @@ def _plan_configuration(
     budget, objective, front, resolution = config.budget, config.objective, config.front, config.resolution
     done = Candidate(cand.mesh, cand.family, cand.settings)
     if m_lb > budget:
-        return replace(done, reason=f"no plan on mesh {cand.mesh} fits {format_bytes(budget)} per device: every plan needs at least "
-                         f"{format_bytes(m_lb)} (a bound without an ILP), {format_bytes(m_lb - budget)} over",
-                         least_memory=m_lb, least_is_bound=True, seconds=time.perf_counter() - t0)
+        return _over_budget(done, budget, m_lb, t0)
     dismissed = dismissal(done, t_lb, m_lb, [] if exhaustive else found(), objective=objective, front=front, resolution=resolution,
                            what="bounds")
     if dismissed is not None:
         return replace(dismissed, seconds=time.perf_counter() - t0)
+    # to be solved: the bound that counts each instant's working set (milliseconds, against the LP that would show it)
+    m_lb = max(m_lb, memory_lower_bound(problem, instants=True))
+    if m_lb > budget:
+        return _over_budget(done, budget, m_lb, t0)
     now = [] if exhaustive else found()
     if now:
         # conversions priced (the solve needs them anyway): a bound that counts them, before any ILP
@@ -613,24 +622,40 @@ def least_memory_message(graphs: dict[int, IRGraph], config: SearchConfig, resul
                 best = (c.least_memory, c, dict(c.least_terms))
     # equal bounds (the saved tensors every plan holds are often most of it) in the order of their
     # LPs' cost: the meshes of fewer tensor-parallel axes first
-    queue = [(c.least_memory or 0.0, len(active_tp(c.mesh)), k, False, c) for k, c in enumerate(result.candidates) if c.least_is_bound]
+    # stages of a bound: 0 the search's, 1 with each instant's working set, 2 the LP relaxation's
+    queue = [(c.least_memory or 0.0, len(active_tp(c.mesh)), k, 0, c) for k, c in enumerate(result.candidates) if c.least_is_bound]
     heapq.heapify(queue)
+    problems: dict[int, Problem] = {}
+
+    def waits(bound: float) -> bool:
+        """Whether a configuration whose bound rose to ``bound`` goes back to the queue: another may
+        need less, or it is within the gap of the smallest plan found."""
+        return bool(queue and bound > queue[0][0]) or (best is not None and bound >= best[0] * (1 - LEAST_GAP))
+
     while queue and (best is None or queue[0][0] < best[0] * (1 - LEAST_GAP)):
-        bound, cost, k, refined, c = heapq.heappop(queue)
-        ilp = BudgetILP(_problem(graphs, c, config, allow), "memory", settings)
-        if not refined:
+        bound, cost, k, stage, c = heapq.heappop(queue)
+        if k not in problems:
+            problems[k] = _problem(graphs, c, config, allow, edges=False)
+        if stage == 0:  # milliseconds, where the LP takes seconds (planner.front.instant_floor)
+            bound = max(bound, memory_lower_bound(problems[k], instants=True))
+            if waits(bound):
+                heapq.heappush(queue, (bound, cost, k, 1, c))
+                continue
+        ilp = BudgetILP(problems[k], "memory", settings)
+        if stage < 2:
             relaxation = ilp.memory_relaxation()
             # (a rounded answer may choose a pair of strategies CDP forbids, which the evaluation does not check)
             rounded = relaxation.plan if not ilp.problem.barred_axes else None
             if rounded is not None and (best is None or rounded.peak_memory < best[0]):
                 best = (rounded.peak_memory, c, rounded.memory)
             bound = max(bound, relaxation.bound or 0.0)
-            if (queue and bound > queue[0][0]) or (best is not None and bound >= best[0] * (1 - LEAST_GAP)):
-                heapq.heappush(queue, (bound, cost, k, True, c))  # another may need less, or it is within the gap: it waits
+            if waits(bound):
+                heapq.heappush(queue, (bound, cost, k, 2, c))
                 continue
         # the least bound, refined: its MIP, to the gap, on the model whose LP just ran where it did
         # (its basis is the MIP's start); the lexicographic second MIP, the fastest plan of that
         # memory, is not run: the message quotes the memory alone
+        del problems[k]  # solved now, for good
         try:
             solution = ilp.run(float("inf"))
             assert solution is not None  # the memory objective has no budget row; run() raises when it stops without a plan
