@@ -124,7 +124,8 @@ def _choose(problem: Problem, op_anchors: dict[str, list[Strategy]], allow: Stra
         if is_follower(node, graph):
             ref = node.inputs[0]
             ctx = RuleContext(node, graph, mesh)
-            cache: dict[Spec | None, Strategy] = {}
+            # the same objects for every problem of the mesh, so their prices are shared too (_op_prices)
+            cache = cast(dict[Spec | None, Strategy], graph.memo(("follow", node.name, mesh), dict))
             out = []
             for s in choices[ref.node]:
                 spec = s.outputs[ref.index]
@@ -245,6 +246,7 @@ def _price_nodes(problem: Problem, optimizer: str, master_itemsize: int | None) 
     backward_one: dict[str, list[float]] = {}
     consumers_of = graph.consumers()
     consumers_of_output = graph.nodes["output"].inputs[0].node
+    prices = _op_prices(graph, mesh, hw)
     for node in graph.nodes.values():
         if node.kind == "output" or node.template != node.name:
             continue
@@ -253,9 +255,15 @@ def _price_nodes(problem: Problem, optimizer: str, master_itemsize: int | None) 
         n = len(problem.choices[node.name])
         terms = problem.node_terms[node.name] = NodeTerms([0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n)
         kept = count - problem.recomputed_instances(node.name)
+        saves = sum(saved.nbytes for saved in node.saved if saved.source == "internal")
         for i, strategy in enumerate(problem.choices[node.name]):
+            internal = saves / mesh.group_size(strategy.split_axes)
+            op = prices.get((node.name, strategy)) if node.kind == "op" else None
+            if op is None and node.kind == "op":
+                op = prices[(node.name, strategy)] = (compute_time(node, strategy, mesh, hw, input_bytes(graph, node, strategy, mesh)),
+                                                     float(op_working_set(graph, node, strategy, mesh, internal)))
             # forward and backward run once per micro-batch
-            compute = (compute_time(node, strategy, mesh, hw, input_bytes(graph, node, strategy, mesh)) * problem.micro_batches) if node.kind == "op" else 0.0
+            compute = op[0] * problem.micro_batches if op is not None else 0.0
             price = NodePrice(compute, compute, list(strategy.comms), count)
             if node.kind == "param":
                 one = _price_param(problem, node, i, strategy, price, group, terms, optimizer, master_itemsize, sync_one)
@@ -283,14 +291,34 @@ def _price_nodes(problem: Problem, optimizer: str, master_itemsize: int | None) 
                 share = node.flops_fwd / total_flops if total_flops else 1 / 3  # as planner.overlap.forward_compute
                 backward_one.setdefault(node.name, [0.0] * n)[i] = compute / problem.micro_batches * (1 - share) * problem.sync_repeats
             group.comms[i].extend((c, count * problem.repeats(c)) for c in price.comms)
-            internal = sum(saved.nbytes for saved in node.saved if saved.source == "internal") / mesh.group_size(strategy.split_axes)
-            if node.kind == "op":
-                terms.work[i] = float(op_working_set(graph, node, strategy, mesh, internal))
+            if op is not None:
+                terms.work[i] = op[1]
                 group.transient[i] = max(group.transient[i], terms.work[i])
             terms.saved[i] = internal
             # a recomputed instance's intermediates live only while its segment's backward runs (planner.peak)
             group.memory[i] += internal * kept
     return sync_one, backward_one
+
+
+_PRICES_KEPT = 8  # the op prices of the last few (mesh, profile) pairs a graph was priced on
+
+
+def _op_prices(graph: IRGraph, mesh: Mesh, hw: HardwareProfile) -> dict[tuple[str, Strategy], tuple[float, float]]:
+    """Per (op, strategy), one run's compute seconds (:func:`planner.cost.compute_time`) and its
+    working set (:func:`planner.terms.op_working_set`): they depend on the op, the strategy, the
+    mesh and the profile alone, so the problems of one mesh (its ZeRO stages, recomputation and
+    CDP settings, whose own terms the schemes add) price each once. Kept on the graph for the
+    last :data:`_PRICES_KEPT` (mesh, profile) pairs; an entry holds its profile, so a profile's id
+    is not reused while it is kept."""
+    kept = cast(dict[tuple[Mesh, int], tuple[HardwareProfile, dict[tuple[str, Strategy], tuple[float, float]]]],
+                graph.memo("op_prices", dict))
+    entry = kept.pop((mesh, id(hw)), None)
+    if entry is None or entry[0] is not hw:
+        entry = (hw, {})
+    kept[(mesh, id(hw))] = entry  # the newest last
+    while len(kept) > _PRICES_KEPT:
+        del kept[next(iter(kept))]
+    return entry[1]
 
 
 def _price_param(problem: Problem, node: Node, i: int, strategy: Strategy, price: NodePrice, group: Group, terms: NodeTerms,
