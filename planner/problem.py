@@ -321,6 +321,18 @@ def _op_prices(graph: IRGraph, mesh: Mesh, hw: HardwareProfile) -> dict[tuple[st
     return entry[1]
 
 
+def breaks_a_rule(problem: Problem, assignment: Mapping[str, int]) -> bool:
+    """Whether ``assignment`` triggers a conversion the schemes forbid (a collective over the axes
+    whose ranks run at different times, CDP's workers: ``problem.barred_axes``). The ILP never
+    chooses one (their indicators are held at 0); an LP relaxation's rounded answer may, and
+    :func:`evaluate` prices what it is given, so a rounded answer is checked before it stands
+    for a plan."""
+    if not problem.barred_axes:
+        return False
+    return any(assignment[gu] in iu and assignment[gv] in iv
+               for term in problem.conversions.values() if term.forbidden for gu, iu, gv, iv in term.conditions)
+
+
 def _price_param(problem: Problem, node: Node, i: int, strategy: Strategy, price: NodePrice, group: Group, terms: NodeTerms,
                  optimizer: str, master_itemsize: int | None, sync_one: dict[str, list[float]]) -> float:
     """A parameter's bytes (shard, gradient, optimizer states), its gradient sync (the schemes'

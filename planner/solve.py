@@ -28,7 +28,7 @@ import numpy as np
 from planner.backends import Outcome, Status, highs_of, outcome, quiet, run_cbc, run_for
 from planner.ilp import NO_BUDGET, Expr, Model
 from planner.messages import infeasible_message
-from planner.problem import evaluate
+from planner.problem import breaks_a_rule, evaluate
 from planner.terms import Evaluation, Problem
 from planner.units import format_bytes
 
@@ -444,8 +444,9 @@ class BudgetILP:
         log.debug("mesh %s: LP relaxation within %s took %.2f s", self.problem.mesh, format_bytes(budget), time.perf_counter() - t0)
         if status != highspy.HighsModelStatus.kOptimal:
             return Relaxation(None, None, infeasible=status == highspy.HighsModelStatus.kInfeasible)
-        rounded = evaluate(self.problem, self.model.assignment(values))
-        return Relaxation(max(value, 0.0) * self.model.t_unit, rounded if rounded.peak_memory <= budget else None)
+        assignment = self.model.assignment(values)
+        rounded = None if breaks_a_rule(self.problem, assignment) else evaluate(self.problem, assignment)
+        return Relaxation(max(value, 0.0) * self.model.t_unit, rounded if rounded is not None and rounded.peak_memory <= budget else None)
 
     def memory_relaxation(self) -> Relaxation:
         """The least-memory LP relaxation (``objective="memory"``; integrality dropped, the pair
@@ -479,8 +480,10 @@ class BudgetILP:
         log.debug("mesh %s: least-memory LP relaxation took %.2f s", self.problem.mesh, time.perf_counter() - t0)
         if not optimal:
             return Relaxation(None, None)
+        assignment = self.model.assignment(values)
         # (1 - 1e-6): the LP's tolerances
-        return Relaxation(max(value, 0.0) * self.model.m_unit * (1 - 1e-6), evaluate(self.problem, self.model.assignment(values)))
+        return Relaxation(max(value, 0.0) * self.model.m_unit * (1 - 1e-6),
+                          None if breaks_a_rule(self.problem, assignment) else evaluate(self.problem, assignment))
 
     def weighted(self, weight: float, *, gap: float | None = None, absolute_gap: float = 0.0) -> Solution:
         """The plan minimising time + ``weight`` x memory (both in the model's normalised units),

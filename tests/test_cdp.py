@@ -16,6 +16,7 @@ memory CDP saves, on 4 gloo ranks in float64 with SGD-momentum over 5 steps.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Any
 
 import pytest
@@ -24,6 +25,7 @@ import torch
 from planner.cdp_clock import TOKEN_BYTES
 from planner.config import SearchConfig
 from planner.hardware import A100_80G
+from planner.mesh import Mesh
 from planner.models import build_model, example_inputs
 from planner.schemes.cdp import cdp_filter
 from planner.schemes.tp import DP_AXIS
@@ -571,3 +573,44 @@ def test_nothing_fits_advises_cdp_only_where_its_stages_on_devices_would_hold_le
     below = nothing_fits(space, graph, est.peak_memory / 2, cand, memory, est)
     assert "CDP" not in below
     assert "CDP" not in nothing_fits(space, graph, 2 * est.peak_memory, cand, memory, None)
+
+
+def test_an_assignment_breaks_cdps_rule_exactly_where_the_ilp_forbids_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CDP bars collectives over its workers' axes: the ILP holds those strategies and pairs of
+    Specs at 0, and :func:`planner.problem.breaks_a_rule` says the same of every assignment (so
+    an LP relaxation's rounded answer that breaks it never stands for a plan). Brute force over
+    all 31,104 assignments of a two-linear model on dp=2 x tp=2, CDP v1, most of which break it;
+    an LP relaxation whose answer rounds to one that breaks it gives no plan."""
+    from planner.ilp import Model
+    from planner.problem import breaks_a_rule, build_problem
+    from planner.solve import BudgetILP, SolverSettings
+    from tests.test_solver import _graph
+
+    graph = _graph("two-linear")
+    mesh = Mesh(("dp", "tp"), (2, 2))
+    problem = build_problem(graph, mesh, A100_80G, cdp="v1", cdp_stages=2)
+    model = Model(problem, "rules")
+    barred_x = {(g, i) for g, xs in model.x.items() for i, col in enumerate(xs) if model.lp.upper[col] == 0.0}
+    edges = list(problem.edges.values())
+    keys = list(problem.groups)
+    broken = 0
+    for combo in itertools.product(*(range(len(problem.groups[k].strategies)) for k in keys)):
+        a = dict(zip(keys, combo, strict=True))
+        barred = any((g, i) in barred_x for g, i in a.items())
+        for edge, e in zip(edges, model.e_of, strict=True):
+            src = next((s for s, idx in edge.src_sets.items() if a[edge.group_u] in idx), None)
+            dst = next((d for d, idx in edge.dst_sets.items() if a[edge.group_v] in idx), None)
+            if src is not None and dst is not None and model.lp.upper[e[(src, dst)]] == 0.0:
+                barred = True
+        assert breaks_a_rule(problem, a) == barred, a
+        broken += barred
+    assert 0 < broken < 31104
+    # a relaxation whose answer rounds to such an assignment gives no plan (and one that keeps it does)
+    for breaks in (True, False):
+        a = next(dict(zip(keys, c, strict=True)) for c in itertools.product(*(range(len(problem.groups[k].strategies)) for k in keys))
+                 if breaks_a_rule(problem, dict(zip(keys, c, strict=True))) == breaks)
+        for objective in ("time", "memory"):
+            ilp = BudgetILP(problem, objective, SolverSettings())  # type: ignore[arg-type]
+            monkeypatch.setattr(ilp.model, "assignment", lambda values, a=a: a)
+            rounded = (ilp.relax(float("inf")) if objective == "time" else ilp.memory_relaxation()).plan
+            assert (rounded is None) == breaks, (objective, breaks)
