@@ -16,7 +16,8 @@ rule of Das 1999, "On characterizing the knee of the Pareto curve", which Kneedl
 configuration that cannot fit is dismissed in microseconds: the peak is PO + max(A + T, G + T,
 G + S) >= PO + G and >= PO + A (planner.solve), each group's share of a sum is at least its
 smallest over its strategies, and each saved tensor's hold at least the least any plan keeps of
-it (:func:`planner.edges.hold_floor`). :func:`time_lower_bound` does the same for the step time (each
+it (:func:`planner.edges.hold_floor`); taken instant by instant (:func:`instant_floor`), it also counts
+what runs beside the activations alive there (the loss's working set at the end of forward). :func:`time_lower_bound` does the same for the step time (each
 group's fastest strategy, no conversion, less what overlap could hide), and
 :func:`conversion_time_bound` a tighter one once conversions are priced (the conversions coupled
 along a spanning forest of the groups' graph, solved exactly by a dynamic programme: on 3-D
@@ -102,8 +103,8 @@ def memory_lower_bound(problem: Problem, *, instants: bool = False) -> float:
     """Bytes per device no plan of ``problem`` can go below (see the module docstring).
     ``instants``: the tighter bound of :func:`instant_floor` too, which takes about ten times as
     long (measured, gpt2-small on 64 devices: 22 ms a configuration against 2.5 ms), so a search
-    works it out only for a configuration it is about to solve, and a "nothing fits" message before
-    an LP."""
+    works it out only just before a configuration's first LP, and a "nothing fits" message before
+    each LP relaxation."""
     po_g = po_a = 0.0
     for group in problem.groups.values():
         po_g += min(p + o + g for p, g, o in group.param_memory)
@@ -157,9 +158,16 @@ def instant_floor(problem: Problem, holds: dict[tuple[object, ...], HoldTerm], f
         base[g] = po[None, :] + np.cumsum(saved[g], axis=0) + np.cumsum(made[g][::-1], axis=0)[::-1] + flight[g]
     least = {g: b.min(axis=1) for g, b in base.items()}
     total = np.sum(list(least.values()), axis=0)
-    for floor, keys in floors:  # a hold term's bytes alive at each instant, as a share of those its floor counts
-        shares = [(np.cumsum(alive[key]) if key in alive else 0.0) + (in_flight[key] if key in in_flight else 0.0) for key in keys]
-        total = total + floor * np.minimum.reduce([share / (holds[key].nbytes * (1 - holds[key].recomputed)) for key, share in zip(keys, shares, strict=True)])
+
+    def share(key: tuple[object, ...]) -> np.ndarray:
+        """A hold term's bytes alive at each instant, as a share of those its floor counts."""
+        at = np.cumsum(alive[key]) if key in alive else np.zeros(n)
+        if key in in_flight:
+            at = at + in_flight[key]
+        return at / (holds[key].nbytes * (1 - holds[key].recomputed))
+
+    for floor, keys in floors:
+        total = total + floor * np.vstack([share(key) for key in keys]).min(axis=0)
     best = 0.0
     for k, point in enumerate(points):
         top = 0.0
