@@ -240,7 +240,7 @@ def hold_floors(problem: Problem, holds: dict[tuple[object, ...], HoldTerm]) -> 
     the hold terms that may keep them: whatever the plan, the sum over those terms of
     ``nbytes * (1 - recomputed)`` times their indicators is at least the floor."""
     least: dict[tuple[object, ...], dict[str, dict[int, float]]] = defaultdict(lambda: defaultdict(dict))
-    keys: dict[tuple[object, ...], list[tuple[object, ...]]] = defaultdict(list)
+    keys: dict[tuple[object, ...], dict[tuple[object, ...], None]] = defaultdict(dict)  # per tensor, its hold terms in order
     for key, hold in holds.items():
         kept = hold.nbytes * (1 - hold.recomputed)
         for gu, iu, gv, _ in hold.conditions:
@@ -249,9 +249,8 @@ def hold_floors(problem: Problem, holds: dict[tuple[object, ...], HoldTerm]) -> 
             per = least[key[1:3]][gu]
             for j in iu:
                 per[j] = min(per.get(j, kept), kept)
-            if not keys[key[1:3]] or keys[key[1:3]][-1] != key:
-                keys[key[1:3]].append(key)
-    return [(max(min(per.get(j, 0.0) for j in range(len(problem.groups[g].strategies))) for g, per in savers.items()), tuple(dict.fromkeys(keys[root])))
+            keys[key[1:3]][key] = None
+    return [(max(min(per.get(j, 0.0) for j in range(len(problem.groups[g].strategies))) for g, per in savers.items()), tuple(keys[root]))
             for root, savers in least.items()]
 
 

@@ -130,12 +130,7 @@ def instant_floor(problem: Problem, holds: dict[tuple[object, ...], HoldTerm], f
     tells: the loss's working set beside every activation, which the bound of the activations
     alone left out (measured, HF Llama-3-8B at sequence 8192, 8 devices: the cross-entropy over
     128k-word logits holds 7.8 GiB, 6 % of the least memory)."""
-    own = problem.holds
-    problem.holds = holds
-    try:
-        points = instants(problem)
-    finally:
-        problem.holds = own
+    points = instants(problem, holds)
     if not points:
         return 0.0
     n = len(points)

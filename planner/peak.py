@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from planner.terms import Problem
+    from planner.terms import HoldTerm, Problem
 
 Var = tuple[object, ...]  # ("x", group, strategy) | ("z", hold key) | ("e", edge index, Spec id, Spec id)
 Form = dict[Var, float]  # bytes per unit of each indicator
@@ -63,8 +63,10 @@ class Instant:
     work: tuple[Form, ...]  # what may run here, one at a time (the op first)
 
 
-def instants(problem: Problem) -> list[Instant]:
-    """The moments of a step at which the peak may happen, in graph order (see the module)."""
+def instants(problem: Problem, holds: dict[tuple[object, ...], HoldTerm] | None = None) -> list[Instant]:
+    """The moments of a step at which the peak may happen, in graph order (see the module).
+    ``holds``: the hold terms to place, where not ``problem.holds`` (a bound's, priced without
+    the conversions: :func:`planner.edges.bound_holds`)."""
     graph, mesh = problem.graph, problem.mesh
     order = [n for n in graph.nodes.values() if n.kind != "output"]
     pos = {n.name: k for k, n in enumerate(order)}
@@ -134,7 +136,7 @@ def instants(problem: Problem) -> list[Instant]:
                 form = x(n.template, local)
                 for k in range(lo, hi):
                     add(flight[k], form)
-    for key, hold in problem.holds.items():
+    for key, hold in (problem.holds if holds is None else holds).items():
         places = by_template[hold.saver]
         if hold.checkpointed:  # kept by the checkpoint of the recomputed instances
             places = [p for p in places if problem.recomputes(order[p])] or places

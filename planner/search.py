@@ -647,9 +647,8 @@ def least_memory_message(graphs: dict[int, IRGraph], config: SearchConfig, resul
         ilp = BudgetILP(problems[k], "memory", settings)
         if stage < 2:
             relaxation = ilp.memory_relaxation()
-            rounded = relaxation.plan
-            if rounded is not None and (best is None or rounded.peak_memory < best[0]):
-                best = (rounded.peak_memory, c, rounded.memory)
+            if relaxation.plan is not None and (best is None or relaxation.plan.peak_memory < best[0]):
+                best = (relaxation.plan.peak_memory, c, relaxation.plan.memory)
             bound = max(bound, relaxation.bound or 0.0)
             if waits(bound):
                 heapq.heappush(queue, (bound, cost, k, 2, c))
