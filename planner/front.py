@@ -37,15 +37,19 @@ a point only if it needs at least that fraction less memory than a faster point 
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Sequence
 from typing import Protocol, TypeVar, cast
 
+import highspy
 import numpy as np
 
+from planner.backends import highs_of, quiet, run_for
 from planner.edges import bound_holds, conversion_uses, hold_floors
-from planner.peak import instants
-from planner.problem import price_conversions
+from planner.ilp import Arrays, Expr
+from planner.peak import Form, Instant, instants
+from planner.problem import price_conversions, price_edges
 from planner.terms import HoldTerm, Problem
 
 
@@ -138,31 +142,18 @@ def instant_floor(problem: Problem, holds: dict[tuple[object, ...], HoldTerm], f
     saved = {g: np.zeros((n, m)) for g, m in sizes.items()}
     made = {g: np.zeros((n, m)) for g, m in sizes.items()}
     flight = {g: np.zeros((n, m)) for g, m in sizes.items()}
-    alive: dict[tuple[object, ...], np.ndarray] = defaultdict(lambda: np.zeros(n))  # a hold term's bytes made alive by each instant
-    in_flight: dict[tuple[object, ...], np.ndarray] = defaultdict(lambda: np.zeros(n))
     for k, point in enumerate(points):
-        for form, xs, zs in ((point.saved, saved, alive), (point.grads, made, None), (point.in_flight, flight, in_flight)):
+        for form, xs in ((point.saved, saved), (point.grads, made), (point.in_flight, flight)):
             for var, v in form.items():
                 if var[0] == "x":
                     xs[cast(str, var[1])][k, cast(int, var[2])] += v
-                elif var[0] == "z" and zs is not None:
-                    zs[cast(tuple[object, ...], var[1])][k] += v
     base: dict[str, np.ndarray] = {}
     for g, group in problem.groups.items():
         po = np.fromiter((p + o for p, _, o in group.param_memory), dtype=float, count=sizes[g])
         base[g] = po[None, :] + np.cumsum(saved[g], axis=0) + np.cumsum(made[g][::-1], axis=0)[::-1] + flight[g]
     least = {g: b.min(axis=1) for g, b in base.items()}
     total = np.sum(list(least.values()), axis=0)
-
-    def share(key: tuple[object, ...]) -> np.ndarray:
-        """A hold term's bytes alive at each instant, as a share of those its floor counts."""
-        at = np.cumsum(alive[key]) if key in alive else np.zeros(n)
-        if key in in_flight:
-            at = at + in_flight[key]
-        return at / (holds[key].nbytes * (1 - holds[key].recomputed))
-
-    for floor, keys in floors:
-        total = total + floor * np.vstack([share(key) for key in keys]).min(axis=0)
+    total = total + _holds_alive(points, holds, floors)
     best = 0.0
     for k, point in enumerate(points):
         top = 0.0
@@ -177,6 +168,111 @@ def instant_floor(problem: Problem, holds: dict[tuple[object, ...], HoldTerm], f
             top = max(top, sum(float(row.min()) - float(least[g][k]) for g, row in extra.items()))
         best = max(best, float(total[k]) + top)
     return best
+
+
+def _holds_alive(points: list[Instant], holds: dict[tuple[object, ...], HoldTerm], floors: list[tuple[float, tuple[tuple[object, ...], ...]]]) -> np.ndarray:
+    """H_k of :func:`instant_floor`: bytes of saved tensors every plan holds at each instant k. Per
+    tensor, its floor times the least share of it any of its hold terms has made alive by k."""
+    n = len(points)
+    alive: dict[tuple[object, ...], np.ndarray] = defaultdict(lambda: np.zeros(n))  # a hold term's bytes made alive at each instant
+    in_flight: dict[tuple[object, ...], np.ndarray] = defaultdict(lambda: np.zeros(n))
+    for k, point in enumerate(points):
+        for form, zs in ((point.saved, alive), (point.in_flight, in_flight)):
+            for var, v in form.items():
+                if var[0] == "z":
+                    zs[cast(tuple[object, ...], var[1])][k] += v
+
+    def share(key: tuple[object, ...]) -> np.ndarray:
+        """A hold term's bytes alive at each instant, as a share of those its floor counts."""
+        at = np.cumsum(alive[key]) if key in alive else np.zeros(n)
+        if key in in_flight:
+            at = at + in_flight[key]
+        return at / (holds[key].nbytes * (1 - holds[key].recomputed))
+
+    total = np.zeros(n)
+    for floor, keys in floors:
+        total = total + floor * np.vstack([share(key) for key in keys]).min(axis=0)
+    return total
+
+
+def instant_lp_floor(problem: Problem, time_limit_s: float) -> float | None:
+    """Bytes per device no plan goes below: :func:`instant_floor`'s instants as one LP, each group's
+    strategy the same at every instant (x continuous, one-hot in sum) and the conversions' working
+    sets counted (each edge whose pairs hold bytes at some instant in its transportation form,
+    :class:`planner.ilp.Model`), the saved tensors at their floors (H_k, constants):
+
+        min  PO + Z   s.t.  Z >= P_k + Q_k + F_k + w + H_k   for every instant k and w there
+
+    with P, Q, F, w the ILP's forms over x and those edges' pair indicators (:meth:`planner.ilp.Model.peak_bound`).
+    A relaxation of the least-memory ILP without its time, holds and most conversions: about a
+    tenth of its LP's size and time where the conversions' buffers decide the least memory (measured,
+    gpt2-small on 64 devices, dp=8 x 2 x 2 x 2 ZeRO-1: 1.362 GiB, as the full LP, in 1.3 s against
+    7.8 s; :func:`instant_floor`, which takes each instant's strategies apart and counts no
+    conversion, reads 1.252 GiB). None when the LP does not solve within ``time_limit_s``."""
+    price_edges(problem)
+    holds = bound_holds(problem)
+    points = instants(problem, holds)
+    if not points:
+        return None
+    held = _holds_alive(points, holds, hold_floors(problem, holds))
+    unit = max((abs(v) for point in points for form in (point.saved, point.grads, point.in_flight, *point.work) for v in form.values()),
+               default=1.0) or 1.0
+    lp = Arrays()
+    x = {g: [lp.var(f"x_{g}_{i}") for i in range(len(group.strategies))] for g, group in problem.groups.items()}
+    edges = list(problem.edges.values())
+    e: dict[int, dict[tuple[int, int], int]] = {}
+
+    def column(var: tuple[object, ...]) -> int | None:
+        if var[0] == "x":
+            return x[cast(str, var[1])][cast(int, var[2])]
+        if var[0] != "e":
+            return None  # a hold: counted in H_k
+        k = cast(int, var[1])
+        if k not in e:  # the edge's transportation form, on first use
+            edge = edges[k]
+            pairs = e[k] = {(a, b): lp.var(f"e_{k}_{a}_{b}") for a in edge.src_sets for b in edge.dst_sets}
+            for a, iu in edge.src_sets.items():
+                lp.row(f"edge_{k}_src_{a}", {**{pairs[(a, b)]: 1.0 for b in edge.dst_sets}, **{x[edge.group_u][i]: -1.0 for i in iu}}, 0.0, 0.0)
+            for b, iv in edge.dst_sets.items():
+                lp.row(f"edge_{k}_dst_{b}", {**{pairs[(a, b)]: 1.0 for a in edge.src_sets}, **{x[edge.group_v][i]: -1.0 for i in iv}}, 0.0, 0.0)
+        return e[k][(cast(int, var[2]), cast(int, var[3]))]
+
+    def terms(form: Form, sign: float) -> Expr:
+        out: Expr = {}
+        for var, v in form.items():
+            col = column(var)
+            if col is not None:
+                out[col] = out.get(col, 0.0) + sign * v / unit
+        return out
+
+    for g, xs in x.items():
+        lp.row(f"one_strategy_{g}", dict.fromkeys(xs, 1.0), 1.0, 1.0)
+    peak = lp.var("peak")
+    alive = [lp.var(f"alive_{k}") for k in range(len(points))]
+    made = [lp.var(f"made_{k}") for k in range(len(points))]
+    for k, point in enumerate(points):
+        lp.row(f"alive_{k}", {alive[k]: 1.0, **({alive[k - 1]: -1.0} if k else {}), **terms(point.saved, -1.0)}, 0.0, 0.0)
+        lp.row(f"made_{k}", {made[k]: 1.0, **({made[k + 1]: -1.0} if k + 1 < len(points) else {}), **terms(point.grads, -1.0)}, 0.0, 0.0)
+    for k, point in enumerate(points):
+        base = terms(point.in_flight, -1.0)
+        for col in (alive[k], made[k]):
+            base[col] = base.get(col, 0.0) - 1.0
+        for m, work in enumerate(point.work):
+            row = dict(base)
+            for col, v in terms(work, -1.0).items():
+                row[col] = row.get(col, 0.0) + v
+            lp.row(f"peak_{k}_{m}", {peak: 1.0, **row}, float(held[k]) / unit, math.inf)
+    costs = np.zeros(lp.num_cols)
+    costs[peak] = 1.0
+    for g, group in problem.groups.items():
+        for i, (p, _, o) in enumerate(group.param_memory):
+            costs[x[g][i]] = (p + o) / unit
+    highs = highs_of(lp.highs_lp(costs), 1, {})
+    with quiet():
+        run_for(highs, time_limit_s)
+    if highs.getModelStatus() != highspy.HighsModelStatus.kOptimal:
+        return None
+    return max(highs.getInfo().objective_function_value, 0.0) * unit * (1 - 1e-6)  # (1 - 1e-6): the LP's tolerances
 
 
 def reprices_overlap(problem: Problem) -> bool:

@@ -55,7 +55,9 @@ def sweep(
     budget, so every point of the exact front has a point at most g slower within 1 / (1 - r) of
     its memory, but near the least memory, where the end is within r (:func:`_end`);
     tests/test_front.py and tests/test_solver.py check both against brute force. The fastest plan
-    is solved to ``settings.relative_gap``; r = 0 is exact throughout.
+    is solved to ``settings.relative_gap``, the least memory to ``e = settings.least_gap * r``
+    (1e-4 at 5 %; the end's bounds with it, :func:`_end`; exactly where whether any plan fits the
+    budget is within e); r = 0 is exact throughout.
     ``max_points`` caps the points (but for the least-memory plan, kept beside an end above it so
     that a merge with other configurations' fronts still has a point near the least memory): the ends
     first, then the supported points, then the gaps, largest first. ``covered(t)``, when given, is
@@ -70,7 +72,10 @@ def sweep(
     :class:`InfeasibleBudget` when ``m_min`` exceeds the budget."""
     settings = ilp.settings if ilp is not None else settings or SolverSettings()
     try:
-        least, least_ilp = least_memory(problem, settings)
+        least, least_ilp = least_memory(problem, settings, gap=settings.least_memory_gap(resolution))
+        within_gap = least.evaluation.peak_memory * (1 - settings.least_memory_gap(resolution))
+        if least.evaluation.peak_memory > memory_budget and resolution > 0 and within_gap <= memory_budget:
+            least, least_ilp = least_memory(problem, settings, least_ilp)  # whether a plan fits is within the gap: exactly
     except SolveStopped:  # the front's low-memory end is unknown: the fastest plan is still a plan, marked as stopped
         top = fastest or (ilp or BudgetILP(problem, "time", settings)).run(float("inf"))
         if top is None or top.evaluation.peak_memory > memory_budget:
@@ -91,8 +96,10 @@ def sweep(
     # the least-memory plan itself is a point too where the end is above it (r > 0): a front merged with
     # other configurations' may drop the end for a faster point within r of it and still need a point
     # near the least memory (measured, vit-base on 8 devices: the 3-D end at 270.4 MiB gave way to a
-    # 2-D point at 276.1 MiB, where this configuration's least is 257.8 MiB)
-    lowest = least if end is not None and least.evaluation.peak_memory < end.evaluation.peak_memory else None
+    # 2-D point at 276.1 MiB, where this configuration's least is 257.8 MiB); not where the end is within
+    # the least memory's gap of it (the least memory is known to that much)
+    above = end is not None and least.evaluation.peak_memory < end.evaluation.peak_memory * (1 - settings.least_memory_gap(resolution))
+    lowest = least if above else None
     least = end or least  # when covered: the memory objective's plan, to end the hull, not to report
     if covered is not None and top.evaluation.peak_memory > memory_budget:
         covered_at_budget = covered(bounding.relaxation(memory_budget) or 0.0)
@@ -168,14 +175,18 @@ def _end(ilp: BudgetILP, least: Solution, resolution: float, covered: Callable[[
     (:meth:`planner.solve.BudgetILP.weighted`; where a bound showed this end covered, that bound was an
     LP relaxation near the least memory, which took longer than the solve it could save).
 
-    ``resolution`` 0: the fastest plan of exactly ``m_min`` (a budgeted MIP there). With r > 0: the
-    plan P minimising ``M + lam T`` without a budget, ``lam = r m_min / ((1 - r)(1 + r) T_L)``,
-    solved to an absolute gap of ``lam r T_L``. For the fastest plan F of ``m_min`` (``T_F <= T_L``):
-    ``M_P + lam T_P <= m_min + lam T_F + lam r T_L``, so ``T_P <= T_F + r T_L`` (as ``M_P >= m_min``)
-    and ``M_P - m_min <= lam (1 + r) T_L = r m_min / (1 - r)``: P is within the resolution of the
-    least memory in memory, and of the fastest plan there in time (times as the ILP prices them:
-    where the evaluation hides communication, ZeRO-3 prefetch or CDP, P may land a little past the
-    window). The sweep's gap between P and the next point up then looks for faster plans above it.
+    ``resolution`` 0: the fastest plan of exactly ``m_min`` (a budgeted MIP there). With r > 0,
+    ``least`` is solved to a relative gap e (:meth:`planner.solve.SolverSettings.least_memory_gap`):
+    its memory ``m_L`` is at most ``m_min / (1 - e)``. The end is the plan P minimising ``M + lam T``
+    without a budget, ``lam = r m_L / ((1 - r)(1 + r) T_L)``, solved to an absolute gap of ``lam r T_L``.
+    For the fastest plan F within ``m_L`` (``T_F <= T_L``, as ``least`` is such a plan):
+    ``M_P + lam T_P <= m_L + lam T_F + lam r T_L``. As ``M_P >= m_min >= (1 - e) m_L``,
+    ``T_P <= T_F + r T_L + e m_L / lam = T_F + (r + e (1 - r^2) / r) T_L`` (``e = r / 500``: 0.2 % of
+    ``T_L`` more), and ``M_P - m_L <= lam (1 + r) T_L = r m_L / (1 - r)``: P is within the resolution
+    of the least memory found in memory, and of the fastest plan there in time (times as the ILP
+    prices them: where the evaluation hides communication, ZeRO-3 prefetch or CDP, P may land a
+    little past the window). The sweep's gap between P and the next point up then looks for faster
+    plans above it.
 
     Why not the fastest plan within ``m_min / (1 - r)``, a budgeted MIP: near the least memory its
     bound is weak (the peak is a max over instants, which fractional strategies undercut) and it

@@ -17,13 +17,22 @@ import pytest
 
 from planner import front as front_module
 from planner.config import SearchConfig
-from planner.front import conversion_time_bound, covered_below, knee, memory_lower_bound, merge, reprices_overlap, time_lower_bound
+from planner.front import (
+    conversion_time_bound,
+    covered_below,
+    instant_lp_floor,
+    knee,
+    memory_lower_bound,
+    merge,
+    reprices_overlap,
+    time_lower_bound,
+)
 from planner.hardware import A100_80G
 from planner.mesh import Mesh
 from planner.models import build_model, example_inputs
 from planner.problem import build_problem, evaluate
 from planner.search import LEAST_GAP, search
-from planner.solve import TIE_BREAK, BudgetILP, solve
+from planner.solve import TIE_BREAK, BudgetILP, SolverSettings, least_memory, solve
 from planner.space import candidate_meshes
 from planner.sweep import sweep
 from planner.trace import trace
@@ -57,6 +66,8 @@ def test_bounds_hold_for_every_assignment() -> None:
         c = case(name)
         assert memory_lower_bound(c.problem) <= memory_lower_bound(c.problem, instants=True) <= c.least_memory * (1 + 1e-12)
         instants += memory_lower_bound(c.problem, instants=True) > memory_lower_bound(c.problem) * (1 + 1e-9)
+        # the instants as one LP: at least the bound of each instant apart (its LP tolerance aside), still below
+        assert memory_lower_bound(c.problem, instants=True) * (1 - 2e-6) <= instant_lp_floor(c.problem, 60.0) <= c.least_memory * (1 + 1e-12)
         assert time_lower_bound(c.problem) <= float(c.time.min()) * (1 + 1e-12)
         # conversions counted: still a bound, and at least the cheap one
         with_conversions = conversion_time_bound(c.problem)
@@ -85,6 +96,19 @@ def test_the_memory_bound_counts_the_saved_tensors_every_plan_holds() -> None:
         assert without * 1.2 < bound <= least * (1 + 1e-12), (recompute, without, bound, least)
         at_instants = memory_lower_bound(problem, instants=True)
         assert bound * 1.1 < at_instants <= least * (1 + 1e-12), (recompute, bound, at_instants, least)
+
+
+def test_the_instants_lp_counts_the_conversions_every_plan_runs() -> None:
+    """On a 3-D mesh, where conversions between the layouts of the ops are most of what runs:
+    the instants' LP (:func:`planner.front.instant_lp_floor`: one strategy per group across the
+    step, the conversions' working sets counted) is more than 1 % above the bound that takes each
+    instant apart and counts no conversion, and still below the least-memory MIP's plan."""
+    args, kwargs = example_inputs("gpt-tiny", batch=8)
+    graph = trace(build_model("gpt-tiny"), args, kwargs)
+    problem = build_problem(graph, Mesh(("dp", "i", "j", "k"), (1, 2, 2, 2)), A100_80G, zero_stage=1)
+    least, _ = least_memory(problem, SolverSettings())
+    apart, together = memory_lower_bound(problem, instants=True), instant_lp_floor(problem, 60.0)
+    assert together is not None and apart * 1.01 < together <= least.evaluation.peak_memory, (apart, together, least.evaluation.peak_memory)
 
 
 def test_the_conversion_bound_couples_conversions_along_a_forest() -> None:

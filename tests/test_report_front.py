@@ -246,7 +246,7 @@ def test_a_least_memory_solve_stopped_by_the_time_limit_keeps_the_fastest_plan(c
             raise solve.SolveStopped(f"the least-memory ILP of mesh {problem.mesh} found no plan within the time limit of 2 s: raise it (--time-limit)")
         return real(problem, budget, objective, settings)
 
-    def least_stopped(problem, settings):  # type: ignore[no-untyped-def]
+    def least_stopped(problem, settings, ilp=None, gap=None):  # type: ignore[no-untyped-def]
         return stopped(problem, float("inf"), "memory", settings)
 
     monkeypatch.setattr(solve, "solve_once", stopped)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import highspy
 import numpy as np
@@ -249,6 +249,28 @@ def test_the_fronts_least_memory_end_keeps_its_bound(name: str, resolution: floa
     exact = sweep_module._end(ilp, least, 0.0, None, None, 0.0)
     assert exact is not None and exact.evaluation.peak_memory <= m_min * (1 + 1e-9)
     assert exact.evaluation.step_time == pytest.approx(fastest_at_least, rel=1e-6, abs=_time_slack(c))
+
+
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("resolution", [0.05, 0.2])
+def test_the_fronts_end_keeps_its_bound_from_a_least_memory_within_its_gap(name: str, resolution: float) -> None:
+    """A front of resolution r solves its least memory to a relative gap e
+    (SolverSettings.least_memory_gap): from any plan L within m_min / (1 - e), the slowest there
+    included, planner.sweep._end finds a plan within m_L / (1 - r) at most (r + e (1 - r^2) / r) T_L
+    slower than the fastest plan within m_L (brute force)."""
+    c = case(name)
+    e = EXACT.least_memory_gap(resolution)
+    assert e == pytest.approx(resolution / 500)
+    near = np.flatnonzero(c.memory <= c.least_memory / (1 - e))
+    slowest = c.assignment(int(near[np.argmax(c.time[near])]))
+    least = solve(c.problem, memory_budget=float("inf"), objective="memory", settings=EXACT)
+    least = replace(least, assignment=slowest, evaluation=evaluate(c.problem, slowest))
+    m_l, t_l = least.evaluation.peak_memory, least.evaluation.step_time
+    end = sweep_module._end(solve_module.BudgetILP(c.problem, "time", EXACT), least, resolution, None, None, EXACT.sweep_gap(resolution))
+    assert end is not None
+    assert end.evaluation.peak_memory <= m_l / (1 - resolution) * (1 + 1e-9)
+    slower = (resolution + e * (1 - resolution**2) / resolution) * t_l
+    assert end.evaluation.step_time <= c.fastest_within(m_l * (1 + 1e-9)) + slower * (1 + 1e-9) + _time_slack(c)
 
 
 @pytest.mark.parametrize("name", TINY)
