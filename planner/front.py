@@ -17,7 +17,9 @@ configuration that cannot fit is dismissed in microseconds: the peak is PO + max
 G + S) >= PO + G and >= PO + A (planner.solve), each group's share of a sum is at least its
 smallest over its strategies, and each saved tensor's hold at least the least any plan keeps of
 it (:func:`planner.edges.hold_floor`); taken instant by instant (:func:`instant_floor`), it also counts
-what runs beside the activations alive there (the loss's working set at the end of forward). :func:`time_lower_bound` does the same for the step time (each
+what runs beside the activations alive there (the loss's working set at the end of forward), and
+:func:`instant_lp_floor` takes the instants together as one LP, the conversions' working sets
+counted, where a front's search is near a configuration's least memory. :func:`time_lower_bound` bounds the step time as the first does the memory (each
 group's fastest strategy, no conversion, less what overlap could hide), and
 :func:`conversion_time_bound` a tighter one once conversions are priced (the conversions coupled
 along a spanning forest of the groups' graph, solved exactly by a dynamic programme: on 3-D
@@ -206,9 +208,10 @@ def instant_lp_floor(problem: Problem, time_limit_s: float) -> float | None:
     with P, Q, F, w the ILP's forms over x and those edges' pair indicators (:meth:`planner.ilp.Model.peak_bound`).
     A relaxation of the least-memory ILP without its time, holds and most conversions: about a
     tenth of its LP's size and time where the conversions' buffers decide the least memory (measured,
-    gpt2-small on 64 devices, dp=8 x 2 x 2 x 2 ZeRO-1: 1.362 GiB, as the full LP, in 1.3 s against
+    gpt2-small on 64 devices, dp=8 x 2 x 2 x 2 ZeRO-1: 1.362 GiB, as the full LP, in 1.1 s against
     7.8 s; :func:`instant_floor`, which takes each instant's strategies apart and counts no
-    conversion, reads 1.252 GiB). None when the LP does not solve within ``time_limit_s``."""
+    conversion, reads 1.252 GiB). The problem's edges are priced first (a solve needs them too).
+    None when the LP does not solve within ``time_limit_s``."""
     price_edges(problem)
     holds = bound_holds(problem)
     points = instants(problem, holds)

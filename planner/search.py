@@ -75,8 +75,8 @@ from planner.units import format_bytes, format_seconds
 log = logging.getLogger(__name__)
 
 # a front's configuration whose uncovered memory (what the points as fast as its time bound leave)
-# is within this fraction above its memory bound has its least-memory LP relaxation solved before
-# the time LP within that memory (see _plan_configuration)
+# is within this fraction above its memory bound has the LP of its instants' memory solved
+# (planner.front.instant_lp_floor) before the time LP within that memory (see _plan_configuration)
 TIGHT_LIMIT = 0.1
 
 
