@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 
 TIE_BREAK = 1e-9  # weight of the secondary objective, both objectives normalised (see docstring)
 MAX_RESOLVES = 4
+LIGHT_PRESOLVE = 2  # HiGHS' presolve_mode for a budgeted MIP: 0 default (full), 1 initial sweep, 2 light, 3 full (see BudgetILP._run_mip)
 # a budget at a plan's exact memory is solved at that memory times (1 + FLOOR_SLACK): the time model's
 # memory row for that plan can sum to it plus a rounding error, which HiGHS without presolve reads as
 # infeasible (GPT-3 175B on 8 x 8: the least-memory point, 49.79 GiB, fell off the front that way)
@@ -247,11 +248,22 @@ class BudgetILP:
         # without a budget (or with a budget that cannot bind) the MIP is easy, its root LP often
         # integral, and HiGHS' presolve was most of its time: measured, GPT-3 175B on 4 x 4 x 4,
         # a weighted solve 1.2 s with presolve (0.84 s of it presolving), 0.2 s without; with a
-        # budget that binds, presolve pays (a knapsack MIP of 10-20 s either way, 25 % faster with)
+        # budget that binds, a light presolve (HiGHS' presolve_mode 2: the cheap reductions, no
+        # probing) pays where the full one costs more than it saves: measured on the 58 budgeted
+        # MIPs over 0.3 s of seven front and one-plan cells (the zoo on 8-512 devices, HiGHS 1.16,
+        # relative gap 1e-6), 340 s with the full presolve, 173 s light, 170 s without; GPT-3 13B's
+        # on 64 devices 21-45 s full, 8-16 s light; an MLP's on 8 x 8 x 8 3.4 s, 2.7 s of it the
+        # full presolve, 0.6 s light. Light, not off: it keeps the reductions a large model's
+        # root LP needs (see _run_without_presolve). (presolve_mode 1, the "initial sweep",
+        # crashed HiGHS 1.16 on one of those MIPs.)
         easy = budget == float("inf") or self.objective == "memory"
         if not easy:
             highs.setOptionValue("presolve", "choose")
-            run_for(highs, self.settings.time_limit_s)
+            highs.setOptionValue("presolve_mode", LIGHT_PRESOLVE)  # (an older HiGHS without the option ignores it)
+            try:
+                run_for(highs, self.settings.time_limit_s)
+            finally:
+                highs.setOptionValue("presolve_mode", 0)
         else:
             self._run_without_presolve(highs)
 
