@@ -248,14 +248,15 @@ class BudgetILP:
         # without a budget (or with a budget that cannot bind) the MIP is easy, its root LP often
         # integral, and HiGHS' presolve was most of its time: measured, GPT-3 175B on 4 x 4 x 4,
         # a weighted solve 1.2 s with presolve (0.84 s of it presolving), 0.2 s without; with a
-        # budget that binds, a light presolve (HiGHS' presolve_mode 2: the cheap reductions, no
-        # probing) pays where the full one costs more than it saves: measured on the 58 budgeted
-        # MIPs over 0.3 s of seven front and one-plan cells (the zoo on 8-512 devices, HiGHS 1.16,
-        # relative gap 1e-6), 340 s with the full presolve, 173 s light, 170 s without; GPT-3 13B's
-        # on 64 devices 21-45 s full, 8-16 s light; an MLP's on 8 x 8 x 8 3.4 s, 2.7 s of it the
-        # full presolve, 0.6 s light. Light, not off: it keeps the reductions a large model's
-        # root LP needs (see _run_without_presolve). (presolve_mode 1, the "initial sweep",
-        # crashed HiGHS 1.16 on one of those MIPs.)
+        # budget that binds, HiGHS' light presolve (presolve_mode 2) pays where the full one costs
+        # more than it saves: measured on the 58 MIPs over 0.3 s that ran with the full presolve in
+        # seven front and one-plan cells (57 budgeted, one neighbourhood MIP; the zoo on 8-512
+        # devices, HiGHS 1.16, each re-solved alone at a relative gap of 1e-6), 340 s with the full
+        # presolve, 173 s light, 170 s without; GPT-3 13B's on 64 devices 21-45 s full, 8-16 s
+        # light; an MLP's on 8 x 8 x 8 3.4 s, 2.7 s of it the full presolve, 0.6 s light. Light,
+        # not off: it keeps the reductions a large model's root LP needs (see
+        # _run_without_presolve). (presolve_mode 1, the "initial sweep", crashed HiGHS 1.16 on one
+        # of those MIPs.)
         easy = budget == float("inf") or self.objective == "memory"
         if not easy:
             highs.setOptionValue("presolve", "choose")
