@@ -71,10 +71,11 @@ def sweep(
     ``fastest``: its answer without a budget, when already solved. Raises
     :class:`InfeasibleBudget` when ``m_min`` exceeds the budget."""
     settings = ilp.settings if ilp is not None else settings or SolverSettings()
+    least_gap = settings.least_memory_gap(resolution)
     try:
-        least, least_ilp = least_memory(problem, settings, gap=settings.least_memory_gap(resolution))
-        within_gap = least.evaluation.peak_memory * (1 - settings.least_memory_gap(resolution))
-        if least.evaluation.peak_memory > memory_budget and resolution > 0 and within_gap <= memory_budget:
+        least, least_ilp = least_memory(problem, settings, gap=least_gap)
+        within_gap = least.evaluation.peak_memory * (1 - least_gap)
+        if least.evaluation.peak_memory > memory_budget and least_gap > settings.relative_gap and within_gap <= memory_budget:
             least, least_ilp = least_memory(problem, settings, least_ilp)  # whether a plan fits is within the gap: exactly
     except SolveStopped:  # the front's low-memory end is unknown: the fastest plan is still a plan, marked as stopped
         top = fastest or (ilp or BudgetILP(problem, "time", settings)).run(float("inf"))
@@ -98,7 +99,7 @@ def sweep(
     # near the least memory (measured, vit-base on 8 devices: the 3-D end at 270.4 MiB gave way to a
     # 2-D point at 276.1 MiB, where this configuration's least is 257.8 MiB); not where the end is within
     # the least memory's gap of it (the least memory is known to that much)
-    above = end is not None and least.evaluation.peak_memory < end.evaluation.peak_memory * (1 - settings.least_memory_gap(resolution))
+    above = end is not None and least.evaluation.peak_memory < end.evaluation.peak_memory * (1 - least_gap)
     lowest = least if above else None
     least = end or least  # when covered: the memory objective's plan, to end the hull, not to report
     if covered is not None and top.evaluation.peak_memory > memory_budget:
