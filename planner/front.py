@@ -39,7 +39,6 @@ a point only if it needs at least that fraction less memory than a faster point 
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from collections.abc import Sequence
 from typing import Protocol, TypeVar, cast
@@ -49,7 +48,7 @@ import numpy as np
 
 from planner.backends import highs_of, quiet, run_for
 from planner.edges import bound_holds, conversion_uses, hold_floors
-from planner.ilp import Arrays, Expr
+from planner.ilp import Arrays, Expr, instant_rows
 from planner.peak import Form, Instant, instants
 from planner.problem import price_conversions, price_edges
 from planner.terms import HoldTerm, Problem
@@ -205,7 +204,7 @@ def instant_lp_floor(problem: Problem, time_limit_s: float) -> float | None:
 
         min  PO + Z   s.t.  Z >= P_k + Q_k + F_k + w + H_k   for every instant k and w there
 
-    with P, Q, F, w the ILP's forms over x and those edges' pair indicators (:meth:`planner.ilp.Model.peak_bound`).
+    with P, Q, F, w the ILP's forms over x and those edges' pair indicators (the ILP's own rows, :func:`planner.ilp.instant_rows`).
     A relaxation of the least-memory ILP without its time, holds and most conversions: about a
     tenth of its LP's size and time where the conversions' buffers decide the least memory (measured,
     gpt2-small on 64 devices, dp=8 x 2 x 2 x 2 ZeRO-1: 1.362 GiB, as the full LP, in 1.1 s against
@@ -251,20 +250,7 @@ def instant_lp_floor(problem: Problem, time_limit_s: float) -> float | None:
     for g, xs in x.items():
         lp.row(f"one_strategy_{g}", dict.fromkeys(xs, 1.0), 1.0, 1.0)
     peak = lp.var("peak")
-    alive = [lp.var(f"alive_{k}") for k in range(len(points))]
-    made = [lp.var(f"made_{k}") for k in range(len(points))]
-    for k, point in enumerate(points):
-        lp.row(f"alive_{k}", {alive[k]: 1.0, **({alive[k - 1]: -1.0} if k else {}), **terms(point.saved, -1.0)}, 0.0, 0.0)
-        lp.row(f"made_{k}", {made[k]: 1.0, **({made[k + 1]: -1.0} if k + 1 < len(points) else {}), **terms(point.grads, -1.0)}, 0.0, 0.0)
-    for k, point in enumerate(points):
-        base = terms(point.in_flight, -1.0)
-        for col in (alive[k], made[k]):
-            base[col] = base.get(col, 0.0) - 1.0
-        for m, work in enumerate(point.work):
-            row = dict(base)
-            for col, v in terms(work, -1.0).items():
-                row[col] = row.get(col, 0.0) + v
-            lp.row(f"peak_{k}_{m}", {peak: 1.0, **row}, float(held[k]) / unit, math.inf)
+    instant_rows(lp, points, lambda form, sign: terms(form, sign).items(), peak, [float(h) / unit for h in held])
     costs = np.zeros(lp.num_cols)
     costs[peak] = 1.0
     for g, group in problem.groups.items():

@@ -59,14 +59,14 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import cast
 
 import highspy
 import numpy as np
 
 from planner.edges import conversion_uses
-from planner.peak import Form
+from planner.peak import Form, Instant
 from planner.problem import price_edges
 from planner.terms import EdgeTerm, Group, Problem
 
@@ -241,25 +241,9 @@ class Model:
         return terms
 
     def peak_bound(self) -> None:
-        """The peak over the step's instants (planner.peak): P_k, the activations alive, and Q_k, the
-        gradients made, as chains of one variable each per instant; Z >= P_k + Q_k + F_k + w for
-        what may run there; every activation, every gradient, and the optimizer step after them."""
-        points = self.problem.instants or []
-        alive = [self.lp.var(f"alive_{k}") for k in range(len(points))]
-        made = [self.lp.var(f"made_{k}") for k in range(len(points))]
-        for k, point in enumerate(points):
-            before = [(alive[k - 1], -1.0)] if k else []
-            self._row(f"peak_alive_{k}", EQ, 0.0, [(alive[k], 1.0)], before, self._form_terms(point.saved, -1.0))
-            after = [(made[k + 1], -1.0)] if k + 1 < len(points) else []
-            self._row(f"peak_made_{k}", EQ, 0.0, [(made[k], 1.0)], after, self._form_terms(point.grads, -1.0))
-        for k, point in enumerate(points):
-            base = [(alive[k], 1.0), (made[k], 1.0), *self._form_terms(point.in_flight)]
-            if len(point.work) > 1:  # one variable for what is alive, so each row is short
-                held = self.lp.var(f"held_{k}")
-                self._row(f"peak_held_{k}", EQ, 0.0, [(held, 1.0)], [(v, -c) for v, c in base])
-                base = [(held, 1.0)]
-            for m, work in enumerate(point.work):
-                self._row(f"peak_{k}_{m}", GE, 0.0, [(self.peak, 1.0)], [(v, -c) for v, c in base], self._form_terms(work, -1.0))
+        """The peak over the step's instants (:func:`instant_rows`); every activation, every
+        gradient, and the optimizer step after them."""
+        instant_rows(self.lp, self.problem.instants or [], self._form_terms, self.peak)
         grads = self._terms("G")
         self._row("peak_activations", GE, 0.0, [(self.peak, 1.0)], negated(self._terms("A")))
         self._row("peak_gradients", GE, 0.0, [(self.peak, 1.0)], negated(grads))
@@ -370,6 +354,36 @@ class Model:
     def assignment(self, values: np.ndarray) -> dict[str, int]:
         """Each group's strategy in column ``values`` (the largest of its x)."""
         return {g: max(range(len(xs)), key=lambda i, xs=xs: values[xs[i]]) for g, xs in self.x.items()}  # type: ignore[misc]
+
+
+def instant_rows(lp: Arrays, points: Sequence[Instant], form_terms: Callable[[Form, float], Iterable[tuple[int, float]]], peak: int,
+                 floors: Sequence[float] | None = None) -> None:
+    """The peak over the step's instants (planner.peak) as rows of ``lp``: P_k, the activations
+    alive, and Q_k, the gradients made, as chains of one column each per instant,
+
+        P_k = P_{k-1} + saved_k,   Q_k = Q_{k+1} + grads_k,   peak >= P_k + Q_k + F_k + w + floors[k]
+
+    for each working set w that may run at instant k (F_k: what is in flight there; ``floors``:
+    constants, in the model's units, zero when None). ``form_terms(form, sign)``: a form's
+    (column, coefficient) terms in the model's units, times ``sign``; a variable it has no
+    column for is left out. Shared by :meth:`Model.peak_bound` and
+    :func:`planner.front.instant_lp_floor` (the same rows over another set of columns)."""
+    alive = [lp.var(f"alive_{k}") for k in range(len(points))]
+    made = [lp.var(f"made_{k}") for k in range(len(points))]
+    for k, point in enumerate(points):
+        before = [(alive[k - 1], -1.0)] if k else []
+        lp.row(f"peak_alive_{k}", summed([(alive[k], 1.0), *before, *form_terms(point.saved, -1.0)]), 0.0, 0.0)
+        after = [(made[k + 1], -1.0)] if k + 1 < len(points) else []
+        lp.row(f"peak_made_{k}", summed([(made[k], 1.0), *after, *form_terms(point.grads, -1.0)]), 0.0, 0.0)
+    for k, point in enumerate(points):
+        base = [(alive[k], 1.0), (made[k], 1.0), *form_terms(point.in_flight, 1.0)]
+        if len(point.work) > 1:  # one column for what is alive, so each row is short
+            held = lp.var(f"held_{k}")
+            lp.row(f"peak_held_{k}", summed([(held, 1.0), *((v, -c) for v, c in base)]), 0.0, 0.0)
+            base = [(held, 1.0)]
+        floor = floors[k] if floors is not None else 0.0
+        for m, work in enumerate(point.work):
+            lp.row(f"peak_{k}_{m}", summed([(peak, 1.0), *((v, -c) for v, c in base), *form_terms(work, -1.0)]), floor, math.inf)
 
 
 def summed(terms: Iterable[tuple[int, float]]) -> Expr:
