@@ -48,7 +48,7 @@ import numpy as np
 
 from planner.backends import highs_of, quiet, run_for
 from planner.edges import bound_holds, conversion_uses, hold_floors
-from planner.ilp import Arrays, Expr, instant_rows
+from planner.ilp import Arrays, instant_rows
 from planner.peak import Form, Instant, instants
 from planner.problem import price_conversions, price_edges
 from planner.terms import HoldTerm, Problem
@@ -239,18 +239,14 @@ def instant_lp_floor(problem: Problem, time_limit_s: float) -> float | None:
                 lp.row(f"edge_{k}_dst_{b}", {**{pairs[(a, b)]: 1.0 for a in edge.src_sets}, **{x[edge.group_v][i]: -1.0 for i in iv}}, 0.0, 0.0)
         return e[k][(cast(int, var[2]), cast(int, var[3]))]
 
-    def terms(form: Form, sign: float) -> Expr:
-        out: Expr = {}
-        for var, v in form.items():
-            col = column(var)
-            if col is not None:
-                out[col] = out.get(col, 0.0) + sign * v / unit
-        return out
+    def terms(form: Form, sign: float) -> list[tuple[int, float]]:
+        """A form's (column, coefficient) terms times ``sign``; the holds left out (instant_rows sums them per column)."""
+        return [(col, sign * v / unit) for var, v in form.items() if (col := column(var)) is not None]
 
     for g, xs in x.items():
         lp.row(f"one_strategy_{g}", dict.fromkeys(xs, 1.0), 1.0, 1.0)
     peak = lp.var("peak")
-    instant_rows(lp, points, lambda form, sign: terms(form, sign).items(), peak, [float(h) / unit for h in held])
+    instant_rows(lp, points, terms, peak, [float(h) / unit for h in held])
     costs = np.zeros(lp.num_cols)
     costs[peak] = 1.0
     for g, group in problem.groups.items():

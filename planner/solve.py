@@ -450,8 +450,8 @@ class BudgetILP:
         elif sibling is not None and sibling[0] == shape:
             highs.setBasis(sibling[1])
             simplex_first = True
-        elif main.getBasis().valid:  # the MIPs' last LP (see above: the same rows and columns)
-            highs.setBasis(main.getBasis())
+        elif (basis := main.getBasis()).valid:  # the MIPs' last LP (see above: the same rows and columns)
+            highs.setBasis(basis)
             simplex_first = True
         if simplex_first:
             attempts.insert(0, ("simplex", max(0.5, 8e-5 * highs.getNumCol())))
