@@ -46,17 +46,17 @@ def sweep(
        and so on down to the smaller neighbour: the plans above the hull, whose budgeted MIPs are
        the hard ones. Where the budget cuts the hull, the fastest plan within it starts the front.
 
-    ``step = max(resolution * m, 1e-6 * m)``: ``resolution = 0`` finds every front point more than
-    a millionth apart in memory (the exact front; the tests compare it with brute force), 0.05
-    leaves out points within 5 % of memory of a neighbour. With r > 0 the MIPs of steps 2 and 3
-    stop at a relative gap of ``g = settings.front_gap * r`` (2 % at 5 %; most of their time was
-    spent proving the last percents: measured, gpt-tiny on dp=2 x 2 x 2, a weighted MIP 4.2 s exact,
-    2.3 s at 1 %, the same plan; :class:`planner.solve.SolverSettings` has the figures for 2 %):
-    each point of step 3 is within g of the fastest plan within its budget, so every point of the
-    exact front has a point at most g slower within 1 / (1 - r) of its memory, but near the least
-    memory, where the end is within r (:func:`_end`); tests/test_front.py and tests/test_solver.py
-    check both against brute force. The fastest plan is solved to ``settings.relative_gap``, the least memory to ``e = settings.least_gap * r``
-    (1e-4 at 5 %; the end's bounds with it, :func:`_end`; exactly where whether any plan fits the
+    ``step = max(resolution * m, 1e-6 * m)``: ``resolution = 0`` finds every front point more than a
+    millionth apart in memory (the exact front; the tests compare it with brute force), 0.05 leaves out
+    points within 5 % of memory of a neighbour. With r > 0 the MIPs of steps 2 and 3 stop at a relative
+    gap of ``g = settings.front_gap * r`` (2 % at 5 %; most of their time was spent proving the last
+    percents: measured, gpt-tiny on dp=2 x 2 x 2, a weighted MIP 4.2 s exact, 2.3 s at 1 %, the same
+    plan; :class:`planner.solve.SolverSettings` has the figures for 2 %): each point of step 3 is within
+    g of the fastest plan within its budget, so every point of the exact front has a point at most g
+    slower within 1 / (1 - r) of its memory, but near the least memory, where the end is within r
+    (:func:`_end`); tests/test_front.py and tests/test_solver.py check both against brute force. The
+    fastest plan is solved to ``settings.relative_gap``, the least memory to ``e = settings.least_gap *
+    r`` (1e-4 at 5 %; the end's bounds with it, :func:`_end`; exactly where whether any plan fits the
     budget is within e); r = 0 is exact throughout.
     ``max_points`` caps the points (but for the least-memory plan, kept beside an end above it so
     that a merge with other configurations' fronts still has a point near the least memory): the ends
