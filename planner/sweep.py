@@ -56,8 +56,8 @@ def sweep(
     slower within 1 / (1 - r) of its memory, but near the least memory, where the end is within r
     (:func:`_end`); tests/test_front.py and tests/test_solver.py check both against brute force. The
     fastest plan is solved to ``settings.relative_gap``, the least memory to
-    ``e = settings.least_gap * r`` (1e-4 at 5 %; the end's bounds with it, :func:`_end`; exactly where whether any plan fits the
-    budget is within e); r = 0 is exact throughout.
+    ``e = settings.least_gap * r`` (1e-4 at 5 %; the end's bounds with it, :func:`_end`; exactly
+    where whether any plan fits the budget is within e); r = 0 is exact throughout.
     ``max_points`` caps the points (but for the least-memory plan, kept beside an end above it so
     that a merge with other configurations' fronts still has a point near the least memory): the ends
     first, then the supported points, then the gaps, largest first. ``covered(t)``, when given, is
