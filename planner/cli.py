@@ -46,6 +46,7 @@ from planner.ir import IRGraph
 from planner.schemes.base import Flag
 from planner.schemes.registry import SCHEMES
 from planner.search import SearchProgress, SearchResult
+from planner.solve import SolverSettings
 from planner.units import parse_bytes
 
 SCHEME_FLAGS = [flag for scheme in SCHEMES for flag in scheme.flags]
@@ -184,7 +185,8 @@ def _add_search_options(r: argparse.ArgumentParser) -> None:
     r.add_argument("--precision", choices=tuple(PRECISIONS), default="fp32",
                    help="fp32, or mixed: compute in bf16/fp16 with float32 master weights and optimizer states (default fp32)")
     r.add_argument("--optimizer", choices=("adamw", "sgd-momentum"), default="adamw", help="optimizer whose states are priced (default adamw)")
-    r.add_argument("--gap", type=_fraction("--gap", "the relative MIP gap"), default=1e-6, help="relative MIP gap at which a solve stops as optimal (default 1e-6; a front of resolution r stops its weighted and budgeted MIPs at 2r/5 if larger: --resolution 0 for the exact front)")
+    r.add_argument("--gap", type=_fraction("--gap", "the relative MIP gap"), default=1e-6, help="relative MIP gap at which a solve stops as optimal (default 1e-6; a front of resolution r stops its weighted and budgeted MIPs at "
+                        f"{SolverSettings.front_gap:g} r if larger: --resolution 0 for the exact front)")
     r.add_argument("--time-limit", type=_seconds("--time-limit"), default=120.0, help="time limit of each ILP solve, seconds (a solve stopped by it is reported as time_limit, not optimal)")
     r.add_argument("--workers", type=_at_least(1, "--workers"), default=1,
                    help="processes solving configurations of a front at once (default 1; 2 on 2 cores: GPT-3 175B's front on 64 devices 20 s -> 14 s; "
