@@ -37,6 +37,31 @@ log = logging.getLogger(__name__)
 
 TIE_BREAK = 1e-9  # weight of the secondary objective, both objectives normalised (see docstring)
 MAX_RESOLVES = 4
+# HiGHS' "no limit" for its iteration and node counts (its options' largest value)
+NO_LIMIT = 2**31 - 1
+# the relaxation-induced neighbourhood's MIP (BudgetILP._from_relaxation) stops after this many
+# branch-and-bound nodes: a few dozen binaries are free, and it closed at the root (one node) in
+# every solve of five front and one-plan cells of the zoo
+NEIGHBOURHOOD_NODES = 1000
+
+
+def simplex_cap(columns: int) -> int:
+    """Dual simplex iterations an LP relaxation of ``columns`` columns gets before the solve takes
+    its other path (interior point in :meth:`BudgetILP.relax`, the MIP itself in
+    :meth:`BudgetILP._from_relaxation`). A count, not seconds, so that the path, and the plans
+    within a MIP's gap that it gives, do not depend on how fast or how loaded the host is: with a
+    cap of 8e-5 s a column, gpt-tiny's front on 8 devices beside the test suite had four
+    relaxations of 19.7k columns stop at 3.5k-7.4k iterations and go to their MIPs, 157 s in
+    all, where alone it took 55 s. Measured alone (the zoo's gpt-tiny and vit-base fronts on 8
+    devices, gpt2-small's on 64, one plan of gpt2-small on 64 and 512, GPT-3 1.3B and 13B on 64;
+    392 relaxations by simplex, 255-26k columns): 8e-5 s a column was 15k-27k iterations above
+    2k columns (more below, where each is cheaper); every relaxation needed at most 8.1k, but
+    one of 24.8k columns 23.4k (4.4 s; the clock had stopped it at 2 s). So 20k, and a third of
+    the columns beyond 60k: larger relaxations take more (0.1-0.4 iterations a column above 6k
+    columns), and gpt2-small's 94k-column dp=64 x 2 x 2 x 2 relaxation on 512 devices took 4.5 s."""
+    return max(20_000, columns // 3)
+
+
 LIGHT_PRESOLVE = 2  # HiGHS' presolve_mode for a budgeted MIP: 0 default (full), 1 initial sweep, 2 light, 3 full (see BudgetILP._run_mip)
 # a budget at a plan's exact memory is solved at that memory times (1 + FLOOR_SLACK): the time model's
 # memory row for that plan can sum to it plus a rounding error, which HiGHS without presolve reads as
@@ -243,12 +268,12 @@ class BudgetILP:
             highs.setSolution(start)
         highs.setOptionValue("objective_bound", cutoff)
         try:
-            self._run_mip(highs, budget)
+            self._run_mip(highs, budget, planned=start is not None)
         finally:
             highs.setOptionValue("objective_bound", math.inf)
         return outcome(highs)
 
-    def _run_mip(self, highs: highspy.Highs, budget: float) -> None:
+    def _run_mip(self, highs: highspy.Highs, budget: float, *, planned: bool) -> None:
         # without a budget (or with a budget that cannot bind) the MIP is easy, its root LP often
         # integral, and HiGHS' presolve was most of its time: measured, GPT-3 175B on 4 x 4 x 4,
         # a weighted solve 1.2 s with presolve (0.84 s of it presolving), 0.2 s without; with a
@@ -270,7 +295,7 @@ class BudgetILP:
             finally:
                 highs.setOptionValue("presolve_mode", 0)
         else:
-            self._run_without_presolve(highs)
+            self._run_without_presolve(highs, planned=planned)
 
     def _from_relaxation(self, highs: highspy.Highs, budget: float, costs: np.ndarray, gap: float, absolute_gap: float,
                          cutoff: float) -> tuple[Outcome | None, highspy.HighsSolution | None]:
@@ -278,7 +303,7 @@ class BudgetILP:
         that suffices: (the outcome, None) when proven, else (None, a plan to start the MIP from, or None).
 
         1. The LP relaxation by dual simplex, the pair rows on (:meth:`_pair_rows`: exact for
-           one-hot x, so its optimum ``b`` bounds every plan), stopped after 8e-5 s a column,
+           one-hot x, so its optimum ``b`` bounds every plan), stopped after :func:`simplex_cap` iterations,
            from the basis of this model's last LP (the sweep's weighted solves differ in costs
            only: 0.05-0.2 s each), but from none, in a fresh copy of the model, where that basis
            has the budget binding and this solve has no budget (gpt-tiny's weighted LP at the
@@ -300,9 +325,10 @@ class BudgetILP:
         least-memory MIP on 2 x 2 x 2 (3-D): 15.5 s -> 0.33 s; on dp=2 x 2 x 2 (2-D) 5.4 s -> 0.51 s;
         both answers equal to the MIP's within its gap."""
         cols = highs.getNumCol()
-        cap = max(0.5, 8e-5 * cols)
+        limit = self.settings.time_limit_s
         t0 = time.perf_counter()
-        options: dict[str, bool | str | float] = {"solve_relaxation": True, "presolve": "off", "solver": "simplex"}
+        options: dict[str, bool | str | float] = {"solve_relaxation": True, "presolve": "off", "solver": "simplex",
+                                                  "simplex_iteration_limit": simplex_cap(cols)}
         with self._relaxing(highs, tuple(options)):
             for k, v in options.items():
                 highs.setOptionValue(k, v)
@@ -313,10 +339,10 @@ class BudgetILP:
                 index = np.arange(cols, dtype=np.int32)
                 highs.changeColsCost(cols, index, self._costs((self.time_e, 1.0), (self.mem_e, TIE_BREAK)))
                 try:
-                    run_for(highs, cap)
+                    run_for(highs, limit)
                 finally:
                     highs.changeColsCost(cols, index, costs)
-            run_for(solver, max(cap - (time.perf_counter() - t0), 0.1))
+            run_for(solver, limit)
             status = solver.getModelStatus()
             if status == highspy.HighsModelStatus.kInfeasible:
                 return Outcome(None, None, "Infeasible"), None  # the pair rows are exact: no plan fits
@@ -335,8 +361,8 @@ class BudgetILP:
         upper[binary[x[binary] < 1e-7]] = 0.0
         lower[binary[x[binary] > 1 - 1e-7]] = 1.0
         lp.col_lower_, lp.col_upper_ = lower, upper
-        sub = self._highs_of(lp, {"mip_rel_gap": gap, "mip_abs_gap": absolute_gap, "objective_bound": cutoff})
-        run_for(sub, cap)
+        sub = self._highs_of(lp, {"mip_rel_gap": gap, "mip_abs_gap": absolute_gap, "objective_bound": cutoff, "mip_max_nodes": NEIGHBOURHOOD_NODES})
+        run_for(sub, limit)
         if sub.getInfo().primal_solution_status != 2:  # 2: feasible
             log.debug("mesh %s: neighbourhood %s after %.2f s", self.problem.mesh, sub.modelStatusToString(sub.getModelStatus()), time.perf_counter() - t0)
             return None, None
@@ -347,19 +373,28 @@ class BudgetILP:
             return Outcome("optimal", np.asarray(sub.getSolution().col_value), "Optimal (within the gap of the LP relaxation)"), None
         return None, sub.getSolution()
 
-    def _run_without_presolve(self, highs: highspy.Highs) -> None:
-        """An easy MIP without presolve, first for at most ``3 cap`` (``cap`` in proportion to the
-        model's size), interrupted at ``cap`` if it has no plan by then: measured, the
+    def _run_without_presolve(self, highs: highspy.Highs, *, planned: bool) -> None:
+        """An easy MIP without presolve. ``planned`` (it starts from a plan: the relaxation's
+        neighbourhood, :meth:`_from_relaxation`): one run to the end, so its path depends on the
+        model alone, not on the host's speed. It used to stop at a time cap and go on from its
+        plan without presolve, a restart that only lost the root's cuts and search (gpt-tiny's
+        weighted MIPs on 2 x 2 x 2: 3.8 s in one run, 7.1 s stopped at a 2.6 s cap and resumed)
+        and that fired on a loaded host only: measured, gpt-tiny's front on 8 devices beside the
+        test suite, three of its 19.7k-column MIPs stopped at their 6 s and ran 26 s more.
+
+        Without a plan it is interrupted at ``cap`` (seconds in proportion to the model's size) if
+        it has found none by then, and stopped at ``3 cap``, and the rest of the time limit runs
+        with presolve (on from the plan found meanwhile, if any, without): measured, the
         least-memory MIP of a 2-layer Llama on 2 x 2 x 2, 58k columns, found none in 60 s without
         presolve and was optimal in 15 s with; the root LP of a 76k-column weighted MIP (GPT-3 1.3B
         on 64 devices) ran past 120 s without presolve (HiGHS calls the interrupt only between LPs,
-        so the time limit bounds the root). Without a plan the rest of the time limit runs with
-        presolve; with one it goes on without presolve from it (measured, GPT-3 1.3B on 2 x 2 x 2,
-        a weighted MIP: 7.8 s without presolve, 33.7 s with, its presolve alone 25 s). The first
-        attempt runs past ``cap`` once it has a plan because a restart loses the root's cuts and
-        search: gpt-tiny's weighted MIPs on 2 x 2 x 2 took 3.8 s in one run and 7.1 s stopped at a
-        2.6 s cap and resumed."""
+        so only a time limit bounds the root). That is the one decision inside a solve taken by the
+        clock; HiGHS' deterministic counters (nodes, its limit checks) do not move during a root LP."""
         limit = self.settings.time_limit_s
+        highs.setOptionValue("presolve", "off")
+        if planned:
+            run_for(highs, limit)
+            return
         cap = min(limit, max(2.0, 1e-4 * highs.getNumCol()))
 
         def interrupt(kind: highspy.cb.HighsCallbackType, message: str, out: highspy.cb.HighsCallbackOutput, into: highspy.cb.HighsCallbackInput,
@@ -367,7 +402,6 @@ class BudgetILP:
             if out.running_time > cap and out.mip_primal_bound == math.inf:
                 into.user_interrupt = True  # out.running_time: seconds of this run
 
-        highs.setOptionValue("presolve", "off")
         highs.setCallback(interrupt, None)
         highs.startCallback(highspy.cb.HighsCallbackType.kCallbackMipInterrupt)
         t0 = time.perf_counter()
@@ -413,8 +447,9 @@ class BudgetILP:
         3-D mesh of 64 devices, ~6 s on 8 x 8 x 8 of 4096), where dual simplex, from no basis,
         takes 0.07-1.6 s on the same models when the budget is loose and up to 20 s (or fails)
         near the least memory. ``simplex_first`` (a fresh model, a budget that is likely loose):
-        dual simplex first, stopped after 8e-5 s a column (about what interior point takes: at
-        worst twice its time), then interior point if it has not finished. Measured at 80 GiB on
+        dual simplex first, stopped after :func:`simplex_cap` iterations (it was 8e-5 s a column,
+        about what interior point takes: at worst twice its time), then interior point if it has
+        not finished. Measured at 80 GiB on
         gpt2-small's 64- and 512-device meshes and GPT-3's, 2.6k-104k columns: simplex 0.08-4.8e-5 s
         a column, interior point 3.4-9.5e-5. At 2e-5 s a column the 104k-column 3-D ZeRO-3
         relaxation stopped at 2.1 s, 0.1 s before its answer, and spent 8.3 s more in interior
@@ -458,9 +493,10 @@ class BudgetILP:
             highs.setBasis(basis)
             simplex_first = True
         if simplex_first:
-            attempts.insert(0, ("simplex", max(0.5, 8e-5 * highs.getNumCol())))
+            attempts.insert(0, ("simplex", self.settings.time_limit_s))
         for solver, seconds in attempts:
             highs.setOptionValue("solver", solver)
+            highs.setOptionValue("simplex_iteration_limit", simplex_cap(highs.getNumCol()) if solver == "simplex" else NO_LIMIT)
             with quiet():
                 run_for(highs, seconds)
             status = highs.getModelStatus()

@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+import time
 from dataclasses import dataclass, replace
 
 import highspy
@@ -462,13 +463,27 @@ def test_dual_simplex_first_gives_the_interior_points_bound(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", TINY)
+def test_a_relaxation_stopped_at_its_simplex_cap_still_gives_the_bound_and_the_plan(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With simplex stopped after one iteration (solve.simplex_cap), relax(simplex_first=True)
+    gets its bound from interior point, and a budgeted solve, its relaxation unfinished, from the
+    MIP: the same bound, the brute-force fastest plan within the budget."""
+    c = case(name)
+    monkeypatch.setattr(solve_module, "simplex_cap", lambda columns: 1)
+    for budget in (c.least_memory, *between_pareto_budgets(c)[:2]):
+        a = solve_module.BudgetILP(c.problem, "time", EXACT).relax(budget)
+        b = solve_module.BudgetILP(c.problem, "time", EXACT).relax(budget, simplex_first=True)
+        assert a.bound is not None and b.bound == pytest.approx(a.bound, rel=1e-6)
+        _assert_fastest_within(c, budget)
+
+
+@pytest.mark.parametrize("name", TINY)
 def test_a_mip_its_relaxation_proves_is_answered_without_running_it(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """BudgetILP._from_relaxation: where the LP-integral neighbourhood's plan is within the gap of
     the LP bound, that plan is the answer (the brute-force optimum, within the gap) and HiGHS' MIP
     never runs; the least-memory model likewise."""
     c = case(name)
 
-    def no_mip(self: solve_module.BudgetILP, highs: object, budget: float) -> None:
+    def no_mip(self: solve_module.BudgetILP, highs: object, budget: float, *, planned: bool) -> None:
         raise AssertionError("the MIP ran although its relaxation proves the answer")
 
     monkeypatch.setattr(solve_module.BudgetILP, "_run_mip", no_mip)
@@ -478,6 +493,47 @@ def test_a_mip_its_relaxation_proves_is_answered_without_running_it(name: str, m
     assert fastest.evaluation.step_time == pytest.approx(float(c.time.min()), rel=1e-6, abs=_time_slack(c))
     least = solve_module.BudgetILP(c.problem, "memory", settings).run(float("inf"))
     assert least is not None and least.evaluation.peak_memory == pytest.approx(c.least_memory, rel=1e-6)
+
+
+def test_a_slower_host_takes_the_same_path_to_the_same_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No decision inside a solve is taken by the clock: the relaxations stop at an iteration
+    count (solve.simplex_cap), the MIP that starts from a plan runs to its end. With every simplex
+    iteration made 10 ms slower (a host many times slower, or loaded), a solve makes the same
+    HiGHS runs, each with the same iterations and status, and gives the same plan. (With the
+    relaxation stopped at 8e-5 s a column, 0.5 s at least, the first relaxation stopped at about
+    its 50th iteration here and the MIP ran instead.)"""
+    c = case("repeated/dp1xtp2")
+    budget = between_pareto_budgets(c)[0]
+
+    def path() -> tuple[list[tuple[object, ...]], dict[str, int]]:
+        runs: list[tuple[object, ...]] = []
+        real = solve_module.run_for
+
+        def recording(highs: highspy.Highs, seconds: float) -> None:
+            real(highs, seconds)
+            info = highs.getInfo()
+            runs.append((highs.getOptionValue("solve_relaxation")[1], highs.getModelStatus(), info.simplex_iteration_count, info.mip_node_count))
+
+        with monkeypatch.context() as m:
+            m.setattr(solve_module, "run_for", recording)
+            plan = solve(c.problem, memory_budget=budget)
+        return runs, plan.assignment
+
+    quick = path()
+    real_highs_of = solve_module.highs_of
+
+    def slow_highs_of(*args: object, **kwargs: object) -> highspy.Highs:
+        highs = real_highs_of(*args, **kwargs)  # type: ignore[arg-type]
+        highs.setCallback(lambda *_: time.sleep(0.01), None)  # HiGHS calls it at each simplex iteration
+        highs.startCallback(highspy.cb.HighsCallbackType.kCallbackSimplexInterrupt)
+        return highs
+
+    monkeypatch.setattr(solve_module, "highs_of", slow_highs_of)
+    started = time.perf_counter()
+    slow = path()
+    assert time.perf_counter() - started > 0.5  # the slowing took: the old clock's cap would have bitten
+    assert any(relaxation for relaxation, *_ in quick[0])
+    assert slow == quick
 
 
 def test_every_solve_gets_its_own_time_limit_although_highs_adds_up_its_runs() -> None:
