@@ -54,7 +54,7 @@ def simplex_cap(columns: int) -> int:
     relaxations of 19.7k columns stop at 3.5k-7.4k iterations and go to their MIPs, 157 s in
     all, where alone it took 55 s. Measured alone (the zoo's gpt-tiny and vit-base fronts on 8
     devices, gpt2-small's on 64, one plan of gpt2-small on 64 and 512, GPT-3 1.3B and 13B on 64;
-    392 relaxations by simplex, 255-26k columns): 8e-5 s a column was 15k-27k iterations above
+    592 relaxations by simplex, 255-26k columns): 8e-5 s a column was 15k-27k iterations above
     2k columns (more below, where each is cheaper); every relaxation needed at most 8.1k, but
     one of 24.8k columns 23.4k (4.4 s; the clock had stopped it at 2 s). So 20k, and a third of
     the columns beyond 60k: larger relaxations take more (0.1-0.4 iterations a column above 6k
