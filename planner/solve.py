@@ -274,28 +274,45 @@ class BudgetILP:
         return outcome(highs)
 
     def _run_mip(self, highs: highspy.Highs, budget: float, *, planned: bool) -> None:
-        # without a budget (or with a budget that cannot bind) the MIP is easy, its root LP often
-        # integral, and HiGHS' presolve was most of its time: measured, GPT-3 175B on 4 x 4 x 4,
-        # a weighted solve 1.2 s with presolve (0.84 s of it presolving), 0.2 s without; with a
-        # budget that binds, HiGHS' light presolve (presolve_mode 2) pays where the full one costs
-        # more than it saves: measured on the 58 MIPs over 0.3 s that ran with the full presolve in
-        # seven front and one-plan cells (57 budgeted, one neighbourhood MIP; the zoo on 8-512
-        # devices, HiGHS 1.16, each re-solved alone at a relative gap of 1e-6), 340 s with the full
-        # presolve, 173 s light, 170 s without; GPT-3 13B's on 64 devices 21-45 s full, 8-16 s
-        # light; an MLP's on 8 x 8 x 8 3.4 s, 2.7 s of it the full presolve, 0.6 s light. Light,
-        # not off: it keeps the reductions a large model's root LP needs (see
-        # _run_without_presolve). (presolve_mode 1, the "initial sweep", crashed HiGHS 1.16 on one
-        # of those MIPs.)
+        """HiGHS' MIP, one run to the end (to the time limit), so its path depends on the model
+        alone, not on the host's speed or load: without presolve when it is easy (no budget, or
+        a budget that cannot bind) and starts from a plan (``planned``: the relaxation's
+        neighbourhood, :meth:`_from_relaxation`), else with HiGHS' light presolve.
+
+        Easy, its root LP often integral, presolve was most of its time: measured, GPT-3 175B on
+        4 x 4 x 4, a weighted solve 1.2 s with presolve (0.84 s of it presolving), 0.2 s
+        without; GPT-3 1.3B on 2 x 2 x 2, a weighted MIP from a plan 7.8 s without, 33.7 s with.
+        Without a plan it can run away without presolve: the least-memory MIP of a 2-layer Llama
+        on 2 x 2 x 2, 58k columns, found none in 60 s without and was optimal in 15 s with; the
+        root LP of a 76k-column weighted MIP (GPT-3 1.3B on 64 devices) ran past 120 s without.
+        With a budget that binds, the light presolve (presolve_mode 2) pays where the full one
+        costs more than it saves: measured on the 58 MIPs over 0.3 s that ran with the full
+        presolve in seven front and one-plan cells (57 budgeted, one neighbourhood MIP; the zoo
+        on 8-512 devices, HiGHS 1.16, each re-solved alone at a relative gap of 1e-6), 340 s
+        with the full presolve, 173 s light, 170 s without; GPT-3 13B's on 64 devices 21-45 s
+        full, 8-16 s light; an MLP's on 8 x 8 x 8 3.4 s, 2.7 s of it the full presolve, 0.6 s
+        light. Light, not off: it keeps the reductions a large model's root LP needs.
+        (presolve_mode 1, the "initial sweep", crashed HiGHS 1.16 on one of those MIPs.)
+
+        An easy MIP without a plan used to try without presolve first, interrupted after a few
+        seconds if it had found none, and one with a plan stopped at three times that and
+        restarted from it. Both went by the clock: measured, gpt-tiny's front on 8 devices beside
+        the test suite, three of its 19.7k-column MIPs stopped at 6 s and ran 26 s more, where
+        alone they took 5-6.5 s in one run. HiGHS counts nothing during a root LP that could
+        stand in for the clock (its simplex callback is not called inside a MIP, nor does
+        ``simplex_iteration_limit`` bind there). Few easy MIPs come without a plan: one of the
+        15 of gpt-tiny's 8-device front, none in six other cells of the zoo."""
         easy = budget == float("inf") or self.objective == "memory"
-        if not easy:
-            highs.setOptionValue("presolve", "choose")
-            highs.setOptionValue("presolve_mode", LIGHT_PRESOLVE)  # (an older HiGHS without the option ignores it)
-            try:
-                run_for(highs, self.settings.time_limit_s)
-            finally:
-                highs.setOptionValue("presolve_mode", 0)
-        else:
-            self._run_without_presolve(highs, planned=planned)
+        if easy and planned:
+            highs.setOptionValue("presolve", "off")
+            run_for(highs, self.settings.time_limit_s)
+            return
+        highs.setOptionValue("presolve", "choose")
+        highs.setOptionValue("presolve_mode", LIGHT_PRESOLVE)  # (an older HiGHS without the option ignores it)
+        try:
+            run_for(highs, self.settings.time_limit_s)
+        finally:
+            highs.setOptionValue("presolve_mode", 0)
 
     def _from_relaxation(self, highs: highspy.Highs, budget: float, costs: np.ndarray, gap: float, absolute_gap: float,
                          cutoff: float) -> tuple[Outcome | None, highspy.HighsSolution | None]:
@@ -372,52 +389,6 @@ class BudgetILP:
         if z - bound <= max(gap * abs(z), absolute_gap):
             return Outcome("optimal", np.asarray(sub.getSolution().col_value), "Optimal (within the gap of the LP relaxation)"), None
         return None, sub.getSolution()
-
-    def _run_without_presolve(self, highs: highspy.Highs, *, planned: bool) -> None:
-        """An easy MIP without presolve. ``planned`` (it starts from a plan: the relaxation's
-        neighbourhood, :meth:`_from_relaxation`): one run to the end, so its path depends on the
-        model alone, not on the host's speed. It used to stop at a time cap and go on from its
-        plan without presolve, a restart that only lost the root's cuts and search (gpt-tiny's
-        weighted MIPs on 2 x 2 x 2: 3.8 s in one run, 7.1 s stopped at a 2.6 s cap and resumed)
-        and that fired on a loaded host only: measured, gpt-tiny's front on 8 devices beside the
-        test suite, three of its 19.7k-column MIPs stopped at their 6 s and ran 26 s more.
-
-        Without a plan it is interrupted at ``cap`` (seconds in proportion to the model's size) if
-        it has found none by then, and stopped at ``3 cap``, and the rest of the time limit runs
-        with presolve (on from the plan found meanwhile, if any, without): measured, the
-        least-memory MIP of a 2-layer Llama on 2 x 2 x 2, 58k columns, found none in 60 s without
-        presolve and was optimal in 15 s with; the root LP of a 76k-column weighted MIP (GPT-3 1.3B
-        on 64 devices) ran past 120 s without presolve (HiGHS calls the interrupt only between LPs,
-        so only a time limit bounds the root). That is the one decision inside a solve taken by the
-        clock; HiGHS' deterministic counters (nodes, its limit checks) do not move during a root LP."""
-        limit = self.settings.time_limit_s
-        highs.setOptionValue("presolve", "off")
-        if planned:
-            run_for(highs, limit)
-            return
-        cap = min(limit, max(2.0, 1e-4 * highs.getNumCol()))
-
-        def interrupt(kind: highspy.cb.HighsCallbackType, message: str, out: highspy.cb.HighsCallbackOutput, into: highspy.cb.HighsCallbackInput,
-                      data: object) -> None:
-            if out.running_time > cap and out.mip_primal_bound == math.inf:
-                into.user_interrupt = True  # out.running_time: seconds of this run
-
-        highs.setCallback(interrupt, None)
-        highs.startCallback(highspy.cb.HighsCallbackType.kCallbackMipInterrupt)
-        t0 = time.perf_counter()
-        try:
-            run_for(highs, min(limit, 3 * cap))
-            stopped = highs.getModelStatus() in (highspy.HighsModelStatus.kInterrupt, highspy.HighsModelStatus.kTimeLimit)
-        finally:
-            highs.stopCallback(highspy.cb.HighsCallbackType.kCallbackMipInterrupt)
-        if not stopped or time.perf_counter() - t0 >= limit:
-            return
-        incumbent = highs.getSolution() if highs.getInfo().primal_solution_status == 2 else None  # 2: feasible
-        if incumbent is not None:
-            highs.setSolution(incumbent)
-        else:
-            highs.setOptionValue("presolve", "choose")
-        run_for(highs, max(limit - (time.perf_counter() - t0), 1.0))
 
     @contextlib.contextmanager
     def _relaxing(self, highs: highspy.Highs, keys: tuple[str, ...]) -> Iterator[dict[str, bool | str | float]]:
