@@ -320,16 +320,16 @@ class BudgetILP:
         that suffices: (the outcome, None) when proven, else (None, a plan to start the MIP from, or None).
 
         1. The LP relaxation by dual simplex, the pair rows on (:meth:`_pair_rows`: exact for
-           one-hot x, so its optimum ``b`` bounds every plan), stopped after :func:`simplex_cap` iterations,
-           from the basis of this model's last LP (the sweep's weighted solves differ in costs
-           only: 0.05-0.2 s each), but from none, in a fresh copy of the model, where that basis
-           has the budget binding and this solve has no budget (gpt-tiny's weighted LP at the
+           one-hot x, so its optimum ``b`` bounds every plan), stopped after :func:`simplex_cap`
+           iterations, from the basis of this model's last LP (the sweep's weighted solves differ in
+           costs only: 0.05-0.2 s each), but from none, in a fresh copy of the model, where that
+           basis has the budget binding and this solve has no budget (gpt-tiny's weighted LP at the
            least-memory end of the front, after a relaxation within the budget there: 3.6 s and
            13.0 s on the 2-D and 3-D meshes of 8 devices, 0.44 s and 0.96 s without a basis; the
-           model's own solver, its basis dropped, still took over 2 s on the 3-D mesh after
-           earlier simplex solves: HiGHS keeps more than the basis between them). A least-memory
-           model without a basis first solves the time LP and starts from its basis (measured,
-           gpt-tiny on 2 x 2 x 2: the least-memory LP 12.6 s cold, 0.02 + 0.27 s so).
+           model's own solver, its basis dropped, still took over 2 s on the 3-D mesh after earlier
+           simplex solves: HiGHS keeps more than the basis between them). A least-memory model
+           without a basis first solves the time LP and starts from its basis (measured, gpt-tiny on
+           2 x 2 x 2: the least-memory LP 12.6 s cold, 0.02 + 0.27 s so).
         2. The binaries the LP left at 0 or 1 fixed, the rest a MIP of a few dozen binaries
            (relaxation-induced neighbourhood search, RENS: Berthold 2014), with presolve: a
            plan, objective ``z``.
@@ -414,19 +414,18 @@ class BudgetILP:
         """:meth:`relaxation`, and its answer rounded (each group's largest x) and evaluated
         exactly: a plan, when it fits the budget (often near the MIP's, where the bound is tight).
 
-        Interior point without presolve takes a steady time (measured, GPT-3 175B: ~0.45 s on a
-        3-D mesh of 64 devices, ~6 s on 8 x 8 x 8 of 4096), where dual simplex, from no basis,
-        takes 0.07-1.6 s on the same models when the budget is loose and up to 20 s (or fails)
-        near the least memory. ``simplex_first`` (a fresh model, a budget that is likely loose):
-        dual simplex first, stopped after :func:`simplex_cap` iterations (it was 8e-5 s a column,
-        about what interior point takes: at worst twice its time), then interior point if it has
-        not finished. Measured at 80 GiB on
-        gpt2-small's 64- and 512-device meshes and GPT-3's, 2.6k-104k columns: simplex 0.08-4.8e-5 s
-        a column, interior point 3.4-9.5e-5. At 2e-5 s a column the 104k-column 3-D ZeRO-3
-        relaxation stopped at 2.1 s, 0.1 s before its answer, and spent 8.3 s more in interior
-        point (gpt2-small, 64 devices, one plan: 27.2 s -> 16.0 s at 4e-5); at 4e-5 gpt2-small's
-        dp=64 x 2 x 2 x 2 relaxation stopped at 3.8 s of its 4.5 s (512 devices: 47.1 s -> 37.6 s
-        at 8e-5).
+        Interior point without presolve takes a steady time (measured, GPT-3 175B: ~0.45 s on a 3-D
+        mesh of 64 devices, ~6 s on 8 x 8 x 8 of 4096), where dual simplex, from no basis, takes
+        0.07-1.6 s on the same models when the budget is loose and up to 20 s (or fails) near the
+        least memory. ``simplex_first`` (a fresh model, a budget that is likely loose): dual simplex
+        first, stopped after :func:`simplex_cap` iterations (it was 8e-5 s a column, about what
+        interior point takes: at worst twice its time), then interior point if it has not finished.
+        Measured at 80 GiB on gpt2-small's 64- and 512-device meshes and GPT-3's, 2.6k-104k columns:
+        simplex 0.08-4.8e-5 s a column, interior point 3.4-9.5e-5. At 2e-5 s a column the
+        104k-column 3-D ZeRO-3 relaxation stopped at 2.1 s, 0.1 s before its answer, and spent 8.3 s
+        more in interior point (gpt2-small, 64 devices, one plan: 27.2 s -> 16.0 s at 4e-5); at 4e-5
+        gpt2-small's dp=64 x 2 x 2 x 2 relaxation stopped at 3.8 s of its 4.5 s (512 devices:
+        47.1 s -> 37.6 s at 8e-5).
 
         A fresh model starts from the basis of the last relaxation of a sibling configuration
         (one that shares its priced conversions: ZeRO 0, 1 and 2 of a mesh, whose models differ in
