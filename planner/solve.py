@@ -451,7 +451,7 @@ class BudgetILP:
         highs = self._relaxer
         row = self.model.memory_budget(budget)
         highs.changeRowBounds(row, -NO_BUDGET, self.model.budget_bound)
-        attempts: list[tuple[str, float]] = [("ipm", self.settings.time_limit_s)]
+        attempts = ["ipm"]
         shape = (highs.getNumCol(), highs.getNumRow())
         sibling = cast(tuple[tuple[int, int], highspy.HighsBasis] | None, self.problem.priced_memo.get("lp_basis"))
         if highs.getBasis().valid:
@@ -463,12 +463,12 @@ class BudgetILP:
             highs.setBasis(basis)
             simplex_first = True
         if simplex_first:
-            attempts.insert(0, ("simplex", self.settings.time_limit_s))
-        for solver, seconds in attempts:
+            attempts.insert(0, "simplex")
+        for solver in attempts:
             highs.setOptionValue("solver", solver)
             highs.setOptionValue("simplex_iteration_limit", simplex_cap(highs.getNumCol()) if solver == "simplex" else NO_LIMIT)
             with quiet():
-                run_for(highs, seconds)
+                run_for(highs, self.settings.time_limit_s)
             status = highs.getModelStatus()
             if status in (highspy.HighsModelStatus.kOptimal, highspy.HighsModelStatus.kInfeasible):
                 break
