@@ -9,14 +9,17 @@ wrapped so that, when it raises, :func:`failed` turns the error into a :class:`C
 2. it waits up to ``grace_s()`` seconds (``PLANNER_FAULT_GRACE_S``, default 3) for the other
    ranks of the collective's group to post theirs: healthy ones fail the same collective within a
    moment (their own timeout, or a closed connection once a peer is gone);
-3. the ranks that never posted are the ones to look at: stalled (hung, or far behind) or dead.
+3. the ranks that never posted are the ones to look at: stalled (hung, or far behind) or dead;
+4. it posts that it has read the others' reports; the rank that hosts the store (rank 0 when
+   launched by hand) waits, up to another ``grace_s()``, until every rank that reported has posted
+   so, since its exit takes the store with it (a survivor still comparing would find it gone).
 
 So a stalled rank fails the others after the process group's timeout (``init_process_group(timeout=)``,
 torch's default 30 min; set it to a few times your slowest step) plus ``grace_s()``; a dead rank's
-peers fail at once plus ``grace_s()``. The message names the collective (kind, mesh axes, phase), its
-group's ranks, the ranks that did not report, and gloo's own words. The store lives with
-torchrun's agent (or on rank 0 when launched by hand: if rank 0 is the dead one, the message
-says the store did not answer). Under NCCL, torch's own watchdog may abort the process first
+peers fail at once plus ``grace_s()`` (the store's host: up to two). The message names the
+collective (kind, mesh axes, phase), its group's ranks, the ranks that did not report, and gloo's
+own words. The store lives with torchrun's agent (or on rank 0 when launched by hand: if rank 0
+is the dead one, the message says the store did not answer). Under NCCL, torch's own watchdog may abort the process first
 (``TORCH_NCCL_ASYNC_ERROR_HANDLING``); its log names the collective by sequence number.
 
 A failure leaves the process group unusable: the training script should exit (non-zero), and
@@ -44,6 +47,7 @@ def grace_s() -> float:
     return float(os.environ.get("PLANNER_FAULT_GRACE_S", "3"))
 
 _KEY = "planner/fault/{}"
+_READ = "planner/fault/{}/read"
 _SOURCE = re.compile(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*")  # gloo's "[/path/to/pair.cc:553] " prefix
 
 
@@ -76,7 +80,8 @@ def failed(what: str, ranks: Sequence[int], exc: BaseException) -> CollectiveErr
 
 
 def _compare(me: int, what: str, others: list[int]) -> dict[int, str]:
-    """Post this rank's failure; the failures the ``others`` post within :func:`grace_s`."""
+    """Post this rank's failure; the failures the ``others`` post within :func:`grace_s`. The
+    store's host then stays until the ranks that reported have read theirs (step 4 above)."""
     store = dist.distributed_c10d._get_default_store()
     store.set(_KEY.format(me), json.dumps({"what": what}))
     reported: dict[int, str] = {}
@@ -86,8 +91,20 @@ def _compare(me: int, what: str, others: list[int]) -> dict[int, str]:
             if r not in reported and store.check([_KEY.format(r)]):
                 reported[r] = json.loads(store.get(_KEY.format(r)))["what"]
         if len(reported) == len(others) or time.monotonic() >= deadline:
-            return reported
+            break
         time.sleep(0.05)
+    store.set(_READ.format(me), "1")
+    if _hosts_store(me) and reported:
+        # each rank that reported did so by our deadline, so it stops comparing at most one grace after it
+        deadline = time.monotonic() + grace_s()
+        while not store.check([_READ.format(r) for r in reported]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    return reported
+
+
+def _hosts_store(me: int) -> bool:
+    """Whether this process hosts the default store: rank 0, unless torchrun's agent hosts it."""
+    return me == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
 
 
 def _plural(word: str, items: Sequence[int] | dict[int, str]) -> str:
