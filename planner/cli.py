@@ -265,9 +265,13 @@ class _SearchBar:
         if self.tty and self.bar is None:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=p.total, desc="configurations", unit="cfg", file=sys.stderr, dynamic_ncols=True, leave=False)
+            # the search's own estimate of the time left (planner.search.SearchProgress.eta_s), not tqdm's
+            # rate per configuration: the large configurations come last and take longest
+            self.bar = tqdm(total=p.total, desc="configurations", unit="cfg", file=sys.stderr, dynamic_ncols=True, leave=False,
+                            bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]")
         if self.bar is not None:
-            self.bar.set_postfix(solved=p.solved, dismissed=p.dismissed, infeasible=p.infeasible, refresh=False)
+            eta = {"ETA": f"{p.eta_s:.0f} s"} if p.eta_s is not None and p.done < p.total else {}
+            self.bar.set_postfix({"solved": p.solved, "dismissed": p.dismissed, "infeasible": p.infeasible, **eta}, refresh=False)
             self.bar.update(p.done - self.bar.n)
         if self.lines and p.done:
             self.note(str(p))

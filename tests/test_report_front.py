@@ -14,7 +14,7 @@ from planner.config import SearchConfig
 from planner.explain import collective_seconds, explain, peak_phase
 from planner.hardware import A100_80G
 from planner.models import build_model, example_inputs
-from planner.search import SearchResult, search
+from planner.search import SearchResult, _Pace, search
 from planner.trace import trace
 
 TINY = ["mlp-tiny", "--devices", "8", "--tp", "none,1d", "--zero", "0,1"]
@@ -168,6 +168,20 @@ def test_progress_goes_to_stderr_and_stdout_stays_json(capsys: pytest.CaptureFix
     assert code == 0
     json.loads(out)  # nothing but the document on stdout
     assert "[1/" in err and "traced mlp-tiny" in err and "front points" in err
+    assert ", ETA " in err.splitlines()[1], err  # after the first configuration, the seconds left
+
+
+def test_the_eta_weighs_what_is_left_by_each_configurations_size() -> None:
+    """The seconds so far spread over the weight passed: 10 s for two configurations of weight 1
+    leave 15 s for one of weight 3; none before the first or after the last."""
+    pace = _Pace({0: 1.0, 1: 1.0, 2: 3.0})
+    pace.start -= 10.0  # ten seconds in
+    assert pace.eta_s() is None
+    pace.passed(0)
+    pace.passed(1)
+    assert pace.eta_s() == pytest.approx(15.0, rel=0.01)
+    pace.passed(2)
+    assert pace.eta_s() is None
 
 
 def test_no_progress_when_stderr_is_not_a_terminal(capsys: pytest.CaptureFixture[str]) -> None:
