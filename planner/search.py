@@ -325,17 +325,17 @@ def _size(problem: Problem) -> int:
 
 
 def _size_class(problem: Problem) -> int:
-    """The binary order of magnitude of :func:`_size`. A search takes
-    the classes in turn, the small first: their ILPs build and solve in a fraction of the large
-    ones' time, and the plans they give dismiss many large configurations by bounds alone, before
-    their LP relaxation. Only the order changes: every configuration is still dismissed by a bound
-    or solved. Measured, one plan, ZeRO 0-3, 64 devices (1-D problems measure about 3e3, 2-D 1e5,
-    3-D 3e5-1e6), against bound order alone: gpt2-small 16.1 s -> 12.4 s in decades, 9.4 s in
-    powers of two; GPT-3 1.3B 15.5 -> 8.1 s; GPT-3 13B 14.5 -> 11.0 s; vit-base 6.7 -> 5.5 s; the
-    same plans. In bound order the 3-D ZeRO-3 configuration of gpt2-small came before any 1-D plan
-    was known and took 4.7 s to dismiss by its relaxation, where the 1-D plans' 40.66 ms dismiss it
-    by its conversion bound (42.06 ms). The fronts are their configurations' sweeps whatever the
-    order (vit-base on 8 devices: 113 s and 121 s, mlp-large 20.4 s and 20.3 s)."""
+    """The binary order of magnitude of :func:`_size`. A search takes the classes in turn, the small
+    first: their ILPs build and solve in a fraction of the large ones' time, and the plans they give
+    dismiss many large configurations by bounds alone, before their LP relaxation. Only the order
+    changes: every configuration is still dismissed by a bound or solved. Measured, one plan, ZeRO
+    0-3, 64 devices (1-D problems measure about 3e3, 2-D 1e5, 3-D 3e5-1e6), against bound order
+    alone: gpt2-small 16.1 s -> 12.4 s in decades, 9.4 s in powers of two; GPT-3 1.3B 15.5 -> 8.1 s;
+    GPT-3 13B 14.5 -> 11.0 s; vit-base 6.7 -> 5.5 s; the same plans. In bound order the 3-D ZeRO-3
+    configuration of gpt2-small came before any 1-D plan was known and took 4.7 s to dismiss by its
+    relaxation, where the 1-D plans' 40.66 ms dismiss it by its conversion bound (42.06 ms). The
+    fronts are their configurations' sweeps whatever the order (vit-base on 8 devices: 113 s and
+    121 s, mlp-large 20.4 s and 20.3 s)."""
     return int(math.log2(max(1, _size(problem))))
 
 
@@ -346,15 +346,15 @@ class _Pace:
 
         left = seconds so far * weight not yet passed / weight passed.
 
-    A search takes the small configurations first, and a large one takes longer, which the rate
-    per configuration alone (what this replaced) did not know. Measured on eleven searches (the fronts of gpt2-small, GPT-3 1.3B and vit-base on 8 devices
-    and of mlp-large on 64 and 512; one plan of gpt-tiny, gpt2-small, vit-base, GPT-3 1.3B and
-    13B on 64 and of gpt2-small on 512), against the seconds that were really left: at a quarter,
-    half and three quarters of the configurations the median estimate was off by a factor of 1.59
-    (2.23 with the rate per configuration), and of the 352 estimates shown this one was the closer
-    in 231. Of the powers 0, 1/4, 1/2, 3/4 and 1 of the size, tried on records of nine of those
-    searches, 1/2 was the best. The second pass is not estimated (it is short: the bounds dismiss
-    most deferred configurations at once).
+    A search takes the small configurations first, and a large one takes longer, which the rate per
+    configuration alone (what this replaced) did not know. Measured on eleven searches (the fronts
+    of gpt2-small, GPT-3 1.3B and vit-base on 8 devices and of mlp-large on 64 and 512; one plan of
+    gpt-tiny, gpt2-small, vit-base, GPT-3 1.3B and 13B on 64 and of gpt2-small on 512), against the
+    seconds that were really left: at a quarter, half and three quarters of the configurations the
+    median estimate was off by a factor of 1.59 (2.23 with the rate per configuration), and of the
+    352 estimates shown this one was the closer in 231. Of the powers 0, 1/4, 1/2, 3/4 and 1 of the
+    size, tried on records of nine of those searches, 1/2 was the best. The second pass is not
+    estimated (it is short: the bounds dismiss most deferred configurations at once).
     """
 
     def __init__(self, weights: dict[int, float]) -> None:
