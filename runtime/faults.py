@@ -19,8 +19,9 @@ torch's default 30 min; set it to a few times your slowest step) plus ``grace_s(
 peers fail at once plus ``grace_s()`` (the store's host: up to two). The message names the
 collective (kind, mesh axes, phase), its group's ranks, the ranks that did not report, and gloo's
 own words. The store lives with torchrun's agent (or on rank 0 when launched by hand: if rank 0
-is the dead one, the message says the store did not answer). Under NCCL, torch's own watchdog may abort the process first
-(``TORCH_NCCL_ASYNC_ERROR_HANDLING``); its log names the collective by sequence number.
+is the dead one, the message says the store did not answer). Under NCCL, torch's own watchdog may
+abort the process first (``TORCH_NCCL_ASYNC_ERROR_HANDLING``); its log names the collective by
+sequence number.
 
 A failure leaves the process group unusable: the training script should exit (non-zero), and
 ``torchrun --max-restarts N`` restarts every rank, which resume from the newest complete checkpoint
